@@ -1,0 +1,37 @@
+"""Download a diffusers pipeline from the Hugging Face hub into a local folder (for offline training).
+
+    python scripts/download_diffusers.py -o OUT -m MODEL_ID [--revision REV] [--fp32-only]
+
+Afterwards use it with model.pretrained=OUT. Needs network access to the hub.
+"""
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-o", "--out", required=True, help="output folder")
+    ap.add_argument("-m", "--model", required=True, help="hub id, e.g. stabilityai/stable-diffusion-2-base")
+    ap.add_argument("--revision", default=None, help="branch, tag or commit")
+    args = ap.parse_args(argv)
+
+    from diffusers import DiffusionPipeline
+
+    try:
+        pipe = DiffusionPipeline.from_pretrained(args.model, revision=args.revision, safety_checker=None)
+    except OSError as e:
+        print(
+            f"error: could not download '{args.model}' from the hub: {str(e).splitlines()[0]}\n"
+            "Check the model id and your network access (HF_HUB_OFFLINE must be unset), or log in with "
+            "`huggingface-cli login` for gated models.",
+            file=sys.stderr,
+        )
+        return 1
+    pipe.save_pretrained(args.out)
+    print(f"saved {args.model} to {args.out}; train with model.pretrained={args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Resume state: zero-padded step folders, written under a temporary name, marked complete, renamed.
+
+    checkpoints/step_00001000/
+      unet.pt            raw (non-EMA) UNet weights, always
+      ema.pt             EMA weights (model.use_ema)
+      optimizer.pt       optimizer state
+      lr_scheduler.pt    LR scheduler state
+      grad_scaler.pt     fp16 gradient scaler state
+      rank_<R>.pt        per rank: RNG states (python, numpy, torch CPU and CUDA) and data-loader position
+      train_state.json   step, images seen, tracker run id ...
+      config.yaml        the resolved config of the run that wrote it
+      COMPLETE           written last: only folders that have it are ever resumed from
+
+The checkpointer sees a dict of objects with ``state_dict()`` / ``load_state_dict()``. Rank 0 writes the
+shared state (replicated under DDP); every rank writes its own ``rank_<R>.pt``. A SIGKILL at any moment
+leaves at most a ``*.tmp`` folder, which is ignored and cleaned up, never a half-written step folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import distributed
+
+log = logging.getLogger(__name__)
+
+STEP_RE = re.compile(r"^step_(\d{8,})$")
+MARKER = "COMPLETE"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".part")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of the complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        m = STEP_RE.match(d.name)
+        if m and d.is_dir() and (d / MARKER).exists():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+class Checkpointer:
+    def __init__(self, root: Path, keep_last: int = 2, keep_every: int | None = None):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+
+    def latest(self) -> Path | None:
+        steps = complete_steps(self.root)
+        return self.root / step_dir_name(steps[-1]) if steps else None
+
+    def save(self, step: int, shared: dict, per_rank: dict, train_state: dict, config_yaml: str, rank: int) -> Path:
+        """Collective: every rank calls it. Returns the final folder."""
+        t0 = time.time()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / (step_dir_name(step) + ".tmp")
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        distributed.barrier()  # the folder exists before any rank writes into it
+        _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
+        if rank == 0:
+            for name, obj in shared.items():
+                _atomic_torch_save(obj, tmp / f"{name}.pt")
+            (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
+            (tmp / "config.yaml").write_text(config_yaml)
+        distributed.barrier()  # every rank's file is on disk before the folder is declared complete
+        if rank == 0:
+            (tmp / MARKER).write_text(f"{time.time()}\n")
+            if final.exists():  # a stale folder of the same step (e.g. written before a crash, then trained again)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            self._retain()
+            log.info("saved checkpoint %s in %.1fs", final, time.time() - t0)
+        distributed.barrier()
+        return final
+
+    def _retain(self) -> None:
+        steps = complete_steps(self.root)
+        keep = set(steps[-self.keep_last :]) if self.keep_last > 0 else set(steps[-1:])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+        for d in self.root.glob("*.tmp"):  # leftovers of a save that was killed
+            shutil.rmtree(d, ignore_errors=True)
+
+    @staticmethod
+    def load(path: Path, rank: int, map_location="cpu") -> tuple[dict, dict, dict]:
+        """(shared objects by name, this rank's state, train_state) of a complete checkpoint."""
+        path = Path(path)
+        if not (path / MARKER).exists():
+            raise RuntimeError(f"checkpoint {path} is incomplete (no {MARKER} marker)")
+        shared = {}
+        for p in path.glob("*.pt"):
+            if not p.name.startswith("rank_"):
+                shared[p.stem] = torch.load(p, map_location=map_location, weights_only=False)
+        rank_file = path / f"rank_{rank}.pt"
+        if not rank_file.exists():
+            raise RuntimeError(
+                f"{rank_file} is missing: the checkpoint was written by fewer ranks than this run has; "
+                "resume with the same world size"
+            )
+        per_rank = torch.load(rank_file, map_location=map_location, weights_only=False)
+        train_state = json.loads((path / "train_state.json").read_text())
+        return shared, per_rank, train_state

@@ -1,0 +1,26 @@
+"""Command line: parse the config (or print --help), run, and turn config errors into one clear line."""
+
+from __future__ import annotations
+
+import sys
+
+from .config import ConfigError, help_text, load
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        cfg = load(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from .loop import main as train
+
+    try:
+        train(cfg)
+    except ConfigError as e:  # raised while building models / data from the config
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,424 @@
+"""The typed configuration: dataclass schema, ``load(argv)``, validation, ``--help`` and dump.
+
+Precedence is schema defaults < YAML (``config=path.yaml``) < ``key.sub=value`` on the command line.
+Section and key names follow open-diffusion's template config so an existing config runs once its
+``???`` are filled. Unknown keys and wrong types fail at start-up with the key's full path and the
+closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from .data.config import DatasetConfig
+from .fields import f
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything is built."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Schema. Every field: f(default, "one-line help with its unit").
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WandbConfig:
+    mode: str = f("auto", "online | offline | disabled | auto (online when wandb has credentials, else offline)")
+    project: str = f("${experiment.project}", "wandb project")
+    entity: Optional[str] = f(None, "wandb team or user (None: wandb's default entity)")
+    api_key: Optional[str] = f(None, "discouraged: prefer the WANDB_API_KEY environment variable or `wandb login`")
+    tags: List[str] = f([], "tags attached to the wandb run")
+
+
+@dataclass
+class SystemConfig:
+    gradient_accumulation: int = f(1, "micro-batches per optimizer step")
+    batch_size: int = f(32, "images per device per micro-batch")
+    workers: int = f(6, "data-loading worker processes per device (SLURM: cpus-per-task)")
+    dist_backend: str = f("${distributed.dist_backend}", "alias of distributed.dist_backend (must agree with it)")
+    dist_url: str = f("${distributed.dist_url}", "alias of distributed.dist_url (must agree with it)")
+    device: str = f("auto", "auto (cuda when available, else cpu) | cpu | cuda")
+    seed: int = f(0, "global seed; each rank derives its own from it")
+
+
+@dataclass
+class DistributedConfig:
+    dist_backend: str = f("auto", "auto (nccl on CUDA, gloo on CPU) | nccl | gloo")
+    dist_url: str = f("env://", "process-group init method; env:// reads MASTER_ADDR/MASTER_PORT")
+    timeout_minutes: float = f(30.0, "minutes a collective may wait before the job fails")
+
+
+@dataclass
+class ExperimentConfig:
+    log_dir: str = f("runs", "directory that holds run directories")
+    name: str = f(MISSING, "run name: the run directory is log_dir/name")
+    project: str = f("sd-training", "project name (the wandb project by default)")
+    num_examples_to_see: int = f(MISSING, "images to train on, all devices together")
+    save_every: int = f(2000, "optimizer steps between exported pipelines (and at the end)")
+    save_only_most_recent: bool = f(True, "keep only the newest exported pipeline (pipelines/current)")
+    checkpoint_every: Optional[int] = f(None, "optimizer steps between resume checkpoints (None: save_every)")
+    save_every_minutes: Optional[float] = f(None, "also write a resume checkpoint after this many minutes since the last one")
+    keep_last_checkpoints: int = f(2, "complete resume checkpoints kept (older ones are deleted)")
+    keep_checkpoint_every: Optional[int] = f(None, "optimizer steps: checkpoints at multiples of this are kept forever")
+    resume: bool = f(True, "continue from the newest complete checkpoint in the run directory, if any")
+    requeue: bool = f(True, "on SIGUSR1/SIGTERM under SLURM: save, then `scontrol requeue` the job")
+    log_every: int = f(10, "optimizer steps between metric lines")
+    sample_prompts: List[str] = f(
+        ["a photo of a cat", "a red circle on a blue background", "a painting of a lighthouse at sunset"],
+        "prompts of the sample grid written with each exported pipeline",
+    )
+    sample_per_prompt: int = f(4, "images per prompt in the sample grid (seeds sample_seed, sample_seed+1, ...)")
+    eval_caption_file: Optional[str] = f(None, "prompt file (.txt one per line, or .csv with a caption column) for eval images")
+    num_eval_images: int = f(0, "images generated from eval_caption_file at each export, split across ranks (0: none)")
+    sample_seed: int = f(0, "first generator seed of the sample grid (fixed, so grids compare across steps)")
+    sample_steps: int = f(25, "denoising steps per sample")
+    sample_guidance_scale: float = f(7.5, "classifier-free guidance scale of the samples")
+    sample_resolution: Optional[int] = f(None, "pixels of the samples (None: dataset.params.resolution)")
+
+
+@dataclass
+class OptimizerParams:
+    learning_rate: float = f(1e-4, "peak learning rate")
+    beta1: float = f(0.9, "AdamW beta1")
+    beta2: float = f(0.999, "AdamW beta2")
+    weight_decay: float = f(0.01, "decoupled weight decay (AdamW)")
+    epsilon: float = f(1e-8, "AdamW epsilon")
+    max_grad_norm: Optional[float] = f(1.0, "clip the gradient norm to this after accumulation (None: no clipping)")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = f("adamw", "adamw")
+    params: OptimizerParams = f(OptimizerParams, "optimizer hyper-parameters")
+
+
+@dataclass
+class LRSchedulerParams:
+    learning_rate: float = f("${optimizer.params.learning_rate}", "peak learning rate (must agree with the optimizer's)")
+    warmup_length: int = f(500, "optimizer steps of linear warmup from 0")
+    decay_length: Optional[int] = f(None, "CosineWithWarmup: optimizer steps of cosine decay after warmup (None: to the end)")
+    min_lr_ratio: float = f(0.0, "CosineWithWarmup: the final learning rate as a fraction of the peak")
+
+
+@dataclass
+class LRSchedulerConfig:
+    scheduler: str = f("ConstantWithWarmup", "ConstantWithWarmup | CosineWithWarmup")
+    params: LRSchedulerParams = f(LRSchedulerParams, "schedule parameters, counted in optimizer steps")
+
+
+@dataclass
+class ComponentConfig:
+    pretrained: Optional[str] = f(None, "pipeline root or component folder, local path or hub id (None: from model.pretrained)")
+
+
+@dataclass
+class UNetConfig:
+    pretrained: Optional[str] = f(None, "pipeline root or unet folder to start from (None: model.pretrained, else from scratch)")
+    target: str = f("UNet2DConditionModel", "diffusers UNet class used for from-scratch training")
+    params: Dict[str, Any] = f({}, "constructor arguments of target for from-scratch training")
+
+
+@dataclass
+class EMAConfig:
+    decay: float = f(0.9999, "EMA decay per update")
+    path: Optional[str] = f(None, "pipeline root or unet folder holding EMA weights to start from (None: copy of the UNet)")
+
+
+@dataclass
+class ModelConfig:
+    pretrained: Optional[str] = f(None, "diffusers pipeline: local folder or hub id (the default for every component)")
+    revision: Optional[str] = f(None, "hub revision of the pretrained pipeline")
+    vae: ComponentConfig = f(ComponentConfig, "the frozen autoencoder")
+    text_encoder: ComponentConfig = f(ComponentConfig, "the frozen text encoder")
+    tokenizer: ComponentConfig = f(ComponentConfig, "the tokenizer")
+    noise_scheduler_training: ComponentConfig = f(ComponentConfig, "scheduler config for training noise (built as DDPMScheduler)")
+    noise_scheduler_inference: ComponentConfig = f(ComponentConfig, "scheduler of exported pipelines and samples (its own class)")
+    unet: UNetConfig = f(UNetConfig, "the trained UNet")
+    use_ema: bool = f(False, "keep an exponential moving average of the UNet weights; exported as pipelines/*_ema")
+    ema: EMAConfig = f(EMAConfig, "EMA settings")
+    mixed_precision: str = f("no", "no | bf16 | fp16 (fp16 uses a gradient scaler)")
+    gradient_checkpointing: bool = f(False, "recompute activations in backward (~40% slower, much less memory)")
+    xformers: bool = f(False, "use xformers memory-efficient attention (falls back to SDPA, with a warning, where unavailable)")
+    attention: str = f("sdpa", "sdpa | xformers: attention backend (model.xformers=True means xformers)")
+
+
+@dataclass
+class QuickstartConfig:
+    tiny_pipeline: Optional[str] = f(None, "folder: build a tiny random-weight pipeline here when absent (point model.pretrained at it)")
+    shapes_dataset: Optional[str] = f(None, "folder: write generated-shapes WebDataset shards here when absent")
+    shapes_samples: int = f(2000, "images in the generated-shapes dataset")
+    shapes_per_shard: int = f(250, "images per generated shard")
+    shapes_size: int = f(64, "pixels (square) of the generated images")
+
+
+@dataclass
+class TrainConfig:
+    wandb: WandbConfig = f(WandbConfig, "Weights & Biases tracking")
+    system: SystemConfig = f(SystemConfig, "per-device batch, accumulation, workers, device")
+    distributed: DistributedConfig = f(DistributedConfig, "process group")
+    experiment: ExperimentConfig = f(ExperimentConfig, "run name, length, saving, samples")
+    optimizer: OptimizerConfig = f(OptimizerConfig, "optimizer")
+    model: ModelConfig = f(ModelConfig, "models")
+    dataset: DatasetConfig = f(DatasetConfig, "training data")
+    lr_scheduler: LRSchedulerConfig = f(LRSchedulerConfig, "learning-rate schedule")
+    quickstart: QuickstartConfig = f(QuickstartConfig, "generated model and data for runs with no downloads (configs/quickstart.yaml)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Schema walking: the valid key paths, free-form dict fields, help text.
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_free_dict(tp) -> bool:
+    return tp is dict or get_origin(tp) in (dict, Dict)
+
+
+def _unwrap_optional(tp):
+    args = [a for a in get_args(tp) if a is not type(None)]
+    return args[0] if get_origin(tp) is not None and len(args) == 1 and type(None) in get_args(tp) else tp
+
+
+def schema_entries(cls=TrainConfig, prefix: str = ""):
+    """Yield (path, type, default, help, is_section) for every field of the schema, depth first."""
+    hints = get_type_hints(cls)
+    instance = cls()
+    for fld in fields(cls):
+        path = f"{prefix}{fld.name}"
+        tp = _unwrap_optional(hints[fld.name])
+        if is_dataclass(tp):
+            yield path, tp, None, fld.metadata.get("help", ""), True
+            yield from schema_entries(tp, path + ".")
+        else:
+            yield path, tp, getattr(instance, fld.name), fld.metadata.get("help", ""), False
+
+
+def _all_paths() -> list[str]:
+    return [p for p, *_ in schema_entries()]
+
+
+def _suggest(bad_path: str) -> str:
+    paths = _all_paths()
+    # Same leaf in another section first ("experiment.batch_size" -> "system.batch_size"), then spelling.
+    leaf = bad_path.rsplit(".", 1)[-1]
+    same_leaf = [p for p in paths if p.rsplit(".", 1)[-1] == leaf]
+    close = same_leaf or difflib.get_close_matches(bad_path, paths, n=1, cutoff=0.6)
+    if not close:
+        close = [p for p in paths if p.rsplit(".", 1)[-1] in difflib.get_close_matches(leaf, [q.rsplit(".", 1)[-1] for q in paths], n=1)]
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _check_keys(node: Any, cls, prefix: str = "") -> None:
+    """Reject keys the schema does not have, before OmegaConf's merge (whose messages are terse)."""
+    if not isinstance(node, (dict, DictConfig)):
+        return
+    hints = get_type_hints(cls)
+    names = {fl.name for fl in fields(cls)}
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}'{_suggest(path)}")
+        tp = _unwrap_optional(hints[key])
+        if is_dataclass(tp):
+            value = node[key] if isinstance(node, dict) else node._get_node(key)._value()
+            if isinstance(value, (dict, DictConfig)):
+                _check_keys(value, tp, path + ".")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading.
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_argv(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """Split ``config=path`` from ``key=value`` overrides; anything else is an error."""
+    config_path, overrides = None, []
+    for arg in argv:
+        if "=" not in arg:
+            raise ConfigError(f"argument '{arg}' is not key=value (use config=path.yaml and key.sub=value; --help lists keys)")
+        key, value = arg.split("=", 1)
+        if key in ("config", "--config"):
+            config_path = value
+        else:
+            overrides.append(f"{key.lstrip('-')}={value}")
+    return config_path, overrides
+
+
+def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
+    """Build the resolved, validated ``TrainConfig`` from the command line (and/or YAML text)."""
+    argv = sys.argv[1:] if argv is None else argv
+    config_path, overrides = parse_argv(argv)
+    layers = []
+    if config_path:
+        if not os.path.exists(config_path):
+            raise ConfigError(f"config file '{config_path}' does not exist")
+        try:
+            layers.append(OmegaConf.load(config_path))
+        except Exception as e:  # yaml syntax errors
+            raise ConfigError(f"cannot parse config file '{config_path}': {e}") from e
+    if yaml_text is not None:
+        layers.append(OmegaConf.create(yaml_text))
+    try:
+        layers.append(OmegaConf.from_dotlist(overrides))
+    except Exception as e:
+        raise ConfigError(f"cannot parse command-line overrides {overrides}: {e}") from e
+
+    user = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+    if not isinstance(user, DictConfig):
+        raise ConfigError(f"config file '{config_path}' must hold a mapping of sections")
+    _check_keys(user, TrainConfig)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), user)
+    except ConfigKeyError as e:
+        raise ConfigError(f"unknown config key '{e.full_key}'{_suggest(str(e.full_key))}") from None
+    except ValidationError as e:
+        raise ConfigError(f"wrong type for '{e.full_key}': {str(e).splitlines()[0]}") from None
+    return resolve(cfg)
+
+
+def resolve(cfg: DictConfig) -> TrainConfig:
+    """Check required keys, resolve interpolations, convert to dataclasses and validate."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(
+            "required config keys are not set (they are ??? in the config): " + ", ".join(missing)
+            + ". Set them in the YAML or on the command line, e.g. " + f"{missing[0]}=..."
+        )
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"required config key '{e.full_key}' is not set (interpolated from a ??? value)") from None
+    except InterpolationResolutionError as e:
+        raise ConfigError(f"cannot resolve the interpolation in '{e.full_key}': {e.msg}") from None
+    except ValidationError as e:
+        raise ConfigError(f"wrong type for '{e.full_key}': {str(e).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid config at '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
+    validate(obj)
+    return obj
+
+
+def _choice(path: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"'{path}' is '{value}', expected one of {', '.join(allowed)}{hint}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need several keys or a closed set of values; world-size checks come at start-up."""
+    from .data import validate_dataset_config
+
+    _choice("wandb.mode", cfg.wandb.mode, ("auto", "online", "offline", "disabled"))
+    _choice("system.device", cfg.system.device, ("auto", "cpu", "cuda"))
+    _choice("distributed.dist_backend", cfg.distributed.dist_backend, ("auto", "nccl", "gloo"))
+    _choice("optimizer.name", cfg.optimizer.name, ("adamw",))
+    _choice("lr_scheduler.scheduler", cfg.lr_scheduler.scheduler, ("ConstantWithWarmup", "CosineWithWarmup"))
+    _choice("model.mixed_precision", cfg.model.mixed_precision, ("no", "bf16", "fp16"))
+    _choice("model.attention", cfg.model.attention, ("sdpa", "xformers"))
+    for path, value in [
+        ("system.batch_size", cfg.system.batch_size),
+        ("system.gradient_accumulation", cfg.system.gradient_accumulation),
+        ("experiment.num_examples_to_see", cfg.experiment.num_examples_to_see),
+        ("experiment.save_every", cfg.experiment.save_every),
+        ("experiment.log_every", cfg.experiment.log_every),
+        ("dataset.params.resolution", cfg.dataset.params.resolution),
+    ]:
+        if value < 1:
+            raise ConfigError(f"'{path}' must be >= 1, got {value}")
+    if cfg.system.workers < 0:
+        raise ConfigError(f"'system.workers' must be >= 0, got {cfg.system.workers}")
+    if cfg.dataset.params.resolution % 8:
+        raise ConfigError(f"'dataset.params.resolution' must be a multiple of 8 (the VAE downsamples by 8), got {cfg.dataset.params.resolution}")
+    # Aliases kept for seed-001 configs: they must agree with the key that is actually used.
+    for alias, used, a, b in [
+        ("system.dist_backend", "distributed.dist_backend", cfg.system.dist_backend, cfg.distributed.dist_backend),
+        ("system.dist_url", "distributed.dist_url", cfg.system.dist_url, cfg.distributed.dist_url),
+        ("lr_scheduler.params.learning_rate", "optimizer.params.learning_rate",
+         cfg.lr_scheduler.params.learning_rate, cfg.optimizer.params.learning_rate),
+        ("dataset.params.num_examples_to_see", "experiment.num_examples_to_see",
+         cfg.dataset.params.num_examples_to_see, cfg.experiment.num_examples_to_see),
+    ]:
+        if a != b:
+            raise ConfigError(f"'{alias}' ({a}) differs from '{used}' ({b}); set only '{used}' (the alias follows it)")
+    if cfg.lr_scheduler.params.warmup_length < 0:
+        raise ConfigError("'lr_scheduler.params.warmup_length' must be >= 0")
+    if not 0.0 <= cfg.lr_scheduler.params.min_lr_ratio <= 1.0:
+        raise ConfigError("'lr_scheduler.params.min_lr_ratio' must be within [0, 1]")
+    if cfg.lr_scheduler.scheduler != "CosineWithWarmup":
+        for key in ("decay_length",):
+            if getattr(cfg.lr_scheduler.params, key) is not None:
+                raise ConfigError(f"'lr_scheduler.params.{key}' only applies to CosineWithWarmup")
+    m = cfg.model
+    if m.unet.params and m.unet.pretrained is not None:
+        raise ConfigError("set either 'model.unet.pretrained' or 'model.unet.params' (from scratch), not both")
+    if m.unet.params:
+        _check_unet_params(m.unet.target, m.unet.params)
+    if not m.pretrained:
+        for name in ("vae", "text_encoder", "tokenizer", "noise_scheduler_training", "noise_scheduler_inference"):
+            if getattr(m, name).pretrained is None:
+                raise ConfigError(
+                    f"'model.{name}.pretrained' is not set and there is no 'model.pretrained' to take it from: "
+                    "set model.pretrained=PIPELINE (local folder or hub id) or each component"
+                )
+        if m.unet.pretrained is None and not m.unet.params:
+            raise ConfigError("the UNet has no source: set model.pretrained, model.unet.pretrained, or model.unet.params")
+    if cfg.experiment.num_eval_images > 0 and not cfg.experiment.eval_caption_file:
+        raise ConfigError("'experiment.num_eval_images' > 0 needs 'experiment.eval_caption_file' (the prompts)")
+    if cfg.experiment.eval_caption_file and not os.path.exists(cfg.experiment.eval_caption_file):
+        raise ConfigError(f"'experiment.eval_caption_file' {cfg.experiment.eval_caption_file} does not exist")
+    validate_dataset_config(cfg.dataset)
+
+
+def _check_unet_params(target: str, params: dict) -> None:
+    """Reject UNet constructor arguments the target class does not take, naming the closest one."""
+    import inspect
+
+    from .models import resolve_unet_class
+
+    cls = resolve_unet_class(target)
+    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    for key in params:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean 'model.unet.params.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key 'model.unet.params.{key}' ({cls.__name__} has no such argument){hint}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Output.
+# ----------------------------------------------------------------------------------------------
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (written into the run directory, loadable with config=...)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def help_text() -> str:
+    lines = ["usage: python train.py config=path/to/run.yaml [key.sub=value ...]", "",
+             "Precedence: schema defaults < YAML < command line. ??? = required.", ""]
+    for path, tp, default, help_, is_section in schema_entries():
+        depth = path.count(".")
+        if is_section:
+            lines.append(f"{'  ' * depth}{path.rsplit('.', 1)[-1]}:  # {help_}")
+            continue
+        shown = "???" if default == MISSING else repr(default) if isinstance(default, str) else default
+        if isinstance(shown, (ListConfig, DictConfig)):
+            shown = OmegaConf.to_container(shown)
+        lines.append(f"{'  ' * depth}{path.rsplit('.', 1)[-1]}: {shown}  # {help_}")
+    return "\n".join(lines)

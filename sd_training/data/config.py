@@ -1,0 +1,223 @@
+"""Schema of the ``dataset`` section (owned by the data package, imported by ``sd_training.config``).
+
+Every key does something for at least one ``dataset.type``; :func:`validate_dataset_config` rejects a
+key set (to a non-default value) for a type it does not apply to, naming the key and the type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+from ..fields import f
+
+
+@dataclass
+class TagParams:
+    """Seed 000's metadata controls for tag datasets (a json ``tags`` list, an image-board ``score``)."""
+
+    use_tags: bool = f(False, "build the caption from the json tag list instead of the caption member/column")
+    tags_key: str = f("tags", "json field holding the sample's list of tags")
+    blacklist_tags: List[str] = f([], "samples carrying any of these tags are skipped")
+    non_caption_tags: List[str] = f([], "tags dropped from the caption (still used by the blacklist and scores)")
+    replacements: Dict[str, str] = f({}, "substring -> replacement applied to every caption tag, in this order")
+    tag_separator: str = f(", ", "string joining the tags into the caption")
+    score_key: str = f("score", "json field holding the sample's score")
+    abs_min_score: Optional[float] = f(None, "score units: skip samples scoring below this, before tag bonuses")
+    min_score: Optional[float] = f(None, "score units: skip samples scoring below this after tag_bonus_scores")
+    tag_bonus_scores: Dict[str, float] = f({}, "score units added per tag present, when checking min_score")
+    score_tags: List[int] = f([], "score thresholds: a sample scoring above T gets the tag 'scrT' (highest T only)")
+
+
+@dataclass
+class DatasetParams:
+    # --- where the data is -------------------------------------------------------------------------
+    path: str = f(
+        MISSING,
+        "WebDataset: shards in brace notation or a folder of .tar, several joined with '::' (local, http(s)://,"
+        " pipe:); parquet: files/folders; CSV: files; folder: the dataset root",
+    )
+    batch_size: int = f("${system.batch_size}", "images per device per micro-batch")
+    workers: int = f("${system.workers}", "data-loading worker processes per device (0: load in the main process)")
+    num_examples_to_see: int = f(
+        "${experiment.num_examples_to_see}",
+        "images to train on, all devices together (sets loader.steps_total; more than one epoch is logged)",
+    )
+    # --- images ------------------------------------------------------------------------------------
+    resolution: int = f(512, "pixels: short side resized then cropped to resolution x resolution (bucket area)")
+    center_crop: bool = f(True, "center crop after resizing (False: random crop)")
+    random_flip: float = f(0.0, "probability of a horizontal flip per sample")
+    min_size: int = f(0, "pixels: skip samples whose source short side is smaller (0: keep all)")
+    fast_decode: bool = f(True, "decode JPEGs at a reduced scale (PIL draft) when the source is >= 2x the target")
+    aspect_buckets: bool = f(False, "group images into aspect-ratio buckets of ~resolution^2 pixels (no crop to square)")
+    bucket_step: int = f(64, "pixels: bucket sides are multiples of this")
+    max_aspect_ratio: float = f(2.0, "long side / short side of the most elongated bucket")
+    # --- captions ----------------------------------------------------------------------------------
+    caption_dropout: float = f(0.0, "probability of replacing a caption by '' (classifier-free guidance)")
+    shuffle_tags: float = f(0.0, "probability of shuffling the caption's comma-separated tags (1.0: always)")
+    keep_tags: int = f(0, "tags: the first N tags stay in place when shuffling")
+    idx_to_prompt: Any = f(None, "classification datasets: {class index: prompt} or a JSON file of it (captions from cls)")
+    cls_key: str = f("cls", "member (WebDataset) or column (parquet, CSV) holding the class index")
+    tags: TagParams = f(TagParams, "tag-dataset controls (seed 000): blacklist, rewrites, scores")
+    # --- metadata filters --------------------------------------------------------------------------
+    filters: Dict[str, Any] = f({}, "metadata filters, e.g. {pwatermark: '<=0.5', status: 'in [ok, done]'}")
+    # --- WebDataset members ------------------------------------------------------------------------
+    caption_key: str = f("txt", "WebDataset: sample member holding the caption")
+    image_keys: str = f("jpg;png;webp;jpeg", "WebDataset: sample members tried in order for the image, ';'-separated")
+    metadata_key: str = f("json", "WebDataset: sample member holding the json metadata")
+    # --- table sources (parquet, CSV) --------------------------------------------------------------
+    image_column: str = f("", "parquet/CSV: column with image bytes, a path or a URL ('': first of image, jpg, ...)")
+    caption_column: str = f("", "parquet/CSV: column with the caption ('': first of caption, text, txt, title)")
+    image_root: str = f("", "parquet/CSV: folder relative image paths are resolved against ('': the file's folder)")
+    csv_separator: str = f(",", "CSV: field separator (a tab for .tsv)")
+    # --- local folders -----------------------------------------------------------------------------
+    layout: str = f("auto", "folder: 'flat' (images/ + captions/), 'metadata' (metadata/**.json) or 'auto'")
+    consider_every_nth: int = f(1, "folder: use only every n-th sample in sorted order (1: all)")
+    samples_per_shard: int = f(0, "folder/CSV: samples per unit of work split across workers (0: automatic)")
+    # --- order and distribution --------------------------------------------------------------------
+    shuffle_buffer: int = f(1000, "samples held for shuffling per worker")
+    resampled: bool = f(True, "draw shards with replacement (an infinite stream) instead of epochs over shards")
+    io_timeout: float = f(30.0, "seconds before an http(s) shard or image fetch is given up (counted, skipped)")
+
+
+@dataclass
+class DatasetConfig:
+    type: str = f("WebDataset", "the source: WebDataset | parquet | CSV | folder")
+    params: DatasetParams = f(DatasetParams, "parameters of the source")
+
+
+# Canonical type names and the spellings accepted for them.
+TYPE_ALIASES = {
+    "webdataset": "WebDataset",
+    "wds": "WebDataset",
+    "parquet": "parquet",
+    "csv": "CSV",
+    "tsv": "CSV",
+    "folder": "folder",
+    "local": "folder",
+}
+
+# Keys that only mean something for some types (every other key applies to all types).
+_ONLY_FOR = {
+    "caption_key": {"WebDataset"},
+    "image_keys": {"WebDataset"},
+    "metadata_key": {"WebDataset"},
+    "image_column": {"parquet", "CSV"},
+    "caption_column": {"parquet", "CSV"},
+    "image_root": {"parquet", "CSV"},
+    "csv_separator": {"CSV"},
+    "layout": {"folder"},
+    "consider_every_nth": {"folder"},
+    "samples_per_shard": {"folder", "CSV"},
+    "cls_key": {"WebDataset", "parquet", "CSV"},
+    "idx_to_prompt": {"WebDataset", "parquet", "CSV"},
+}
+
+
+class DatasetConfigError(ValueError):
+    """A dataset configuration that cannot work; the message names the key and what to do."""
+
+
+def canonical_type(name: str) -> str:
+    key = str(name).strip().lower()
+    if key not in TYPE_ALIASES:
+        raise DatasetConfigError(
+            f"dataset.type: unknown source {name!r}; choose one of WebDataset, parquet, CSV, folder"
+        )
+    return TYPE_ALIASES[key]
+
+
+def _defaults(cls) -> Dict[str, Any]:
+    out = {}
+    for fld in fields(cls):
+        if fld.default_factory is not dataclasses.MISSING:
+            out[fld.name] = fld.default_factory()
+        else:
+            out[fld.name] = fld.default
+    return out
+
+
+def _value(x: Any) -> Any:
+    """Plain Python value of an OmegaConf node or a dataclass (for comparisons with defaults)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(x, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(x, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if is_dataclass(x) and not isinstance(x, type):
+        return {fld.name: _value(getattr(x, fld.name)) for fld in fields(x)}
+    return x
+
+
+def validate_dataset_config(cfg: DatasetConfig) -> None:
+    """Reject settings that cannot work, before anything is built. Raises :class:`DatasetConfigError`.
+
+    Checks: the type is known; no key is set (to a non-default value) for a type it does not apply to;
+    ranges of probabilities and sizes; filters parse (never ``eval``); ``idx_to_prompt`` loads;
+    tag controls only with ``tags.use_tags`` or the folder ``metadata`` layout.
+    """
+    from .captions import load_idx_to_prompt
+    from .filters import parse_filters
+
+    kind = canonical_type(cfg.type)
+    p = cfg.params
+    defaults = _defaults(DatasetParams)
+    for key, types in _ONLY_FOR.items():
+        value = _value(getattr(p, key))
+        default = _value(defaults[key])
+        if kind not in types and value != default:
+            raise DatasetConfigError(
+                f"dataset.params.{key}={value!r} does not apply to dataset.type={kind} "
+                f"(it applies to {', '.join(sorted(types))}); remove it"
+            )
+
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise DatasetConfigError(f"dataset.params.{key}={_value(getattr(p, key.split('.')[0]))!r}: {msg}")
+
+    if p.path in (None, "", MISSING, "???"):
+        raise DatasetConfigError("dataset.params.path is required: the shards, files or folder to train on")
+    need(int(p.batch_size) >= 1, "batch_size", "must be >= 1")
+    need(int(p.workers) >= 0, "workers", "must be >= 0")
+    need(int(p.resolution) >= 8 and int(p.resolution) % 8 == 0, "resolution", "must be a multiple of 8 (VAE downsampling)")
+    for key in ("random_flip", "caption_dropout", "shuffle_tags"):
+        need(0.0 <= float(getattr(p, key)) <= 1.0, key, "is a probability: use a value in [0, 1]")
+    need(int(p.keep_tags) >= 0, "keep_tags", "must be >= 0")
+    need(int(p.min_size) >= 0, "min_size", "must be >= 0 pixels")
+    need(int(p.shuffle_buffer) >= 1, "shuffle_buffer", "must be >= 1 sample (1: no shuffling)")
+    need(int(p.bucket_step) >= 8 and int(p.bucket_step) % 8 == 0, "bucket_step", "must be a multiple of 8 pixels")
+    need(float(p.max_aspect_ratio) >= 1.0, "max_aspect_ratio", "must be >= 1.0")
+    need(int(p.consider_every_nth) >= 1, "consider_every_nth", "must be >= 1")
+    need(int(p.samples_per_shard) >= 0, "samples_per_shard", "must be >= 0 (0: automatic)")
+    need(float(p.io_timeout) > 0, "io_timeout", "must be > 0 seconds")
+    need(str(p.layout) in ("auto", "flat", "metadata"), "layout", "choose auto, flat or metadata")
+    need(len([k for k in str(p.image_keys).split(";") if k.strip()]) > 0, "image_keys", "name at least one member")
+    need(len(str(p.csv_separator)) == 1, "csv_separator", "must be one character")
+    if int(p.resolution) % int(p.bucket_step) and p.aspect_buckets:
+        raise DatasetConfigError(
+            f"dataset.params.resolution={p.resolution} is not a multiple of bucket_step={p.bucket_step}"
+        )
+
+    parse_filters(_value(p.filters))  # raises naming the key
+    if _value(p.idx_to_prompt) is not None:
+        load_idx_to_prompt(_value(p.idx_to_prompt))
+
+    tag_defaults = _defaults(TagParams)
+    tags = p.tags
+    tag_layout = kind == "folder" and p.layout in ("metadata", "auto")
+    if not tags.use_tags and not tag_layout:
+        for key, default in tag_defaults.items():
+            if key != "use_tags" and _value(getattr(tags, key)) != _value(default):
+                raise DatasetConfigError(
+                    f"dataset.params.tags.{key} is set but tags are not used: set dataset.params.tags.use_tags=true "
+                    "(or use dataset.type=folder with the metadata layout)"
+                )
+    if tags.use_tags and _value(p.idx_to_prompt) is not None:
+        raise DatasetConfigError(
+            "dataset.params.tags.use_tags and dataset.params.idx_to_prompt both choose the caption: keep one"
+        )

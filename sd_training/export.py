@@ -1,0 +1,137 @@
+"""Exported artifacts: diffusers pipelines (loadable with ``from_pretrained``) and sample grids."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from .run_dir import replace_dir
+
+log = logging.getLogger(__name__)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under DDP / torch.compile wrappers, so saved keys never carry their prefixes."""
+    while True:
+        if hasattr(module, "module"):  # DistributedDataParallel
+            module = module.module
+        elif hasattr(module, "_orig_mod"):  # torch.compile
+            module = module._orig_mod
+        else:
+            return module
+
+
+def make_pipeline(models, unet: torch.nn.Module):
+    from diffusers import StableDiffusionPipeline
+
+    return StableDiffusionPipeline(
+        vae=models.vae,
+        text_encoder=models.text_encoder,
+        tokenizer=models.tokenizer,
+        unet=unwrap(unet),
+        scheduler=models.inference_scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def export_pipeline(models, unet: torch.nn.Module, out: Path) -> Path:
+    """Write a complete pipeline to ``out`` atomically: a crash mid-write leaves the previous one intact."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    make_pipeline(models, unet).save_pretrained(tmp, safe_serialization=True)
+    replace_dir(tmp, out)
+    return out
+
+
+def _grid(images: list[Image.Image], cols: int) -> Image.Image:
+    w, h = images[0].size
+    rows = (len(images) + cols - 1) // cols
+    grid = Image.new("RGB", (cols * w, rows * h), "white")
+    for i, im in enumerate(images):
+        grid.paste(im, ((i % cols) * w, (i // cols) * h))
+    return grid
+
+
+@torch.no_grad()
+def sample_grid(
+    models, unet, prompts: list[str], per_prompt: int, seed: int, steps: int, guidance: float, resolution: int,
+    device: torch.device,
+) -> Image.Image:
+    """One row per prompt, ``per_prompt`` columns with seeds seed, seed+1, ... (fixed across steps).
+
+    The generators are CPU generators so a grid is the same image on any device given the same weights.
+    """
+    pipe = make_pipeline(models, unet)
+    pipe.set_progress_bar_config(disable=True)
+    was_training = pipe.unet.training
+    pipe.unet.eval()
+    images = []
+    try:
+        for prompt in prompts:
+            gens = [torch.Generator("cpu").manual_seed(seed + i) for i in range(per_prompt)]
+            out = pipe(
+                [prompt] * per_prompt, height=resolution, width=resolution, num_inference_steps=steps,
+                guidance_scale=guidance, generator=gens,
+            )
+            images.extend(out.images)
+    finally:
+        pipe.unet.train(was_training)
+    return _grid(images, per_prompt)
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a .txt (one per line) or a .csv (the 'caption' column, else the first column)."""
+    import csv
+
+    p = Path(path)
+    if p.suffix.lower() == ".csv":
+        with open(p, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        if not rows:
+            raise ValueError(f"{p} has no rows")
+        col = "caption" if "caption" in rows[0] else next(iter(rows[0]))
+        prompts = [r[col].strip() for r in rows if r[col] and r[col].strip()]
+    else:
+        prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{p} holds no prompts")
+    return prompts
+
+
+@torch.no_grad()
+def generate_eval_images(
+    models, unet, prompts: list[str], n: int, out: Path, seed: int, steps: int, guidance: float, resolution: int,
+    device: torch.device, rank: int, world_size: int, batch: int = 8,
+) -> list[Path]:
+    """Image i uses prompt i (cycling) and seed ``seed + i``; rank r makes images r, r+W, r+2W, ..."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe = make_pipeline(models, unet)
+    pipe.set_progress_bar_config(disable=True)
+    was_training = pipe.unet.training
+    pipe.unet.eval()
+    mine = list(range(rank, n, world_size))
+    written = []
+    try:
+        for start in range(0, len(mine), batch):
+            idx = mine[start : start + batch]
+            images = pipe(
+                [prompts[i % len(prompts)] for i in idx], height=resolution, width=resolution, num_inference_steps=steps,
+                guidance_scale=guidance, generator=[torch.Generator("cpu").manual_seed(seed + i) for i in idx],
+            ).images
+            for i, im in zip(idx, images):
+                path = out / f"{i:06d}.png"
+                im.save(path)
+                written.append(path)
+    finally:
+        pipe.unet.train(was_training)
+    return written

@@ -1,0 +1,374 @@
+"""TrainState and the training loop. Everything else is built by the modules it calls."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from . import distributed, quickstart
+from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .config import TrainConfig, to_yaml
+from .ema import EMA
+from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
+from .models import build_models
+from .objective import diffusion_loss, encode_images, encode_text
+from .optim import build_lr_scheduler, build_optimizer
+from .preemption import StopFlag, requeue_job, under_slurm
+from .run_dir import RunDir
+from .trackers import build_trackers
+
+log = logging.getLogger(__name__)
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken
+    images_seen: int = 0  # all ranks together
+    wandb_id: str | None = None
+    last_export_step: int = -1
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        for k, v in sd.items():
+            setattr(self, k, v)
+
+
+@dataclass
+class Plan:
+    """Numbers derived once from the config and the world size."""
+
+    global_batch: int
+    total_steps: int
+    checkpoint_every: int
+
+    @classmethod
+    def make(cls, cfg: TrainConfig, world_size: int) -> "Plan":
+        gb = cfg.system.batch_size * cfg.system.gradient_accumulation * world_size
+        return cls(
+            global_batch=gb,
+            total_steps=math.ceil(cfg.experiment.num_examples_to_see / gb),
+            checkpoint_every=cfg.experiment.checkpoint_every or cfg.experiment.save_every,
+        )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def main(cfg: TrainConfig) -> dict:
+    """Train as configured; returns a summary (final step, paths). Tests call this directly."""
+    info = distributed.setup(
+        cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url, cfg.distributed.timeout_minutes
+    )
+    try:
+        return Trainer(cfg, info).run()
+    finally:
+        distributed.teardown()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo):
+        self.cfg, self.info = cfg, info
+        self.device = info.device
+        self.plan = Plan.make(cfg, info.world_size)
+        self.run_dir = RunDir(cfg.experiment.log_dir, cfg.experiment.name)
+        self.state = TrainState()
+        self.config_yaml = to_yaml(cfg)
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        cfg, info = self.cfg, self.info
+        if info.is_main:
+            self.run_dir.create()
+            (self.run_dir.root / "config.yaml").write_text(self.config_yaml)
+        distributed.barrier()
+        self.run_dir.setup_logging(info.rank)
+        log.info(
+            "launcher=%s world_size=%d device=%s global_batch=%d total_steps=%d",
+            info.launcher, info.world_size, self.device, self.plan.global_batch, self.plan.total_steps,
+        )
+        # Per-rank seed: different noise and timesteps on every rank, reproducible across restarts.
+        seed_everything(cfg.system.seed + info.rank)
+        quickstart.prepare(cfg.quickstart, info.is_main)
+        self.models = build_models(cfg.model, self.device, seed=cfg.system.seed)
+        self.unet = unwrap(self.models.unet)
+        self.ema = None
+        if cfg.model.use_ema:
+            self.ema = EMA(self.unet, cfg.model.ema.decay)
+            if cfg.model.ema.path:
+                from .models import _load, resolve_unet_class
+
+                src = _load(resolve_unet_class(cfg.model.unet.target).from_pretrained, cfg.model.ema.path, "unet", "model.ema.path")
+                self.ema.load_weights(src)
+        self.optimizer = build_optimizer(self.unet.parameters(), cfg.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.plan.total_steps)
+        mp = cfg.model.mixed_precision
+        self.autocast_dtype = AUTOCAST_DTYPES.get(mp)
+        # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=(mp == "fp16"))
+        self.model = self.unet
+        if info.is_distributed:
+            # Only the trained UNet is wrapped; the frozen VAE and text encoder never enter DDP.
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.unet, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        from .data import build_train_loader
+
+        self.loader = build_train_loader(
+            cfg.dataset, tokenizer=self.models.tokenizer, rank=info.rank, world_size=info.world_size, seed=cfg.system.seed
+        )
+        self.checkpointer = Checkpointer(
+            self.run_dir.checkpoints, cfg.experiment.keep_last_checkpoints, cfg.experiment.keep_checkpoint_every
+        )
+        if cfg.experiment.resume:
+            self._maybe_resume()
+        self.trackers = None
+        if info.is_main:
+            self.trackers = build_trackers(
+                cfg, self.run_dir.root, self.run_dir.metrics, self.state.wandb_id, OmegaConf.to_container(OmegaConf.structured(cfg))
+            )
+            self.state.wandb_id = self.trackers.wandb_id
+
+    def _resumable(self) -> dict:
+        objs = {"unet": self.unet, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler, "grad_scaler": self.scaler}
+        if self.ema is not None:
+            objs["ema"] = self.ema
+        return objs
+
+    def _maybe_resume(self) -> None:
+        latest = self.checkpointer.latest()
+        if latest is None:
+            return
+        shared, per_rank, train_state = Checkpointer.load(latest, self.info.rank)
+        for name, obj in self._resumable().items():
+            if name not in shared:
+                raise RuntimeError(f"checkpoint {latest} has no '{name}' state (was it written with other settings?)")
+            obj.load_state_dict(shared[name])
+        self.state.load_state_dict(train_state)
+        self.loader.load_state_dict(per_rank["data"])
+        set_rng_state(per_rank["rng"])
+        log.info("resumed from %s at step %d (%d images seen)", latest, self.state.step, self.state.images_seen)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        self._setup()
+        stop = StopFlag().install()
+        try:
+            return self._loop(stop)
+        finally:
+            stop.uninstall()
+            if self.trackers:
+                self.trackers.close()
+
+    def _micro_step(self, batch: dict, sync: bool):
+        """Forward and backward of one micro-batch; gradients are all-reduced only when ``sync``."""
+        cfg = self.cfg
+        pixels = batch["pixel_values"].to(self.device, non_blocking=True)
+        ids = batch["input_ids"].to(self.device, non_blocking=True)
+        no_sync = self.model.no_sync() if (self.info.is_distributed and not sync) else contextlib.nullcontext()
+        autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        with no_sync:
+            with autocast:
+                latents = encode_images(self.models.vae, pixels, self.models.latent_scale)
+                hidden = encode_text(self.models.text_encoder, ids)
+                loss, per_sample, timesteps = diffusion_loss(self.model, self.models.noise_scheduler, latents, hidden)
+            self.scaler.scale(loss / cfg.system.gradient_accumulation).backward()
+        return loss.detach(), per_sample, timesteps
+
+    def _optimizer_step(self) -> torch.Tensor:
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.optimizer.params.max_grad_norm
+        params = [p for p in self.unet.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.unet)
+        return grad_norm
+
+    def _loop(self, stop: StopFlag) -> dict:
+        cfg, plan, state = self.cfg, self.plan, self.state
+        accum = cfg.system.gradient_accumulation
+        data_iter = iter(self.loader)
+        window = _Window()
+        last_ckpt_time = time.time()
+        stopped_by = None
+        while state.step < plan.total_steps:
+            t_step = time.perf_counter()
+            for micro in range(accum):
+                t_data = time.perf_counter()
+                batch = next(data_iter)
+                window.data_time += time.perf_counter() - t_data
+                loss, per_sample, timesteps = self._micro_step(batch, sync=(micro == accum - 1))
+                window.add_loss(loss, per_sample, timesteps, self.models.noise_scheduler.config.num_train_timesteps)
+            grad_norm = self._optimizer_step()
+            state.step += 1
+            state.images_seen += plan.global_batch
+            window.grad_norm = grad_norm
+            window.step_time += time.perf_counter() - t_step
+            window.steps += 1
+
+            last = state.step >= plan.total_steps
+            if state.step % cfg.experiment.log_every == 0 or last:
+                self._log(window)
+                window = _Window()
+            minutes = cfg.experiment.save_every_minutes
+            timed = minutes is not None and (time.time() - last_ckpt_time) >= minutes * 60
+            # Every rank must agree to stop or save at this step: a single flag all-reduced (a sync point).
+            stop_now = distributed.any_rank(stop.requested, self.device)
+            timed = distributed.any_rank(timed, self.device)
+            if stop_now or timed or last or state.step % plan.checkpoint_every == 0:
+                self._save_checkpoint()
+                last_ckpt_time = time.time()
+            if last or state.step % cfg.experiment.save_every == 0:
+                self._export()
+            if stop_now:
+                stopped_by = stop.signal_name or "signal on another rank"
+                break
+        requeued = False
+        if stopped_by:
+            log.warning("stopped at step %d by %s after saving", state.step, stopped_by)
+            if self.info.is_main and cfg.experiment.requeue and under_slurm() and stopped_by != "SIGINT":
+                requeued = requeue_job()
+            distributed.barrier()
+        return {
+            "step": state.step,
+            "total_steps": plan.total_steps,
+            "images_seen": state.images_seen,
+            "stopped_by": stopped_by,
+            "requeued": requeued,
+            "run_dir": str(self.run_dir.root),
+        }
+
+    # ------------------------------------------------------------------ side effects
+    def _log(self, w: "_Window") -> None:
+        loss = distributed.all_reduce_mean(w.loss_sum / max(w.loss_count, 1)).item()
+        q = distributed.all_reduce_mean(w.q_sum / w.q_count.clamp(min=1)).tolist()
+        n_images = w.steps * self.plan.global_batch
+        metrics = {
+            "loss": loss,
+            **{f"loss_q{i}": q[i] for i in range(4)},
+            "lr": self.lr_scheduler.get_last_lr()[0],
+            "grad_norm": float(w.grad_norm),
+            "images_seen": self.state.images_seen,
+            "images_per_sec": n_images / max(w.step_time, 1e-9),
+            "images_per_sec_per_device": n_images / max(w.step_time, 1e-9) / self.info.world_size,
+            "step_time": w.step_time / max(w.steps, 1),
+            "data_wait_fraction": w.data_time / max(w.step_time, 1e-9),
+        }
+        if self.device.type == "cuda":
+            metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
+        for k, v in stats.items():
+            if isinstance(v, (int, float)):
+                metrics[f"data/{k}"] = v
+        if self.info.is_main:
+            self.trackers.log(metrics, self.state.step)
+            log.info(
+                "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f img/s data_wait %.0f%%",
+                self.state.step, self.plan.total_steps, loss, metrics["lr"], metrics["grad_norm"],
+                metrics["images_per_sec"], 100 * metrics["data_wait_fraction"],
+            )
+
+    def _save_checkpoint(self) -> None:
+        shared = {name: obj.state_dict() for name, obj in self._resumable().items()} if self.info.is_main else {}
+        per_rank = {"rng": rng_state(), "data": self.loader.state_dict()}
+        self.checkpointer.save(
+            self.state.step, shared, per_rank, self.state.state_dict(), self.config_yaml, self.info.rank
+        )
+
+    def _export(self) -> None:
+        """Rank 0 exports the pipeline(s) and the sample grid; the others wait at a barrier."""
+        if self.info.is_main:
+            cfg = self.cfg.experiment
+            targets = [(False, self.unet)]
+            if self.ema is not None:
+                targets.append((True, self.ema.shadow))
+            for is_ema, unet in targets:
+                out = export_pipeline(self.models, unet, self.run_dir.pipeline(None, ema=is_ema))
+                if not cfg.save_only_most_recent:
+                    import shutil
+
+                    keep = self.run_dir.pipeline(self.state.step, ema=is_ema)
+                    keep.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copytree(out, keep, dirs_exist_ok=True)
+                log.info("exported pipeline %s", out)
+            self._write_samples(self.ema.shadow if self.ema is not None else self.unet)
+            self.state.last_export_step = self.state.step
+        distributed.barrier()
+        self._write_eval_images()
+
+    def _write_samples(self, unet) -> None:
+        cfg = self.cfg.experiment
+        if not cfg.sample_prompts or cfg.sample_per_prompt < 1:
+            return
+        # Sampling draws from its own generators; the training RNG stream is left untouched.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            grid = sample_grid(
+                self.models, unet, list(cfg.sample_prompts), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
+                cfg.sample_guidance_scale, self._sample_resolution(), self.device,
+            )
+        path = self.run_dir.samples / f"step_{self.state.step:08d}.png"
+        grid.save(path)
+        self.trackers.log_image("samples", path, self.state.step)
+
+    def _sample_resolution(self) -> int:
+        return self.cfg.experiment.sample_resolution or self.cfg.dataset.params.resolution
+
+    def _write_eval_images(self) -> None:
+        """``num_eval_images`` images from the eval prompts, split across ranks (collective)."""
+        cfg = self.cfg.experiment
+        if cfg.num_eval_images < 1:
+            return
+        out = self.run_dir.root / "eval" / f"step_{self.state.step:08d}"
+        unet = self.ema.shadow if self.ema is not None else self.unet
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            generate_eval_images(
+                self.models, unet, read_prompts(cfg.eval_caption_file), cfg.num_eval_images, out, cfg.sample_seed,
+                cfg.sample_steps, cfg.sample_guidance_scale, self._sample_resolution(), self.device,
+                self.info.rank, self.info.world_size,
+            )
+        distributed.barrier()
+
+
+class _Window:
+    """Sums over one log interval (kept on the device: no sync until the interval is logged)."""
+
+    def __init__(self):
+        self.loss_sum = 0.0
+        self.loss_count = 0
+        self.q_sum = torch.zeros(4)
+        self.q_count = torch.zeros(4)
+        self.grad_norm = 0.0
+        self.data_time = 0.0
+        self.step_time = 0.0
+        self.steps = 0
+
+    def add_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, timesteps: torch.Tensor, num_timesteps: int) -> None:
+        if not isinstance(self.loss_sum, torch.Tensor):
+            self.loss_sum = torch.zeros((), device=loss.device)
+            self.q_sum = self.q_sum.to(loss.device)
+            self.q_count = self.q_count.to(loss.device)
+        self.loss_sum = self.loss_sum + loss.float()
+        self.loss_count += 1
+        # Loss by timestep quartile (as guided-diffusion logs): where in the noise range the model struggles.
+        q = (timesteps * 4 // num_timesteps).clamp(max=3)
+        self.q_sum.index_add_(0, q, per_sample.float())
+        self.q_count.index_add_(0, q, torch.ones_like(per_sample, dtype=torch.float))

@@ -1,0 +1,174 @@
+"""Build the VAE, text encoder, tokenizer, UNet and noise schedulers from the ``model`` config.
+
+Every component comes from ``model.<component>.pretrained`` when set, else from ``model.pretrained``
+(a diffusers pipeline: local folder or hub id). A pipeline root is read through its standard
+subfolder (``vae/``, ``unet/`` ...); a folder that *is* the component is read directly. The UNet may
+instead be built from scratch from ``model.unet.target`` + ``model.unet.params``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Models:
+    tokenizer: Any
+    text_encoder: torch.nn.Module  # frozen, eval, no grad
+    vae: torch.nn.Module  # frozen, eval, no grad
+    unet: torch.nn.Module  # trained
+    noise_scheduler: Any  # DDPMScheduler: adds training noise, defines the target
+    inference_scheduler: Any  # the scheduler exported pipelines and sample grids use
+
+    @property
+    def latent_scale(self) -> float:
+        # The latent scaling factor belongs to the VAE (0.18215 for SD 1.x/2.x, 0.13025 for SDXL).
+        return float(self.vae.config.scaling_factor)
+
+
+def resolve_unet_class(target: str):
+    """``UNet2DConditionModel``, ``diffusers.UNet2DConditionModel`` or ``package.module.Class``."""
+    import diffusers
+
+    name = target.split(".", 1)[1] if target.startswith("diffusers.") else target
+    if "." not in name:
+        cls = getattr(diffusers, name, None)
+        if cls is None:
+            raise ConfigError(f"'model.unet.target': diffusers has no class '{name}'")
+        return cls
+    module, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"'model.unet.target': cannot import '{target}': {e}") from None
+
+
+def _source(cfg: ModelConfig, component: str) -> str | None:
+    own = getattr(cfg, component).pretrained if component != "unet" else cfg.unet.pretrained
+    return own or cfg.pretrained
+
+
+def _load(loader, src: str, subfolder: str, what: str, **kwargs):
+    """``loader.from_pretrained`` on a pipeline root (via its subfolder) or on a component folder."""
+    if os.path.isdir(src):
+        args = dict(subfolder=subfolder) if os.path.isdir(os.path.join(src, subfolder)) else {}
+    elif os.path.exists(src) or src.startswith((".", "/", "~")):
+        raise ConfigError(f"'{what}': '{src}' is not a directory (expected a diffusers pipeline or component folder)")
+    else:  # a hub id: the component lives in its subfolder
+        args = dict(subfolder=subfolder)
+    try:
+        return loader(src, **args, **kwargs)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot load '{what}' from '{src}'{'/' + args['subfolder'] if args else ''}: {str(e).splitlines()[0]} "
+            "(for a hub id without network, download it first: python scripts/download_diffusers.py -o DIR -m ID)"
+        ) from None
+
+
+def build_unet(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    if cfg.unet.params:
+        cls = resolve_unet_class(cfg.unet.target)
+        # Seeded so every rank (and every restart) starts from the same weights before any broadcast.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            try:
+                return cls(**cfg.unet.params)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"'model.unet.params' do not build {cls.__name__}: {e}") from None
+    src = _source(cfg, "unet")
+    cls = resolve_unet_class(cfg.unet.target)
+    kwargs = dict(revision=cfg.revision) if cfg.revision and src == cfg.pretrained else {}
+    return _load(cls.from_pretrained, src, "unet", "model.unet.pretrained", **kwargs)
+
+
+def set_attention_backend(unet: torch.nn.Module, cfg: ModelConfig, device: torch.device) -> str:
+    """Apply ``model.attention`` / ``model.xformers``; returns the backend actually used."""
+    want = "xformers" if cfg.xformers or cfg.attention == "xformers" else "sdpa"
+    if want == "xformers":
+        reason = None
+        if device.type != "cuda":
+            reason = "xformers kernels run on CUDA only"
+        elif importlib.util.find_spec("xformers") is None:
+            reason = "xformers is not installed (pip install sd-training[xformers])"
+        if reason is None:
+            try:
+                unet.enable_xformers_memory_efficient_attention()
+                return "xformers"
+            except Exception as e:  # a build mismatch shows up here, not at import
+                reason = f"enabling it failed: {e}"
+        log.warning("model.attention=xformers requested but %s; using PyTorch SDPA attention instead", reason)
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    unet.set_attn_processor(AttnProcessor2_0())
+    return "sdpa"
+
+
+def _frozen(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    module.requires_grad_(False)
+    module.eval()
+    return module.to(device)
+
+
+def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Models:
+    from diffusers import AutoencoderKL, DDPMScheduler
+    from diffusers.schedulers.scheduling_utils import SchedulerMixin
+    from transformers import CLIPTextModel, CLIPTokenizer
+    import diffusers
+
+    rev = dict(revision=cfg.revision) if cfg.revision else {}
+
+    def kw(component):  # the revision applies to the pipeline, not to a component's own source
+        return rev if getattr(cfg, component).pretrained is None else {}
+
+    tokenizer = _load(CLIPTokenizer.from_pretrained, _source(cfg, "tokenizer"), "tokenizer", "model.tokenizer.pretrained", **kw("tokenizer"))
+    text_encoder = _load(
+        CLIPTextModel.from_pretrained, _source(cfg, "text_encoder"), "text_encoder", "model.text_encoder.pretrained", **kw("text_encoder")
+    )
+    vae = _load(AutoencoderKL.from_pretrained, _source(cfg, "vae"), "vae", "model.vae.pretrained", **kw("vae"))
+    noise_scheduler = _load(
+        DDPMScheduler.from_pretrained, _source(cfg, "noise_scheduler_training"), "scheduler",
+        "model.noise_scheduler_training.pretrained", **kw("noise_scheduler_training"),
+    )
+    # The inference scheduler keeps its own class (PNDM, DDIM, Euler ...), as saved in its config.
+    sched_cfg = _load(
+        SchedulerMixin.load_config, _source(cfg, "noise_scheduler_inference"), "scheduler",
+        "model.noise_scheduler_inference.pretrained", **kw("noise_scheduler_inference"),
+    )
+    sched_cls = getattr(diffusers, sched_cfg.get("_class_name", "PNDMScheduler"), None)
+    if sched_cls is None:
+        raise ConfigError(f"'model.noise_scheduler_inference': unknown scheduler class {sched_cfg.get('_class_name')}")
+    inference_scheduler = sched_cls.from_config(sched_cfg)
+
+    unet = build_unet(cfg, seed).to(device)
+    unet.train()
+    if cfg.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    set_attention_backend(unet, cfg, device)
+
+    if unet.config.cross_attention_dim != text_encoder.config.hidden_size:
+        raise ConfigError(
+            f"UNet cross_attention_dim {unet.config.cross_attention_dim} != text encoder hidden size "
+            f"{text_encoder.config.hidden_size}: set model.unet.params.cross_attention_dim={text_encoder.config.hidden_size}"
+        )
+    if unet.config.in_channels != vae.config.latent_channels:
+        raise ConfigError(
+            f"UNet in_channels {unet.config.in_channels} != VAE latent_channels {vae.config.latent_channels}"
+        )
+    return Models(
+        tokenizer=tokenizer,
+        text_encoder=_frozen(text_encoder, device),
+        vae=_frozen(vae, device),
+        unet=unet,
+        noise_scheduler=noise_scheduler,
+        inference_scheduler=inference_scheduler,
+    )

@@ -1,0 +1,133 @@
+"""Config: precedence, required keys, unknown-key suggestions, type errors, seed-001 compatibility, --help."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sd_training.config import ConfigError, help_text, load, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MINIMAL = """
+experiment: {name: t, num_examples_to_see: 64}
+model: {pretrained: /some/pipeline}
+dataset: {params: {path: "/data/{00000..00003}.tar"}}
+"""
+
+
+def write(tmp_path, text, name="run.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_defaults_yaml_cli(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    cfg = load([f"config={path}", "system.batch_size=16"], yaml_text="system: {batch_size: 4, workers: 3}")
+    assert cfg.system.batch_size == 16  # command line beats YAML
+    assert cfg.system.workers == 3  # YAML beats the default (6)
+    assert cfg.system.gradient_accumulation == 1  # schema default
+    # Interpolations follow the final value.
+    assert cfg.dataset.params.batch_size == 16
+    assert cfg.dataset.params.workers == 3
+    assert cfg.lr_scheduler.params.learning_rate == cfg.optimizer.params.learning_rate
+
+
+def test_required_key_names_full_path(tmp_path):
+    path = write(tmp_path, "model: {pretrained: /p}\ndataset: {params: {path: x.tar}}\nexperiment: {name: t}\n")
+    with pytest.raises(ConfigError, match=r"experiment\.num_examples_to_see"):
+        load([f"config={path}"])
+
+
+def test_explicit_question_marks_are_required(tmp_path):
+    path = write(tmp_path, MINIMAL.replace("pretrained: /some/pipeline", "pretrained: ???"))
+    with pytest.raises(ConfigError, match=r"required config keys are not set.*model\.pretrained"):
+        load([f"config={path}"])
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("system.batch_sise=4", "system.batch_size"),
+        ("experiment.batch_size=4", "system.batch_size"),
+        ("optimizer.params.learning_rat=1e-4", "optimizer.params.learning_rate"),
+        ("model.use_emma=true", "model.use_ema"),
+    ],
+)
+def test_unknown_key_suggests_closest(tmp_path, override, suggestion):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match="unknown config key") as e:
+        load([f"config={path}", override])
+    assert f"did you mean '{suggestion}'" in str(e.value)
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"experiment\.save_evry.*experiment\.save_every"):
+        load([f"config={path}"], yaml_text="experiment: {save_evry: 10}")
+
+
+def test_unknown_unet_param_is_rejected(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"model\.unet\.params\.block_out_channel.*block_out_channels"):
+        load([f"config={path}"], yaml_text="model: {unet: {params: {block_out_channel: [32, 64]}}}")
+
+
+def test_wrong_type_names_key(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"wrong type for 'system\.batch_size'"):
+        load([f"config={path}", "system.batch_size=big"])
+
+
+def test_bad_choice_suggests(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match="did you mean 'bf16'"):
+        load([f"config={path}", "model.mixed_precision=bf61"])
+
+
+def test_alias_must_agree(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"lr_scheduler\.params\.learning_rate"):
+        load([f"config={path}", "lr_scheduler.params.learning_rate=0.5"])
+
+
+def test_argument_without_equals(tmp_path):
+    with pytest.raises(ConfigError, match="not key=value"):
+        load(["--batch_size", "4"])
+
+
+def test_seed_001_finetune_config_loads(tmp_path):
+    """The seed's fine-tuning example, ??? filled with local paths, loads unchanged."""
+    text = (ROOT / "configs" / "examples" / "finetuning.yaml").read_text()
+    path = write(tmp_path, text)
+    cfg = load([f"config={path}", "wandb.api_key=abc", "model.pretrained=/models/sd2", "experiment.num_examples_to_see=1000",
+                "experiment.eval_caption_file=" + write(tmp_path, "a cat\n", "prompts.txt"), "dataset.params.path=/d/{0..9}.tar"])
+    assert cfg.system.batch_size == 2
+    assert cfg.dataset.params.batch_size == 2
+    assert cfg.model.gradient_checkpointing and cfg.model.xformers
+    assert cfg.optimizer.params.beta2 == 0.98
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load([f"config={write(tmp_path, MINIMAL)}", "system.batch_size=5"])
+    again = load([f"config={write(tmp_path, to_yaml(cfg), 'resolved.yaml')}"])
+    assert again == cfg
+
+
+def test_help_lists_every_key_with_default_and_comment():
+    text = help_text()
+    assert "batch_size: 32  # images per device per micro-batch" in text
+    assert "num_examples_to_see: ???" in text
+    for key in ("gradient_accumulation", "mixed_precision", "warmup_length", "filters", "save_every"):
+        assert f"{key}:" in text
+
+
+def test_cli_help_and_config_error_exit_codes(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "system:" in out.stdout
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), f"config={write(tmp_path, MINIMAL)}", "system.bach_size=3"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "did you mean 'system.batch_size'" in out.stderr
