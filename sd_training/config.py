@@ -281,6 +281,9 @@ def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Trai
     if not isinstance(user, DictConfig):
         raise ConfigError(f"config file '{config_path}' must hold a mapping of sections")
     _check_keys(user, TrainConfig)
+    # A ??? that no later layer filled. Checked before the schema merge, where OmegaConf would let a
+    # ??? fall back to the schema default instead of stopping.
+    _raise_missing(sorted(OmegaConf.missing_keys(user)))
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), user)
     except ConfigKeyError as e:
@@ -290,14 +293,21 @@ def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Trai
     return resolve(cfg)
 
 
+def _raise_missing(missing: list[str]) -> None:
+    if not missing:
+        return
+    hint = ""
+    if "wandb.api_key" in missing:
+        hint = " (wandb.api_key is optional here: delete the line and export WANDB_API_KEY instead)"
+    raise ConfigError(
+        "required config keys are not set (they are ??? in the config): " + ", ".join(missing)
+        + f". Set them in the YAML or on the command line, e.g. {missing[0]}=...{hint}"
+    )
+
+
 def resolve(cfg: DictConfig) -> TrainConfig:
     """Check required keys, resolve interpolations, convert to dataclasses and validate."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError(
-            "required config keys are not set (they are ??? in the config): " + ", ".join(missing)
-            + ". Set them in the YAML or on the command line, e.g. " + f"{missing[0]}=..."
-        )
+    _raise_missing(sorted(OmegaConf.missing_keys(cfg)))
     try:
         obj = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:

@@ -121,7 +121,6 @@ def _frozen(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Models:
     from diffusers import AutoencoderKL, DDPMScheduler
-    from diffusers.schedulers.scheduling_utils import SchedulerMixin
     from transformers import CLIPTextModel, CLIPTokenizer
     import diffusers
 
@@ -141,7 +140,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Model
     )
     # The inference scheduler keeps its own class (PNDM, DDIM, Euler ...), as saved in its config.
     sched_cfg = _load(
-        SchedulerMixin.load_config, _source(cfg, "noise_scheduler_inference"), "scheduler",
+        DDPMScheduler.load_config, _source(cfg, "noise_scheduler_inference"), "scheduler",
         "model.noise_scheduler_inference.pretrained", **kw("noise_scheduler_inference"),
     )
     sched_cls = getattr(diffusers, sched_cfg.get("_class_name", "PNDMScheduler"), None)

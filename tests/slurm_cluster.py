@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import signal
 import socket
@@ -65,6 +66,7 @@ except ImportError:  # pragma: no cover
     from tests.netns_hosts import NetnsHosts, netns_available
 
 SBIN = Path("/usr/sbin")
+_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_:/]*$")  # a key in `scontrol show job -o` output
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 # States after which a job never runs again (a requeued job passes through REQUEUED/PENDING instead).
@@ -402,7 +404,7 @@ class SlurmCluster:
         key = None
         for token in line.split(" "):
             k, eq, v = token.partition("=")
-            if eq and k and k.replace(":", "").replace("/", "").isalnum():
+            if eq and _KEY.match(k):
                 key, info[k] = k, v
             elif key is not None:  # a value with spaces (Command=..., Reason=...) continues
                 info[key] += " " + token

@@ -42,7 +42,7 @@ def test_required_key_names_full_path(tmp_path):
 
 
 def test_explicit_question_marks_are_required(tmp_path):
-    path = write(tmp_path, MINIMAL.replace("pretrained: /some/pipeline", "pretrained: ???"))
+    path = write(tmp_path, MINIMAL.replace("pretrained: /some/pipeline", "pretrained: '???'"))
     with pytest.raises(ConfigError, match=r"required config keys are not set.*model\.pretrained"):
         load([f"config={path}"])
 
@@ -102,7 +102,7 @@ def test_seed_001_finetune_config_loads(tmp_path):
     """The seed's fine-tuning example, ??? filled with local paths, loads unchanged."""
     text = (ROOT / "configs" / "examples" / "finetuning.yaml").read_text()
     path = write(tmp_path, text)
-    cfg = load([f"config={path}", "wandb.api_key=abc", "model.pretrained=/models/sd2", "experiment.num_examples_to_see=1000",
+    cfg = load([f"config={path}", "model.pretrained=/models/sd2", "experiment.num_examples_to_see=1000",
                 "experiment.eval_caption_file=" + write(tmp_path, "a cat\n", "prompts.txt"), "dataset.params.path=/d/{0..9}.tar"])
     assert cfg.system.batch_size == 2
     assert cfg.dataset.params.batch_size == 2
@@ -131,3 +131,9 @@ def test_cli_help_and_config_error_exit_codes(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "did you mean 'system.batch_size'" in out.stderr
+
+
+def test_seed_config_with_api_key_placeholder_says_what_to_do(tmp_path):
+    path = write(tmp_path, MINIMAL + "wandb:\n  api_key: ???\n")
+    with pytest.raises(ConfigError, match="delete the line and export WANDB_API_KEY"):
+        load([f"config={path}"])

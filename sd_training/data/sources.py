@@ -1,0 +1,236 @@
+"""Sources: what a unit of work is (a tar shard, a parquet row group, a chunk of files) and how to read one.
+
+Every source turns its units into *raw samples*, plain dicts with the same fields whatever the format:
+
+  ``key``         the sample's name (tar member prefix, row key, file stem)
+  ``url``         the unit it came from (for messages)
+  ``image``       encoded image bytes, or None
+  ``image_path``  a local path or http(s) URL to load the image from instead (parquet/CSV/folder), or None
+  ``caption``     caption bytes or str, or None
+  ``meta``        a dict of metadata, or ``meta_raw`` json bytes parsed later (so bad json is counted, not fatal)
+  ``cls``         the class index (bytes/str/int) for classification datasets, or None
+
+Nothing here decodes an image: sources are cheap, decoding happens after the metadata filters.
+Units are plain picklable values; a source is rebuilt nowhere - it is pickled into the worker processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import re
+import tarfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+from .config import DatasetConfigError
+from .stats import Stats
+
+REMOTE = re.compile(r"^(https?|pipe|s3|gs|ais|hf|scp|sftp|ftps)[:]")
+
+
+class ShardError(Exception):
+    """A unit that could not be read (missing, unreachable, truncated); ``reason`` is the counter name."""
+
+    def __init__(self, reason: str, msg: str):
+        super().__init__(msg)
+        self.reason = reason
+
+
+@dataclass
+class Source:
+    """One source (one element of a '::'-joined path) and its units of work."""
+
+    name: str
+    units: List[Any] = field(default_factory=list)
+    num_samples: Optional[int] = None  # known without reading (sizes.json, row counts), else None
+
+    def read(self, unit: Any, stats: Stats) -> Iterator[Dict[str, Any]]:  # pragma: no cover - abstract
+        raise TypeError(f"{type(self).__name__} does not implement read()")
+
+    def describe(self, unit: Any) -> str:
+        return str(unit)
+
+
+# --------------------------------------------------------------------------------------------------
+# WebDataset tar shards
+# --------------------------------------------------------------------------------------------------
+
+
+def split_sources(path: str) -> List[str]:
+    """'a::b' -> ['a', 'b'] (WebDataset's separator for several sources)."""
+    return [p.strip() for p in str(path).split("::") if p.strip()]
+
+
+def expand_shards(spec: str) -> List[str]:
+    """Brace-expand one source; a local folder stands for its ``*.tar`` files (img2dataset's layout)."""
+    import braceexpand
+
+    if not REMOTE.match(spec) and os.path.isdir(spec):
+        tars = sorted(glob.glob(os.path.join(spec, "*.tar")))
+        if not tars:
+            raise DatasetConfigError(f"dataset.params.path: folder {spec} holds no .tar shard")
+        return tars
+    return list(braceexpand.braceexpand(spec))
+
+
+def open_stream(url: str, timeout: float):
+    """A readable binary stream for a local path, ``http(s)://`` URL or ``pipe:`` command (or any scheme
+    ``webdataset.gopen`` knows). http(s) uses urllib with a timeout, so an unreachable host fails fast
+    (webdataset's curl retries for about a minute)."""
+    if url.startswith(("http://", "https://")):
+        try:
+            return urllib.request.urlopen(url, timeout=timeout)
+        except (urllib.error.URLError, OSError, ValueError) as exn:
+            raise ShardError("shard_unreachable", f"{url}: {exn}") from exn
+    if not REMOTE.match(url) and not url.startswith("file:"):
+        if not os.path.exists(url):
+            raise ShardError("shard_missing", f"{url}: no such file")
+    from webdataset import gopen
+
+    try:
+        return gopen.gopen(url)
+    except FileNotFoundError as exn:
+        raise ShardError("shard_missing", f"{url}: {exn}") from exn
+    except Exception as exn:  # any scheme-specific failure: the shard is skipped, the run goes on
+        raise ShardError("shard_unreadable", f"{url}: {exn}") from exn
+
+
+def _split_name(name: str):
+    """'dir/abc.seg.jpg' -> ('dir/abc', 'seg.jpg'): webdataset's rule (the key ends at the first dot of
+    the basename)."""
+    from webdataset.tariterators import base_plus_ext
+
+    return base_plus_ext(name)
+
+
+def iter_tar_samples(url: str, timeout: float, stats: Stats) -> Iterator[Dict[str, Any]]:
+    """Members of one tar grouped by key, in order: ``{"__key__": key, ext: bytes, ...}``.
+
+    A missing or unreachable shard raises :class:`ShardError` before anything is yielded; a tar that breaks
+    part-way (truncated, corrupt header) yields the complete samples before the break and then stops,
+    counted as ``skipped/shard_truncated``.
+    """
+    stream = open_stream(url, timeout)
+    current: Optional[Dict[str, Any]] = None
+    n_members = 0
+    try:
+        try:
+            tar = tarfile.open(fileobj=stream, mode="r|*")
+        except (tarfile.TarError, OSError, EOFError) as exn:
+            raise ShardError("shard_unreadable", f"{url}: not a readable tar ({exn})") from exn
+        try:
+            for info in tar:
+                if not info.isreg():
+                    continue
+                prefix, suffix = _split_name(info.name)
+                base = os.path.basename(info.name)
+                if prefix is None or (base.startswith("__") and base.endswith("__")):
+                    continue
+                data = tar.extractfile(info).read()
+                n_members += 1
+                tar.members = []  # streaming: do not keep every TarInfo of the shard in memory
+                suffix = suffix.lower()
+                if current is None or current["__key__"] != prefix:
+                    if current is not None:
+                        yield current
+                    current = {"__key__": prefix}
+                if suffix in current:
+                    stats.skip("duplicate_member", f"{url}: {info.name} appears twice; keeping the first")
+                    continue
+                current[suffix] = data
+        except (tarfile.TarError, OSError, EOFError, ValueError) as exn:
+            # Truncated or corrupt: keep what was complete, drop the sample being read, stop the shard.
+            if n_members == 0 and current is None:
+                raise ShardError("shard_unreadable", f"{url}: {exn}") from exn
+            stats.skip("shard_truncated", f"{url}: stopped after {n_members} members ({exn})")
+            current = None
+        if current is not None:
+            yield current
+    finally:
+        try:
+            stream.close()
+        except Exception as exn:  # a pipe: command that failed reports here; its samples were already read
+            stats.skip("shard_unreadable", f"{url}: closing the stream failed ({exn})")
+
+
+class WebDatasetSource(Source):
+    """Tar shards (WebDataset / img2dataset layout): ``key.jpg``, ``key.txt``, ``key.json``, ``key.cls``."""
+
+    def __init__(self, spec: str, params):
+        super().__init__(name=spec, units=expand_shards(spec))
+        self.image_keys = [k.strip().lower() for k in str(params.image_keys).split(";") if k.strip()]
+        self.caption_key = str(params.caption_key).lower()
+        self.metadata_key = str(params.metadata_key).lower()
+        self.cls_key = str(params.cls_key).lower()
+        self.timeout = float(params.io_timeout)
+        self.num_samples = _sizes_json_total(spec, self.units)
+
+    def read(self, unit: str, stats: Stats) -> Iterator[Dict[str, Any]]:
+        for members in iter_tar_samples(unit, self.timeout, stats):
+            image = None
+            for k in self.image_keys:
+                if k in members:
+                    image = members[k]
+                    break
+            yield {
+                "key": members["__key__"],
+                "url": unit,
+                "image": image,
+                "image_path": None,
+                "caption": members.get(self.caption_key),
+                "meta_raw": members.get(self.metadata_key),
+                "cls": members.get(self.cls_key),
+            }
+
+
+def _sizes_json_total(spec: str, units: Sequence[str]) -> Optional[int]:
+    """Total samples from a ``sizes.json`` ({shard basename: count}) next to local shards, if complete."""
+    if not units or REMOTE.match(units[0]):
+        return None
+    folder = os.path.dirname(units[0])
+    path = os.path.join(folder, "sizes.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            sizes = json.load(fh)
+        return int(sum(int(sizes[os.path.basename(u)]) for u in units))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_image_path(path: str, timeout: float) -> bytes:
+    """Bytes of an image given by a local path or an http(s) URL (parquet/CSV/folder sources)."""
+    if path.startswith(("http://", "https://")):
+        with urllib.request.urlopen(path, timeout=timeout) as resp:
+            return resp.read()
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def build_sources(kind: str, params) -> List[Source]:
+    """The sources of ``dataset.params.path`` for ``dataset.type`` (canonical name)."""
+    specs = split_sources(params.path)
+    if not specs:
+        raise DatasetConfigError("dataset.params.path is empty")
+    if kind == "WebDataset":
+        return [WebDatasetSource(s, params) for s in specs]
+    if kind in ("parquet", "CSV"):
+        from .tables import CSVSource, ParquetSource
+
+        cls = ParquetSource if kind == "parquet" else CSVSource
+        return [cls(s, params) for s in specs]
+    if kind == "folder":
+        from .folders import FolderSource
+
+        return [FolderSource(s, params) for s in specs]
+    raise DatasetConfigError(f"dataset.type={kind}: no reader")  # canonical_type() rejects it earlier
+
+
+def io_bytes(data: Any) -> io.BytesIO:
+    return io.BytesIO(data if isinstance(data, (bytes, bytearray)) else bytes(data))

@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny random-weight pipeline and generated-shapes shards, built once per session."""
+
+import os
+
+import pytest
+
+# Nothing in the tests may reach a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    from sd_training.tiny import make_tiny_pipeline
+
+    return make_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "pipeline")
+
+
+@pytest.fixture(scope="session")
+def shapes_shards(tmp_path_factory):
+    """4 shards x 32 generated 64 px images; returns the brace pattern."""
+    from sd_training.data.synthetic import write_shapes_shards
+
+    return write_shapes_shards(tmp_path_factory.mktemp("shapes"), n_samples=128, n_shards=4, size=64, seed=0)
+
+
+def train_args(tmp_path, pipeline, shards, name="run", **overrides):
+    """Command-line style arguments of a tiny CPU run; ``overrides`` as key=value."""
+    args = {
+        "experiment.log_dir": str(tmp_path / "runs"),
+        "experiment.name": name,
+        "experiment.num_examples_to_see": 32,
+        "experiment.save_every": 1000,
+        "experiment.log_every": 1,
+        "experiment.sample_steps": 2,
+        "experiment.sample_per_prompt": 1,
+        "experiment.sample_prompts": "[a red circle on a blue background]",
+        "system.batch_size": 4,
+        "system.workers": 0,
+        "system.device": "cpu",
+        "model.pretrained": str(pipeline),
+        "dataset.params.path": shards,
+        "dataset.params.resolution": 64,
+        "wandb.mode": "disabled",
+        "optimizer.params.learning_rate": 1e-3,
+        "lr_scheduler.params.warmup_length": 2,
+    }
+    args.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return [f"{k}={v}" for k, v in args.items()]
