@@ -5,15 +5,16 @@ Tests copy it as ``train.py`` into a scratch directory and submit ``batch_files/
 ``srun`` (or per worker under torchrun), with ``config=PATH key=value ...`` arguments.
 
 Per process it writes ``<out>/<event>.r<restart>.rank<rank>`` marker files (``start``, ``signal``,
-``exit``) holding a JSON line, and prints the same events. On SIGUSR1/SIGTERM it does what the
+``saved``, ``requeue``, ``exit``) holding a JSON line, and prints the same events. On SIGUSR1/SIGTERM it does what the
 trainer does: set a flag, act at the next "step" (0.1 s), rank 0 runs ``scontrol requeue
-$SLURM_JOB_ID`` (first run only, unless ``requeue=always``), every rank exits 0. Without a signal it
+$SLURM_JOB_ID`` (first run only, unless ``requeue=always``), every rank exits 0. ``save_seconds``
+stands for the time a checkpoint save takes between the signal and the requeue. Without a signal it
 exits 0 after ``steps`` steps (the restarted run uses ``restart_steps``).
 
     python requeue_probe.py config=ignored out=/tmp/markers steps=600 restart_steps=5
 
 Arguments (``key=value``): out (required), steps [600], restart_steps [5], requeue [once|always|never],
-allreduce [0|1]: if 1, join torch.distributed (gloo, env://) and all_reduce the ranks once at start.
+save_seconds [0], allreduce [0|1]: if 1, join torch.distributed (gloo, env://) and all_reduce the ranks once at start.
 """
 
 from __future__ import annotations
@@ -46,11 +47,14 @@ def main(argv: list[str]) -> int:
 
     def record(event: str, **extra) -> None:
         data = {"event": event, "rank": rank, "world": world, "restart": restart, "job": job,
-                "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), **extra}
+                "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "netns": netns,
+                "pid": os.getpid(), "time": time.time(), **extra}
         line = json.dumps(data)
         (out / f"{event}.r{restart}.rank{rank}").write_text(line + "\n")
         print(f"probe {line}", flush=True)
 
+    parent = os.getppid()
+    netns = os.readlink("/proc/self/ns/net") if os.path.exists("/proc/self/ns/net") else ""
     caught: list[int] = []
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: caught.append(signum))
@@ -60,7 +64,8 @@ def main(argv: list[str]) -> int:
         import torch
         import torch.distributed as dist
 
-        dist.init_process_group("gloo")
+        # Explicit rank/world: under plain srun only SLURM_PROCID/SLURM_NTASKS are set, not RANK.
+        dist.init_process_group("gloo", rank=rank, world_size=world)
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         extra = {"allreduce": t.item(), "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
@@ -72,6 +77,9 @@ def main(argv: list[str]) -> int:
         if caught:
             name = signal.Signals(caught[0]).name
             record("signal", signal=name, step=step)
+            time.sleep(float(args.get("save_seconds", 0)))  # a checkpoint save takes a while
+            # parent_same: the launcher (srun's slurmstepd or torchrun) outlived the save.
+            record("saved", step=step, parent_same=os.getppid() == parent)
             policy = args.get("requeue", "once")
             if rank == 0 and job and (policy == "always" or (policy == "once" and restart == 0)):
                 r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)

@@ -176,17 +176,27 @@ class Trainer:
                 self.trackers.close()
 
     def _micro_step(self, batch: dict, sync: bool):
-        """Forward and backward of one micro-batch; gradients are all-reduced only when ``sync``."""
+        """Forward and backward of one micro-batch; gradients are all-reduced only when ``sync``.
+
+        A batch carries ``pixel_values`` (encoded here by the frozen VAE) or ``latents`` (precomputed,
+        already scaled). ``noise`` / ``timesteps`` may be given (validation at fixed ones); else drawn.
+        """
         cfg = self.cfg
-        pixels = batch["pixel_values"].to(self.device, non_blocking=True)
         ids = batch["input_ids"].to(self.device, non_blocking=True)
         no_sync = self.model.no_sync() if (self.info.is_distributed and not sync) else contextlib.nullcontext()
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        fixed = {k: batch[k].to(self.device) for k in ("noise", "timesteps") if k in batch}
         with no_sync:
             with autocast:
-                latents = encode_images(self.models.vae, pixels, self.models.latent_scale)
+                if "latents" in batch:
+                    latents = batch["latents"].to(self.device, non_blocking=True)
+                else:
+                    pixels = batch["pixel_values"].to(self.device, non_blocking=True)
+                    latents = encode_images(self.models.vae, pixels, self.models.latent_scale)
                 hidden = encode_text(self.models.text_encoder, ids)
-                loss, per_sample, timesteps = diffusion_loss(self.model, self.models.noise_scheduler, latents, hidden)
+                loss, per_sample, timesteps = diffusion_loss(
+                    self.model, self.models.noise_scheduler, latents.float(), hidden, **fixed
+                )
             self.scaler.scale(loss / cfg.system.gradient_accumulation).backward()
         return loss.detach(), per_sample, timesteps
 

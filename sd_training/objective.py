@@ -31,15 +31,21 @@ def training_target(noise_scheduler, latents: torch.Tensor, noise: torch.Tensor,
     raise ValueError(f"unsupported prediction_type '{kind}' in the training noise scheduler")
 
 
-def diffusion_loss(unet, noise_scheduler, latents: torch.Tensor, encoder_hidden_states: torch.Tensor):
+def diffusion_loss(
+    unet, noise_scheduler, latents: torch.Tensor, encoder_hidden_states: torch.Tensor,
+    noise: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
+):
     """Mean-squared error of the UNet's prediction; also returns the per-sample losses and timesteps.
 
-    Draws noise and timesteps from the global torch RNG of the latents' device, which the checkpoint
-    saves and restores, so a resumed run draws the same ones.
+    Noise and timesteps not given are drawn from the global torch RNG of the latents' device, which the
+    checkpoint saves and restores, so a resumed run draws the same ones. Fixed ones give a loss that is
+    comparable across steps (validation).
     """
-    noise = torch.randn_like(latents)
-    bsz = latents.shape[0]
-    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (bsz,), device=latents.device).long()
+    if noise is None:
+        noise = torch.randn_like(latents)
+    if timesteps is None:
+        timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
+    timesteps = timesteps.long()
     noisy = noise_scheduler.add_noise(latents, noise, timesteps)
     target = training_target(noise_scheduler, latents, noise, timesteps)
     pred = unet(noisy, timesteps, encoder_hidden_states, return_dict=False)[0]

@@ -1,0 +1,111 @@
+"""Training data: sources (WebDataset, parquet, CSV, folders), filters, captions, buckets, resumable loader.
+
+    loader = build_train_loader(cfg.dataset, tokenizer=tok, rank=r, world_size=n, seed=cfg.seed)
+    for batch in loader:            # forever
+        batch["pixel_values"], batch["input_ids"], batch["captions"]
+    ckpt["data"] = loader.state_dict()      # ... later: loader.load_state_dict(ckpt["data"])
+    log(loader.stats())
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List
+
+from .config import DatasetConfig, DatasetConfigError, DatasetParams, TagParams, canonical_type, validate_dataset_config
+from .loader import TrainLoader, describe
+from .samples import SampleProcessor
+from .sources import REMOTE, Source, build_sources
+from .stats import log
+from .stream import Plan
+
+__all__ = [
+    "DatasetConfig",
+    "DatasetConfigError",
+    "DatasetParams",
+    "TagParams",
+    "TrainLoader",
+    "build_train_loader",
+    "validate_dataset_config",
+]
+
+
+def _as_int(value: Any, key: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise DatasetConfigError(f"dataset.params.{key}={value!r} is not an integer (unresolved interpolation?)") from None
+
+
+def _check_local_units(kind: str, sources: List[Source]) -> None:
+    """Missing local shards: all missing in a source is an error naming it; some missing is a warning."""
+    if kind != "WebDataset":
+        return
+    for src in sources:
+        local = [u for u in src.units if not REMOTE.match(u)]
+        missing = [u for u in local if not os.path.exists(u.removeprefix("file:"))]
+        if local and len(missing) == len(src.units):
+            raise DatasetConfigError(
+                f"dataset.params.path: none of the {len(src.units)} shard(s) of source {src.name!r} exists "
+                f"(first: {missing[0]}); check the path and the brace range"
+            )
+        if missing:
+            log.warning(
+                "data: %d of %d shards of %s do not exist (e.g. %s); they will be skipped and counted",
+                len(missing), len(src.units), src.name, missing[0],
+            )
+
+
+def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: int, seed: int) -> TrainLoader:
+    """The training loader of one rank (see :class:`TrainLoader` for batches, resume and stats)."""
+    validate_dataset_config(cfg)
+    kind = canonical_type(cfg.type)
+    p = cfg.params
+    batch_size = _as_int(p.batch_size, "batch_size")
+    workers = _as_int(p.workers, "workers")
+    try:
+        num_examples = int(p.num_examples_to_see)
+    except (TypeError, ValueError):
+        num_examples = None
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+
+    sources = build_sources(kind, p)
+    units = [(i, u) for i, src in enumerate(sources) for u in src.units]
+    if not units:
+        raise DatasetConfigError(f"dataset.params.path={p.path!r}: found no shard, file or row group to read")
+    _check_local_units(kind, sources)
+    slots = world_size * max(1, workers)
+    if len(units) < slots:
+        msg = (
+            f"dataset: {len(units)} units of work ({'shards' if kind == 'WebDataset' else 'row groups/chunks'}) "
+            f"for {world_size} rank(s) x {max(1, workers)} worker(s) = {slots} readers"
+        )
+        if not p.resampled:
+            raise DatasetConfigError(
+                msg + ": finite mode gives each reader whole units, so some would get none. Use more shards "
+                "(scripts/make_shards.py --samples-per-shard), fewer workers, or dataset.params.resampled=true"
+            )
+        log.warning("%s: fewer units than readers; resampled mode draws with replacement so this works, "
+                    "but readers often read the same shard at the same time", msg)
+
+    proc = SampleProcessor(p, kind, tokenizer)
+    plan = Plan(
+        sources=sources,
+        units=units,
+        seed=int(seed),
+        rank=int(rank),
+        world_size=int(world_size),
+        workers=workers,
+        resampled=bool(p.resampled),
+        batch_size=batch_size,
+        shuffle_buffer=_as_int(p.shuffle_buffer, "shuffle_buffer"),
+    )
+    loader = TrainLoader(plan, proc, num_examples_to_see=num_examples, kind=kind)
+    for line in describe(loader):
+        log.info(line)
+    if p.aspect_buckets:
+        from .buckets import bucket_table
+
+        log.info("data: aspect buckets (w x h, ratio): %s", bucket_table(proc.buckets))
+    return loader

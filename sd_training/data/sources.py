@@ -90,10 +90,10 @@ def open_stream(url: str, timeout: float):
     if not REMOTE.match(url) and not url.startswith("file:"):
         if not os.path.exists(url):
             raise ShardError("shard_missing", f"{url}: no such file")
-    from webdataset import gopen
+    from webdataset.gopen import gopen
 
     try:
-        return gopen.gopen(url)
+        return gopen(url)
     except FileNotFoundError as exn:
         raise ShardError("shard_missing", f"{url}: {exn}") from exn
     except Exception as exn:  # any scheme-specific failure: the shard is skipped, the run goes on

@@ -1,0 +1,108 @@
+"""Image decoding and geometry: header probe, reduced-scale JPEG decode, resize, crop, flip.
+
+The order matters for speed: the header (size, format) is read without decoding, so too-small images are
+dropped for free and JPEGs much larger than the target are decoded at 1/2, 1/4 or 1/8 scale by libjpeg
+(PIL ``draft``), which is several times faster than a full decode followed by a resize.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Optional, Tuple
+
+import numpy as np
+from PIL import Image
+
+# Refuse absurd images (decompression bombs) instead of letting a worker allocate gigabytes.
+MAX_PIXELS = 16384 * 16384
+Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+
+
+class ImageError(Exception):
+    """An image that cannot be used; ``reason`` is the skip counter name."""
+
+    def __init__(self, reason: str, msg: str):
+        super().__init__(msg)
+        self.reason = reason
+
+
+def open_image(data: bytes) -> Image.Image:
+    """Open (header only, nothing decoded yet)."""
+    if not data:
+        raise ImageError("empty_image", "0 bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exn:
+        raise ImageError("image_too_large", str(exn)) from exn
+    except Exception as exn:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ValueError...
+        raise ImageError("corrupt_image", f"cannot identify image ({exn})") from exn
+
+
+def cover_size(width: int, height: int, out_w: int, out_h: int) -> Tuple[int, int]:
+    """Size of ``width x height`` scaled (aspect kept) to cover ``out_w x out_h`` exactly on one side."""
+    scale = max(out_w / width, out_h / height)
+    return max(out_w, round(width * scale)), max(out_h, round(height * scale))
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """RGB; transparent pixels become white (what a viewer shows), not the black of a plain convert."""
+    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def decode_resized(
+    img: Image.Image,
+    out_w: int,
+    out_h: int,
+    *,
+    center_crop: bool,
+    flip: bool,
+    rng: Optional[np.random.Generator],
+    fast_decode: bool = True,
+) -> np.ndarray:
+    """Decode ``img`` (from :func:`open_image`), resize to cover ``out_w x out_h``, crop, maybe flip.
+
+    Returns uint8 HxWx3. ``rng`` picks the random crop offset (``center_crop=False``).
+    """
+    width, height = img.size
+    try:
+        if fast_decode and img.format == "JPEG":
+            need_w, need_h = cover_size(width, height, out_w, out_h)
+            if need_w * 2 <= width:  # at least a 2x reduction is possible: let libjpeg do it (DCT scaling)
+                img.draft("RGB", (need_w, need_h))  # picks the smallest 1/2^k scale still >= the request
+        img = _to_rgb(img)
+    except ImageError:
+        raise
+    except Exception as exn:  # truncated or corrupt data shows up at decode time
+        raise ImageError("corrupt_image", f"decode failed ({exn})") from exn
+    rw, rh = cover_size(img.width, img.height, out_w, out_h)
+    if (rw, rh) != img.size:
+        img = img.resize((rw, rh), Image.BICUBIC, reducing_gap=None)
+    if center_crop or rng is None:
+        left, top = (rw - out_w) // 2, (rh - out_h) // 2
+    else:
+        left = int(rng.integers(0, rw - out_w + 1))
+        top = int(rng.integers(0, rh - out_h + 1))
+    if (left, top, rw, rh) != (0, 0, out_w, out_h):
+        img = img.crop((left, top, left + out_w, top + out_h))
+    if flip:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    arr = np.asarray(img, dtype=np.uint8)
+    if arr.shape != (out_h, out_w, 3):  # defensive: PIL modes we did not foresee
+        raise ImageError("corrupt_image", f"unexpected decoded shape {arr.shape}")
+    return arr
+
+
+def to_pixel_values(images: np.ndarray):
+    """uint8 [B,H,W,3] -> float32 tensor [B,3,H,W] in [-1, 1]."""
+    import torch
+
+    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float()
+    return x.div_(127.5).sub_(1.0).contiguous()
+

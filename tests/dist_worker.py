@@ -1,0 +1,55 @@
+"""Run under torchrun (or alone): N optimizer steps on a fixed global batch split across ranks.
+
+    python tests/dist_worker.py OUT.pt key=value ...      (the same tiny-run overrides the tests use)
+
+Every rank builds the same global batch (latents, token ids, noise, timesteps) from a fixed seed and
+takes its slice, so 1 rank x batch 2b and 2 ranks x batch b see exactly the same samples. Rank 0 saves
+the final UNet parameters to OUT.pt.
+"""
+
+import sys
+
+import torch
+
+from sd_training import distributed
+from sd_training.config import load
+from sd_training.loop import Trainer
+
+STEPS = 3
+GLOBAL_BATCH = 8
+
+
+def main(out: str, argv: list[str]) -> None:
+    cfg = load(argv)
+    info = distributed.setup(cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url)
+    try:
+        t = Trainer(cfg, info)
+        t._setup()
+        accum, b = cfg.system.gradient_accumulation, cfg.system.batch_size
+        assert b * accum * info.world_size == GLOBAL_BATCH, "the config must split the global batch exactly"
+        g = torch.Generator().manual_seed(1234)
+        ids = t.models.tokenizer(
+            [f"a {c} shape number {i}" for i, c in enumerate(["red", "green", "blue", "black"] * 2)],
+            padding="max_length", max_length=t.models.tokenizer.model_max_length, truncation=True, return_tensors="pt",
+        ).input_ids
+        for _ in range(STEPS):
+            full = {
+                "latents": torch.randn(GLOBAL_BATCH, 4, 8, 8, generator=g),
+                "input_ids": ids,
+                "noise": torch.randn(GLOBAL_BATCH, 4, 8, 8, generator=g),
+                "timesteps": torch.randint(0, 1000, (GLOBAL_BATCH,), generator=g),
+            }
+            # Global index layout: micro-batch m of rank r holds rows [(m * W + r) * b, ... + b).
+            for m in range(accum):
+                lo = (m * info.world_size + info.rank) * b
+                t._micro_step({k: v[lo : lo + b] for k, v in full.items()}, sync=(m == accum - 1))
+            t._optimizer_step()
+        if info.is_main:
+            torch.save({k: v.detach().clone() for k, v in t.unet.state_dict().items()}, out)
+        distributed.barrier()
+    finally:
+        distributed.teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

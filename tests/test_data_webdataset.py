@@ -1,0 +1,216 @@
+"""WebDataset path end to end on real tar shards: batches, determinism, distribution, resume, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from data_fixtures import (
+    all_keys,
+    assert_same_batches,
+    loader,
+    make_cfg,
+    png_bytes,
+    take,
+    tokenizer,
+    webp_bytes,
+    write_shards,
+    write_tar,
+)
+from sd_training.data import DatasetConfigError, build_train_loader
+from sd_training.data.synthetic import COLOURS, SHAPES, write_shapes_shards
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    return write_shapes_shards(str(tmp_path_factory.mktemp("shapes")), n_samples=48, n_shards=8, size=64, seed=0)
+
+
+def test_shapes_dataset_is_real_and_deterministic(tmp_path):
+    pat_a = write_shapes_shards(str(tmp_path / "a"), 12, 3, size=48, seed=3)
+    pat_b = write_shapes_shards(str(tmp_path / "b"), 12, 3, size=48, seed=3)
+    assert pat_a.endswith("shapes-{000000..000002}.tar")
+    sizes = json.loads((tmp_path / "a" / "sizes.json").read_text())
+    assert sizes == {"shapes-000000.tar": 4, "shapes-000001.tar": 4, "shapes-000002.tar": 4}
+    for name in sizes:
+        with tarfile.open(tmp_path / "a" / name) as ta, tarfile.open(tmp_path / "b" / name) as tb:
+            ma = {m.name: ta.extractfile(m).read() for m in ta.getmembers()}
+            mb = {m.name: tb.extractfile(m).read() for m in tb.getmembers()}
+        assert ma == mb
+        for member, data in ma.items():
+            if member.endswith(".json"):
+                meta = json.loads(data)
+                caption = ma[member.replace(".json", ".txt")].decode()
+                assert meta["shape"] in SHAPES and meta["colour"] in COLOURS
+                assert caption.endswith(f"{meta['colour']} {meta['shape']} on a {meta['background']} background")
+                assert (meta["width"], meta["height"]) == (48, 48)
+
+
+def test_batches_have_the_contracted_types_and_content(shapes):
+    tok = tokenizer()
+    batches = take(loader(shapes, resolution=32, batch_size=4), 6)
+    for b in batches:
+        assert b["pixel_values"].shape == (4, 3, 32, 32) and b["pixel_values"].dtype == torch.float32
+        assert b["pixel_values"].min() >= -1.0 and b["pixel_values"].max() <= 1.0
+        assert b["input_ids"].shape == (4, tok.model_max_length) and b["input_ids"].dtype == torch.int64
+        assert isinstance(b["captions"], list) and len(b["captions"]) == 4
+        assert not any(k.startswith("_") for k in b)
+        expected = tok(b["captions"], padding="max_length", truncation=True, max_length=77, return_tensors="pt")
+        assert torch.equal(b["input_ids"], expected.input_ids)
+        # The pixels are the captioned picture: the centre is the shape's colour (JPEG, so approximately).
+        for img, cap in zip(b["pixel_values"], b["captions"]):
+            colour = cap.split()[1]
+            centre = ((img[:, 14:18, 14:18].mean(dim=(1, 2)) + 1) * 127.5).numpy()
+            assert np.abs(centre - np.array(COLOURS[colour])).max() < 40, (cap, centre)
+
+
+def test_png_webp_and_key_order(tmp_path):
+    samples = [
+        {"__key__": "a", "png": png_bytes(), "txt": "png one"},
+        {"__key__": "b", "webp": webp_bytes(), "txt": "webp one"},
+        {"__key__": "c", "png": png_bytes(mode="RGBA"), "txt": "rgba one"},
+        {"__key__": "d", "jpg": webp_bytes(colour=(0, 0, 0)), "png": png_bytes(colour=(255, 255, 255)), "txt": "both"},
+    ]
+    path = write_tar(str(tmp_path / "one.tar"), samples)
+    b = take(loader(path, batch_size=4, shuffle_buffer=1, resampled=True), 1)[0]
+    assert b["keys"] == ["a", "b", "c", "d"]
+    px = (b["pixel_values"] + 1) * 127.5
+    assert px[0, 1].mean() > 190 and px[1, 2].mean() > 190  # green png, blue webp
+    assert px[2].mean() > 100  # RGBA composited on white, not black
+    assert px[3].mean() < 5  # 'jpg' comes first in image_keys (its bytes are a webp: the format is sniffed)
+    b2 = take(loader(path, batch_size=4, shuffle_buffer=1, resampled=True, image_keys="png;jpg;webp"), 1)[0]
+    assert ((b2["pixel_values"][3] + 1) * 127.5).mean() > 250
+
+
+def test_same_seed_same_batches_other_seed_other_batches(shapes):
+    for workers in (0, 2):
+        a = take(loader(shapes, seed=1, workers=workers, resampled=True), 5)
+        b = take(loader(shapes, seed=1, workers=workers, resampled=True), 5)
+        c = take(loader(shapes, seed=2, workers=workers, resampled=True), 5)
+        assert_same_batches(a, b)
+        assert all_keys(a) != all_keys(c)
+
+
+def test_workers_and_ranks_read_disjoint_shards_in_finite_mode(tmp_path):
+    # Uneven shards (sizes 1..9), 2 ranks x 2 workers: every sample exactly once in epoch 0, and every
+    # rank keeps producing batches (an infinite stream: no rank runs dry at an epoch end).
+    sizes = [5, 1, 9, 3, 7, 2, 8, 4, 6, 3]
+    pattern = write_shards(str(tmp_path), sizes)
+    total = sum(sizes)
+    seen = []
+    for rank in range(2):
+        batches = take(loader(pattern, rank=rank, world_size=2, workers=2, batch_size=2, shuffle_buffer=1), 40)
+        assert len(batches) == 40
+        for b in batches:
+            seen += [k for k, e in zip(b["keys"], b["epochs"]) if e == 0]
+    assert sorted(seen) == sorted(f"s{i:05d}" for i in range(total))
+
+
+def test_finite_epochs_are_reshuffled_and_cover_everything(tmp_path):
+    pattern = write_shards(str(tmp_path), [4] * 6)
+    batches = take(loader(pattern, batch_size=4, shuffle_buffer=1), 18)  # 3 epochs of 24 samples
+    by_epoch = {}
+    for b in batches:
+        for k, e in zip(b["keys"], b["epochs"]):
+            by_epoch.setdefault(e, []).append(k)
+    assert sorted(by_epoch) == [0, 1, 2]
+    for e in range(3):
+        assert sorted(by_epoch[e]) == [f"s{i:05d}" for i in range(24)]
+    assert by_epoch[0] != by_epoch[1]  # shard order differs per epoch (seed + epoch)
+
+
+def test_brace_and_double_colon_sources(tmp_path):
+    a = write_shards(str(tmp_path / "a"), [3, 3], prefix="a")
+    b = write_shards(str(tmp_path / "b"), [3], prefix="b", start=6)
+    batches = take(loader(f"{a}::{b}", batch_size=3, shuffle_buffer=1), 3)
+    assert len(set(all_keys(batches))) == 9
+    # A folder of .tar files (img2dataset's output layout) is a source too.
+    batches = take(loader(str(tmp_path / "a"), batch_size=3, shuffle_buffer=1), 2)
+    assert sorted(all_keys(batches)) == [f"s{i:05d}" for i in range(6)]
+
+
+def test_pipe_source(tmp_path):
+    pattern = write_shards(str(tmp_path), [4, 4])
+    pipe = "pipe:cat " + pattern
+    batches = take(loader(pipe, batch_size=4, shuffle_buffer=1, workers=0), 2)
+    assert sorted(all_keys(batches)) == [f"s{i:05d}" for i in range(8)]
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_exactly(tmp_path, resampled, workers):
+    pattern = write_shards(str(tmp_path), [7, 5, 9, 6, 8, 4])
+    kw = dict(batch_size=3, shuffle_buffer=6, workers=workers, resampled=resampled, random_flip=0.5,
+              center_crop=False, caption_dropout=0.3)
+    n, k = 16, 7
+    straight = take(loader(pattern, seed=5, **kw), n)
+
+    first = loader(pattern, seed=5, **kw)
+    it = iter(first)
+    head = [next(it) for _ in range(k)]
+    state = first.state_dict()
+    stats_at_k = first.stats()
+    del it  # the "crash"
+    torch.save(state, tmp_path / "state.pt")
+    restored = loader(pattern, seed=5, **kw)
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    tail = take(restored, n - k)
+    assert_same_batches(straight, head + tail)
+    assert restored.stats()["samples_seen"] == n * 3
+    assert stats_at_k["samples_seen"] == k * 3
+
+
+def test_state_dict_describes_consumed_batches_not_prefetched_ones(shapes):
+    ld = loader(shapes, workers=2, batch_size=2, resampled=True)
+    it = iter(ld)
+    next(it)
+    next(it)
+    next(it)
+    sd = ld.state_dict()
+    assert sd["batches"] == 3 and sorted(sd["worker_states"]) == ["0", "1"]
+    assert sd["worker_states"]["0"]["batches"] == 2 and sd["worker_states"]["1"]["batches"] == 1
+    assert ld.stats()["samples_seen"] == 6
+
+
+def test_stats_aggregate_across_workers(tmp_path):
+    pattern = write_shards(str(tmp_path), [6] * 4, meta=lambda i: {"q": i % 3})
+    for workers in (0, 2):
+        ld = loader(pattern, workers=workers, batch_size=2, filters={"q": "<=1"}, shuffle_buffer=1)
+        take(ld, 8)  # 16 samples kept of 24 per epoch
+        st = ld.stats()
+        assert st["samples_seen"] == 16
+        assert st["filter/q/checked"] == st["samples_read"]
+        assert st["filter/q/passed"] == st["filter/q/checked"] - st["skipped/filter:q"]
+        assert 0.5 < st["filter/q/pass_rate"] < 0.8
+
+
+def test_too_few_shards_for_readers_is_an_error_with_numbers(tmp_path):
+    pattern = write_shards(str(tmp_path), [4, 4, 4])
+    with pytest.raises(DatasetConfigError, match=r"3 units .* 2 rank\(s\) x 2 worker\(s\) = 4 readers"):
+        loader(pattern, world_size=2, rank=0, workers=2, resampled=False)
+    loader(pattern, world_size=2, rank=0, workers=2, resampled=True)  # resampled: a warning only
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(DatasetConfigError, match="none of the 3 shard"):
+        loader(str(tmp_path / "nope-{0..2}.tar"))
+
+
+def test_distributed_ranks_never_share_a_batch(shapes):
+    a = take(loader(shapes, rank=0, world_size=2, workers=1, resampled=False, batch_size=3), 4)
+    b = take(loader(shapes, rank=1, world_size=2, workers=1, resampled=False, batch_size=3), 4)
+    assert not set(all_keys(a)) & set(all_keys(b))
+
+
+def test_build_train_loader_contract_signature(shapes):
+    cfg = make_cfg(shapes)
+    ld = build_train_loader(cfg, tokenizer=tokenizer(), rank=0, world_size=1, seed=0)
+    assert ld.steps_total == 1000 // 4
+    assert ld.num_samples == 48  # from sizes.json
+    assert set(ld.stats()) >= {"samples_seen", "samples_read", "skipped_total", "epoch"}
+    assert os.path.basename(shapes).startswith("shapes-")

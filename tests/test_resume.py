@@ -1,0 +1,168 @@
+"""Exact resume: N steps straight == k steps, process killed, restarted, N-k steps (bit-identical)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import train_args
+from sd_training.checkpoint import Checkpointer, complete_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 9
+
+
+def args_for(tmp_path, pipeline, shards, name, **kw):
+    base = {
+        "experiment.num_examples_to_see": 4 * N,
+        "experiment.checkpoint_every": 3,
+        "experiment.keep_last_checkpoints": 10,
+        "experiment.sample_per_prompt": 0,
+        "dataset.params.resampled": "false",
+        "model.use_ema": "true",
+        "model.ema.decay": 0.9,
+    }
+    base.update(kw)
+    return train_args(tmp_path, pipeline, shards, name=name, **base)
+
+
+def launch(tmp_path, args, nproc=1):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    else:
+        from test_distributed import free_port
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(ROOT / "train.py"), *args]
+    return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(p, timeout=600):
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, out[-4000:]
+    return out
+
+
+def kill_after_checkpoint(p, ckpt_root: Path, step: int, timeout=600):
+    """SIGKILL the whole process group as soon as checkpoint ``step`` is complete."""
+    deadline = time.time() + timeout
+    while step not in complete_steps(ckpt_root):
+        assert p.poll() is None, p.stdout.read()[-4000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def final_state(run: Path):
+    shared, _, ts = Checkpointer.load(run / "checkpoints" / f"step_{N:08d}", 0)
+    return shared, ts
+
+
+def assert_same(a, b, path=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a} != {b}"
+
+
+def losses(run: Path):
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards, nproc):
+    bs = 4 // nproc
+    straight = args_for(tmp_path, tiny_pipeline, shapes_shards, "straight", **{"system.batch_size": bs})
+    finish(launch(tmp_path, straight, nproc))
+
+    resumed = args_for(tmp_path, tiny_pipeline, shapes_shards, "resumed", **{"system.batch_size": bs})
+    run = tmp_path / "runs" / "resumed"
+    kill_after_checkpoint(launch(tmp_path, resumed, nproc), run / "checkpoints", 3)
+    first = complete_steps(run / "checkpoints")
+    out = finish(launch(tmp_path, resumed, nproc))
+    assert f"resumed from" in out
+    a, ta = final_state(tmp_path / "runs" / "straight")
+    b, tb = final_state(run)
+    for name in ("unet", "ema", "optimizer", "lr_scheduler"):
+        assert_same(a[name], b[name], name)
+    assert ta["step"] == tb["step"] == N and ta["images_seen"] == tb["images_seen"] == 4 * N
+    # The restarted run logged the same losses for the steps it re-did or continued.
+    la, lb = losses(tmp_path / "runs" / "straight"), losses(run)
+    for s in range(max(first) + 1, N + 1):
+        assert la[s] == lb[s], (s, la[s], lb[s])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_then_exits_and_resume_completes(tmp_path, tiny_pipeline, shapes_shards):
+    args = args_for(tmp_path, tiny_pipeline, shapes_shards, "term", **{"experiment.checkpoint_every": 1000,
+                                                                      "experiment.num_examples_to_see": 4 * 200})
+    run = tmp_path / "runs" / "term"
+    p = launch(tmp_path, args)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert p.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out = finish(p)
+    assert "stopped at step" in out
+    steps = complete_steps(run / "checkpoints")
+    assert len(steps) == 1 and 3 <= steps[0] < 200  # saved at the step boundary after the signal
+    # Not under SLURM: nothing is requeued; a restart continues from that step to the end.
+    out = finish(launch(tmp_path, args))
+    assert f"resumed from" in out and "at step %d" % steps[0] in out
+    assert complete_steps(run / "checkpoints")[-1] == 200
+
+
+KILL_DURING_SAVE = r"""
+import os, signal, sys, torch
+from sd_training import checkpoint
+root, kill_at = sys.argv[1], int(sys.argv[2])
+ck = checkpoint.Checkpointer(root, keep_last=1)
+calls = {"n": 0}
+real_save = torch.save
+def save(*a, **k):
+    calls["n"] += 1
+    if calls["n"] == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(*a, **k)
+torch.save = save
+ck.save(2, {"unet": {"w": torch.full((1000,), 2.0)}, "optimizer": {"s": 2}}, {"rng": 2, "data": 2}, {"step": 2}, "c: 2", rank=0)
+"""
+
+
+def test_sigkill_at_any_point_of_a_save_keeps_previous_checkpoint(tmp_path):
+    root = tmp_path / "ck"
+    Checkpointer(root, keep_last=1).save(
+        1, {"unet": {"w": torch.full((1000,), 1.0)}, "optimizer": {"s": 1}}, {"rng": 1, "data": 1}, {"step": 1}, "c: 1", rank=0)
+    # torch.save is called once per file: rank file, unet, optimizer. Kill before each, and after all.
+    for kill_at in (1, 2, 3, 4):
+        res = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(root), str(kill_at)], capture_output=True)
+        latest = Checkpointer(root).latest()
+        if kill_at <= 3:
+            assert res.returncode == -signal.SIGKILL
+            assert latest.name == "step_00000001"
+            shared, per_rank, ts = Checkpointer.load(latest, 0)
+            assert torch.equal(shared["unet"]["w"], torch.full((1000,), 1.0)) and ts == {"step": 1}
+        else:  # the save completed: step 2 is the newest and step 1 was retired (keep_last=1)
+            assert res.returncode == 0, res.stderr
+            assert latest.name == "step_00000002"
+            assert complete_steps(root) == [2]
