@@ -76,6 +76,10 @@ TERMINAL = {
 }
 
 
+# Pending reasons that mean "will not start without a human": fail instead of waiting out a timeout.
+HELD = {"launch_failed_requeued_held", "JobHeldAdmin", "JobHeldUser"}
+
+
 class SlurmError(RuntimeError):
     pass
 
@@ -180,7 +184,8 @@ class SlurmCluster:
         self.jobs_dir = self.workdir / "jobs"  # default --output/--error location
         self.node_names = ["localhost"] if nodes == 1 else [f"node{i + 1}" for i in range(nodes)]
         self.hosts: NetnsHosts | None = None
-        self._munge_dir: Path | None = None
+        self.sockets_dir: Path | None = None
+        self.munge_socket: Path | None = None
         self._procs: dict[str, subprocess.Popen] = {}
         self._started = False
         self._stopped = False
@@ -207,6 +212,13 @@ class SlurmCluster:
     def _start(self) -> None:
         for d in (self.workdir, self.log_dir, self.run_dir, self.jobs_dir, self.workdir / "state"):
             d.mkdir(parents=True, exist_ok=True)
+        # Unix sockets live here: munged's and slurmd's/slurmstepd's (in SlurmdSpoolDir). Socket
+        # paths are limited to 108 bytes, which pytest's tmp paths overrun, and munged wants every
+        # directory above its socket searchable by all, which pytest's 0700 dirs are not.
+        self.sockets_dir = Path(tempfile.mkdtemp(prefix="sdt-slurm-"))
+        self.sockets_dir.chmod(0o755)
+        for name in self.node_names:
+            (self.sockets_dir / f"spool-{name}").mkdir()
         if self.nodes > 1:
             self.hosts = NetnsHosts(self.node_names)
             self.hosts.create()
@@ -222,18 +234,14 @@ class SlurmCluster:
         self.wait_until(self._nodes_idle, self.start_timeout, f"node(s) {self.node_names} idle in sinfo")
 
     def _start_munged(self) -> None:
-        # A socket path must be short (108 bytes) and every directory above it searchable by all
-        # (munged checks), which pytest's 0700 tmp dirs are not: keep munge in its own /tmp dir.
-        self._munge_dir = Path(tempfile.mkdtemp(prefix="sdt-munge-"))
-        self._munge_dir.chmod(0o755)
-        key = self._munge_dir / "munge.key"
+        key = self.sockets_dir / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self.munge_socket = self._munge_dir / "munge.socket"
+        self.munge_socket = self.sockets_dir / "munge.socket"
         cmd = [
             str(SBIN / "munged"), "--foreground", f"--socket={self.munge_socket}",
             f"--key-file={key}", f"--pid-file={self.run_dir / 'munged.pid'}",
-            f"--log-file={self.log_dir / 'munged.log'}", f"--seed-file={self._munge_dir / 'seed'}",
+            f"--log-file={self.log_dir / 'munged.log'}", f"--seed-file={self.sockets_dir / 'seed'}",
         ]
         self._spawn("munged", cmd)
         self.wait_until(self.munge_socket.exists, 10, "munged's socket")
@@ -259,7 +267,7 @@ class SlurmCluster:
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={w / 'state'}",
-            f"SlurmdSpoolDir={w / 'spool-%n'}",
+            f"SlurmdSpoolDir={self.sockets_dir / 'spool-%n'}",
             f"SlurmctldPidFile={self.run_dir / 'slurmctld.pid'}",
             f"SlurmdPidFile={self.run_dir / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={self.log_dir / 'slurmctld.log'}",
@@ -345,8 +353,8 @@ class SlurmCluster:
                 pass
         if self.hosts is not None:
             self.hosts.destroy()
-        if self._munge_dir is not None:
-            shutil.rmtree(self._munge_dir, ignore_errors=True)
+        if self.sockets_dir is not None:
+            shutil.rmtree(self.sockets_dir, ignore_errors=True)
 
     @staticmethod
     def _comm(pid: int) -> str:
@@ -443,8 +451,8 @@ class SlurmCluster:
             state = seen.get("JobState", "")
             if state in wanted:
                 return dict(seen)
-            if state in TERMINAL:
-                raise SlurmError(f"job {job_id} ended {state} (ExitCode={seen.get('ExitCode')}), "
+            if state in TERMINAL or seen.get("Reason") in HELD:
+                raise SlurmError(f"job {job_id} ended {state} ({seen.get('Reason')}) (ExitCode={seen.get('ExitCode')}), "
                                  f"wanted {sorted(wanted)}\n{self.diagnostics(job_id)}")
             return None
 
@@ -473,7 +481,7 @@ class SlurmCluster:
         """
         def requeued():
             info = self.job_info(job_id)
-            if info.get("JobState") in TERMINAL:
+            if info.get("JobState") in TERMINAL or info.get("Reason") in HELD:
                 raise SlurmError(f"job {job_id} ended {info.get('JobState')} instead of requeueing\n"
                                  f"{self.diagnostics(job_id)}")
             if int(info.get("Restarts", "0")) >= restarts and info.get("JobState") == "PENDING":

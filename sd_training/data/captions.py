@@ -16,8 +16,11 @@ PACKAGE_METADATA = Path(__file__).resolve().parent.parent / "metadata"
 
 
 def decode_caption(raw: Union[bytes, str]) -> str:
-    """UTF-8 caption text, stripped; raises UnicodeDecodeError on invalid bytes (counted by the caller)."""
+    """UTF-8 caption text, stripped; raises UnicodeError on invalid bytes (counted by the caller).
+
+    A str may carry undecodable bytes as surrogates (CSV lines are read with ``surrogateescape``)."""
     if isinstance(raw, str):
+        raw.encode("utf-8")  # raises UnicodeEncodeError on surrogates
         return raw.strip()
     return bytes(raw).decode("utf-8").strip()
 

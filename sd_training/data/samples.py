@@ -45,12 +45,19 @@ class SampleProcessor:
     def select(self, raw: Dict[str, Any], stats: Stats) -> Optional[Dict[str, Any]]:
         stats.add("samples_read")
         where = f"{raw['url']} sample {raw['key']!r}"
+        if raw.get("error"):  # the reader already knows this sample is unusable
+            reason, detail = raw["error"]
+            stats.skip(reason, f"{where}: {detail}")
+            return None
         meta = raw.get("meta")
         if meta is None and raw.get("meta_raw") is not None:
             try:
                 meta = json.loads(bytes(raw["meta_raw"]).decode("utf-8"))
             except (ValueError, UnicodeDecodeError) as exn:
                 stats.skip("bad_json", f"{where}: unparsable json ({exn})")
+                return None
+            if not isinstance(meta, dict):
+                stats.skip("bad_json", f"{where}: json is a {type(meta).__name__}, not an object")
                 return None
         if self.filters:
             failed = None
@@ -96,7 +103,7 @@ class SampleProcessor:
                 return None
             try:
                 caption = decode_caption(raw["caption"])
-            except UnicodeDecodeError as exn:
+            except UnicodeError as exn:
                 stats.skip("bad_caption_encoding", f"{where}: caption is not UTF-8 ({exn})")
                 return None
         return {

@@ -1,0 +1,123 @@
+"""Local folders (seed 000's two layouts). A unit is a chunk of files in sorted order.
+
+``flat``::
+
+    root/images/1.png        root/captions/1.txt     (sub-folders allowed: images/a/2.jpg <-> captions/a/2.txt)
+
+  With no ``images/`` folder, captions are looked up next to the images (``root/x.jpg`` + ``root/x.txt``,
+  kohya's layout).
+
+``metadata``::
+
+    root/metadata/**/N.json  {"tags": [...], "score": 55, "path": "images/287/2877648.png", ...}
+
+  ``path`` is relative to the root; captions are built from the tags (``dataset.params.tags``), and the
+  whole json is the metadata the filters see. ``consider_every_nth`` keeps every n-th json in sorted order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from .config import DatasetConfigError
+from .sources import Source
+from .stats import Stats
+from .tables import auto_chunk
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+
+
+def _walk(folder: str, suffixes) -> List[str]:
+    """Paths relative to ``folder``, sorted, of files ending with ``suffixes``."""
+    out = []
+    for d, dirs, files in os.walk(folder):
+        dirs.sort()
+        for f in files:
+            if f.lower().endswith(suffixes):
+                out.append(os.path.relpath(os.path.join(d, f), folder))
+    return sorted(out)
+
+
+class FolderSource(Source):
+    def __init__(self, spec: str, params):
+        root = os.path.abspath(spec)
+        if not os.path.isdir(root):
+            raise DatasetConfigError(f"dataset.params.path: {spec!r} is not a folder (dataset.type=folder)")
+        layout = str(params.layout)
+        if layout == "auto":
+            layout = "metadata" if os.path.isdir(os.path.join(root, "metadata")) else "flat"
+        self.root, self.layout = root, layout
+        if layout == "metadata":
+            meta_dir = os.path.join(root, "metadata")
+            if not os.path.isdir(meta_dir):
+                raise DatasetConfigError(f"dataset.params.layout=metadata: {root} has no metadata/ folder")
+            items: List[Any] = [os.path.join("metadata", p) for p in _walk(meta_dir, (".json",))]
+        else:
+            img_dir = os.path.join(root, "images")
+            if os.path.isdir(img_dir):
+                cap_dir = os.path.join(root, "captions")
+                items = [
+                    (os.path.join("images", p), os.path.join("captions", os.path.splitext(p)[0] + ".txt"))
+                    for p in _walk(img_dir, IMAGE_SUFFIXES)
+                ]
+                if not os.path.isdir(cap_dir):
+                    raise DatasetConfigError(f"dataset.params.path: {root} has images/ but no captions/ folder")
+            else:
+                items = [(p, os.path.splitext(p)[0] + ".txt") for p in _walk(root, IMAGE_SUFFIXES)]
+        n_every = int(params.consider_every_nth)
+        items = items[::n_every]
+        if not items:
+            raise DatasetConfigError(f"dataset.params.path: no {'metadata json' if layout == 'metadata' else 'image'} found in {root}")
+        chunk = auto_chunk(len(items), int(params.samples_per_shard))
+        units = [tuple(items[k : k + chunk]) for k in range(0, len(items), chunk)]
+        super().__init__(name=spec, units=units, num_samples=len(items))
+
+    def describe(self, unit) -> str:
+        first = unit[0] if isinstance(unit[0], str) else unit[0][0]
+        return f"{self.root}/{first} (+{len(unit) - 1} more)"
+
+    def read(self, unit: Tuple[Any, ...], stats: Stats) -> Iterator[Dict[str, Any]]:
+        for item in unit:
+            if self.layout == "metadata":
+                yield self._metadata_sample(item)
+            else:
+                yield self._flat_sample(*item)
+
+    def _flat_sample(self, image_rel: str, caption_rel: str) -> Dict[str, Any]:
+        caption: Optional[bytes] = None
+        try:
+            with open(os.path.join(self.root, caption_rel), "rb") as fh:
+                caption = fh.read()
+        except OSError:
+            caption = None  # counted as missing_caption by the select stage
+        return {
+            "key": os.path.splitext(image_rel)[0],
+            "url": self.root,
+            "image": None,
+            "image_path": os.path.join(self.root, image_rel),
+            "caption": caption,
+            "meta": None,
+            "cls": None,
+        }
+
+    def _metadata_sample(self, json_rel: str) -> Dict[str, Any]:
+        key = os.path.splitext(json_rel)[0]
+        base = {"key": key, "url": os.path.join(self.root, json_rel)}
+        try:
+            with open(os.path.join(self.root, json_rel), "rb") as fh:
+                meta = json.loads(fh.read().decode("utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError) as exn:
+            return {**base, "error": ("bad_json", f"unreadable metadata ({exn})")}
+        if not isinstance(meta, dict) or not isinstance(meta.get("path"), str):
+            return {**base, "error": ("missing_image", "metadata has no 'path' of an image")}
+        return {
+            **base,
+            "image": None,
+            "image_path": os.path.join(self.root, meta["path"]),
+            "caption": None,
+            "meta": meta,
+            "cls": None,
+            "tags_mode": True,
+        }

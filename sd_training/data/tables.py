@@ -1,0 +1,250 @@
+"""Table sources: parquet (one unit per row group, read in record batches with pyarrow, never a whole file
+in memory) and CSV (one unit per chunk of rows, located by byte offsets indexed once at start-up).
+
+A row's image is bytes (a binary column, or Hugging Face's ``{"bytes", "path"}`` struct), a local path
+(relative to ``image_root``, default: the table's folder) or an http(s) URL; every other column except
+the image bytes becomes the sample's metadata, which the filters see.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import math
+import os
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .config import DatasetConfigError
+from .sources import ShardError, Source
+from .stats import Stats
+
+IMAGE_COLUMNS = ("image", "jpg", "png", "webp", "img", "image_bytes", "filepath", "file_path", "image_path", "path", "url")
+CAPTION_COLUMNS = ("caption", "text", "txt", "title", "prompt")
+KEY_COLUMNS = ("key", "__key__", "id")
+PARQUET_BATCH_ROWS = 256  # rows materialised at a time inside a row group
+# Automatic chunking of CSV rows and folder files: at most this many per unit, and at least
+# MIN_AUTO_UNITS units when the data is small, so many readers (ranks x workers) all get work.
+AUTO_UNIT_SAMPLES = 1000
+MIN_AUTO_UNITS = 64
+
+
+def auto_chunk(n: int, samples_per_shard: int) -> int:
+    if samples_per_shard > 0:
+        return int(samples_per_shard)
+    return max(1, min(AUTO_UNIT_SAMPLES, math.ceil(n / MIN_AUTO_UNITS)))
+
+
+def expand_files(spec: str, suffixes: Sequence[str], what: str) -> List[str]:
+    """Files of one source: a file, a folder (recursive, by suffix), a glob or a brace pattern."""
+    import braceexpand
+
+    if os.path.isdir(spec):
+        out = sorted(
+            os.path.join(d, f) for d, _, fs in os.walk(spec) for f in fs if f.lower().endswith(tuple(suffixes))
+        )
+    else:
+        out = []
+        for pattern in braceexpand.braceexpand(spec):
+            matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+            out.extend(matches)
+    missing = [f for f in out if not os.path.isfile(f)]
+    if not out or len(missing) == len(out):
+        raise DatasetConfigError(f"dataset.params.path: no {what} file found for {spec!r}")
+    if missing:
+        raise DatasetConfigError(f"dataset.params.path: {len(missing)} {what} file(s) of {spec!r} do not exist, e.g. {missing[0]}")
+    return out
+
+
+def _pick(columns: Sequence[str], wanted: str, candidates: Sequence[str], key: str, source: str) -> str:
+    if wanted:
+        if wanted not in columns:
+            raise DatasetConfigError(f"dataset.params.{key}={wanted!r}: {source} has no such column (columns: {list(columns)})")
+        return wanted
+    for c in candidates:
+        if c in columns:
+            return c
+    raise DatasetConfigError(
+        f"dataset.params.{key}: none of the usual names {list(candidates)} is a column of {source} "
+        f"(columns: {list(columns)}); set dataset.params.{key}"
+    )
+
+
+class _TableSource(Source):
+    """Shared row -> raw sample mapping of parquet and CSV."""
+
+    image_col: str
+    caption_col: str
+    cls_col: Optional[str]
+    key_col: Optional[str]
+    root: str
+
+    def _setup_columns(self, columns: Sequence[str], params, where: str) -> None:
+        self.image_col = _pick(columns, str(params.image_column), IMAGE_COLUMNS, "image_column", where)
+        uses_captions = not params.tags.use_tags and params.idx_to_prompt is None
+        self.caption_col = (
+            _pick(columns, str(params.caption_column), CAPTION_COLUMNS, "caption_column", where)
+            if uses_captions or params.caption_column
+            else ""
+        )
+        self.cls_col = None
+        if params.idx_to_prompt is not None:
+            self.cls_col = _pick(columns, str(params.cls_key), (), "cls_key", where)
+        self.key_col = next((c for c in KEY_COLUMNS if c in columns), None)
+        self.timeout = float(params.io_timeout)
+
+    def _row_sample(self, row: Dict[str, Any], default_key: str, unit_name: str, folder: str) -> Dict[str, Any]:
+        value = row.get(self.image_col)
+        image = path = None
+        if isinstance(value, dict):  # Hugging Face datasets' Image feature: {"bytes": ..., "path": ...}
+            image, path = value.get("bytes"), value.get("path")
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            image = bytes(value)
+        elif isinstance(value, str) and value.strip():
+            path = value.strip()
+        if image is None and path and not path.startswith(("http://", "https://")) and not os.path.isabs(path):
+            path = os.path.join(self.root or folder, path)
+        # Metadata: every column but the image bytes (a path or URL is kept: filters may use it).
+        meta = {k: v for k, v in row.items() if k != self.image_col or isinstance(v, str)}
+        key = row.get(self.key_col) if self.key_col else None
+        return {
+            "key": str(key) if key not in (None, "") else default_key,
+            "url": unit_name,
+            "image": image or None,
+            "image_path": path if image is None else None,
+            "caption": row.get(self.caption_col) if self.caption_col else None,
+            "meta": meta,
+            "cls": row.get(self.cls_col) if self.cls_col else None,
+        }
+
+
+class ParquetSource(_TableSource):
+    """Parquet files; a unit is one row group ``(file, row_group)``."""
+
+    def __init__(self, spec: str, params):
+        import pyarrow.parquet as pq
+
+        files = expand_files(spec, (".parquet", ".pq"), "parquet")
+        units: List[Tuple[str, int]] = []
+        total = 0
+        schema_cols: Optional[List[str]] = None
+        for path in files:
+            try:
+                md = pq.ParquetFile(path).metadata
+            except Exception as exn:  # not parquet, truncated footer...
+                raise DatasetConfigError(f"dataset.params.path: cannot read parquet footer of {path}: {exn}") from exn
+            if schema_cols is None:
+                schema_cols = list(pq.ParquetFile(path).schema_arrow.names)
+            units.extend((path, rg) for rg in range(md.num_row_groups) if md.row_group(rg).num_rows > 0)
+            total += md.num_rows
+        super().__init__(name=spec, units=units, num_samples=total)
+        self.root = str(params.image_root)
+        self._setup_columns(schema_cols or [], params, f"parquet {files[0]}")
+
+    def describe(self, unit) -> str:
+        return f"{unit[0]}#rowgroup{unit[1]}"
+
+    def read(self, unit: Tuple[str, int], stats: Stats) -> Iterator[Dict[str, Any]]:
+        import pyarrow.parquet as pq
+
+        path, rg = unit
+        name = self.describe(unit)
+        try:
+            pf = pq.ParquetFile(path)
+            batches = pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[rg])
+            base = os.path.splitext(os.path.basename(path))[0]
+            folder = os.path.dirname(path)
+            r = 0
+            for batch in batches:
+                for row in batch.to_pylist():
+                    yield self._row_sample(row, f"{base}:{rg}:{r}", name, folder)
+                    r += 1
+        except (OSError, ValueError) as exn:  # missing/corrupt file; pyarrow errors derive from these
+            raise ShardError("shard_unreadable", f"{name}: {exn}") from exn
+
+
+def _csv_lines(fh, pos: List[int]) -> Iterator[str]:
+    """Lines of a binary file as text, advancing ``pos[0]`` by their byte length (for offsets).
+    Undecodable bytes survive as surrogates, so one bad caption does not break its chunk."""
+    while True:
+        line = fh.readline()
+        if not line:
+            return
+        pos[0] += len(line)
+        yield line.decode("utf-8", errors="surrogateescape")
+
+
+class CSVSource(_TableSource):
+    """CSV/TSV files with a header row; a unit is a chunk of rows ``(file, byte offset, rows, first row)``."""
+
+    def __init__(self, spec: str, params):
+        files = expand_files(spec, (".csv", ".tsv"), "CSV")
+        sep = str(params.csv_separator)
+        self.separators: Dict[str, str] = {}
+        self.headers: Dict[str, List[str]] = {}
+        units: List[Tuple[str, int, int, int]] = []
+        offsets: Dict[str, List[Tuple[int, int]]] = {}
+        total = 0
+        for path in files:
+            s = "\t" if sep == "," and path.lower().endswith(".tsv") else sep
+            self.separators[path] = s
+            header, starts = self._index(path, s)
+            self.headers[path] = header
+            offsets[path] = starts
+            total += len(starts)
+        chunk = auto_chunk(total, int(params.samples_per_shard))
+        for path in files:
+            starts = offsets[path]
+            for first in range(0, len(starts), chunk):
+                n = min(chunk, len(starts) - first)
+                units.append((path, starts[first][0], n, first))
+        super().__init__(name=spec, units=units, num_samples=total)
+        self.root = str(params.image_root)
+        self._setup_columns(self.headers[files[0]], params, f"CSV {files[0]}")
+
+    @staticmethod
+    def _index(path: str, sep: str) -> Tuple[List[str], List[Tuple[int, int]]]:
+        """Header and (byte offset, row number) of every record (quoted newlines handled by csv)."""
+        pos = [0]
+        starts: List[Tuple[int, int]] = []
+        with open(path, "rb") as fh:
+            reader = csv.reader(_csv_lines(fh, pos), delimiter=sep)
+            try:
+                header = [h.strip() for h in next(reader)]
+            except StopIteration:
+                raise DatasetConfigError(f"dataset.params.path: CSV {path} is empty (a header row is required)") from None
+            start = pos[0]
+            for n, row in enumerate(reader):
+                if row:
+                    starts.append((start, n))
+                start = pos[0]
+        return header, starts
+
+    def describe(self, unit) -> str:
+        return f"{unit[0]}#rows{unit[3]}+{unit[2]}"
+
+    def read(self, unit: Tuple[str, int, int, int], stats: Stats) -> Iterator[Dict[str, Any]]:
+        path, offset, n_rows, first = unit
+        name = self.describe(unit)
+        header = self.headers[path]
+        folder = os.path.dirname(path)
+        base = os.path.splitext(os.path.basename(path))[0]
+        try:
+            fh = open(path, "rb")
+        except OSError as exn:
+            raise ShardError("shard_missing", f"{name}: {exn}") from exn
+        with fh:
+            fh.seek(offset)
+            reader = csv.reader(_csv_lines(fh, [offset]), delimiter=self.separators[path])
+            r = 0
+            for row in reader:
+                if not row:
+                    continue
+                if r >= n_rows:
+                    break
+                if len(row) != len(header):
+                    detail = f"row {first + r} has {len(row)} fields, the header {len(header)}"
+                    yield {"key": f"{base}:{first + r}", "url": name, "error": ("bad_row", detail)}
+                    r += 1
+                    continue
+                yield self._row_sample(dict(zip(header, row)), f"{base}:{first + r}", name, folder)
+                r += 1
