@@ -50,7 +50,9 @@ def main(argv: list[str]) -> int:
                 "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "netns": netns,
                 "pid": os.getpid(), "time": time.time(), **extra}
         line = json.dumps(data)
-        (out / f"{event}.r{restart}.rank{rank}").write_text(line + "\n")
+        tmp = out / f".{event}.r{restart}.rank{rank}.tmp"  # readers must never see half a line
+        tmp.write_text(line + "\n")
+        os.replace(tmp, out / f"{event}.r{restart}.rank{rank}")
         print(f"probe {line}", flush=True)
 
     parent = os.getppid()

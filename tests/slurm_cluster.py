@@ -123,26 +123,6 @@ def _pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    return children
-
-
-def _descendants(pid: int) -> list[int]:
-    children, out, todo = _children_map(), [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _kill_and_wait(pids: Iterable[int], timeout: float = 10.0) -> None:
     """SIGTERM, then SIGKILL what is left after ``timeout`` seconds."""
     pids = [p for p in pids if _pid_alive(p)]
@@ -329,13 +309,10 @@ class SlurmCluster:
                 self.cancel_all()
         except Exception:  # noqa: BLE001 - best effort; processes are killed below anyway
             pass
-        # Job processes (slurmstepd and tasks) are descendants of slurmd; collect them before
-        # slurmd goes away and they are re-parented.
-        leftovers: list[int] = []
-        for name, proc in self._procs.items():
-            if name.startswith("slurmd-"):
-                leftovers += _descendants(proc.pid)
-        _kill_and_wait(leftovers, timeout=3)
+        # Whatever jobs left behind (slurmstepd daemonizes away from slurmd, so these are not its
+        # descendants): every process our daemons or jobs started carries our SLURM_CONF.
+        daemons = {p.pid for p in self._procs.values()}
+        _kill_and_wait([p for p in self.processes() if p not in daemons], timeout=3)
         for name in [n for n in self._procs if n.startswith("slurmd-")] + ["slurmctld", "munged"]:
             pids = {self._procs[name].pid} if name in self._procs else set()
             pid_file = self.run_dir / (f"{name}.pid")
@@ -355,6 +332,23 @@ class SlurmCluster:
             self.hosts.destroy()
         if self.sockets_dir is not None:
             shutil.rmtree(self.sockets_dir, ignore_errors=True)
+
+    def processes(self) -> list[int]:
+        """Pids of the processes this cluster started: daemons, slurmstepd, job scripts, tasks.
+
+        They are the ones whose environment holds ``SLURM_CONF=<this cluster's slurm.conf>`` (the
+        daemons get it from us, jobs from the submitting environment), which no other process on
+        the machine has; this process itself only passes it to its children.
+        """
+        needle = f"SLURM_CONF={self.conf}".encode() + b"\0"
+        me, pids = os.getpid(), []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if needle in environ.read_bytes() + b"\0" and int(environ.parent.name) != me:
+                    pids.append(int(environ.parent.name))
+            except (OSError, ValueError):
+                pass
+        return [p for p in pids if _pid_alive(p)]
 
     @staticmethod
     def _comm(pid: int) -> str:

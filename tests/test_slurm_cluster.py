@@ -19,7 +19,7 @@ import pytest
 
 pytest.register_assert_rewrite("slurm_cluster")  # before the import below; also a plugin here
 from slurm_cluster import (  # noqa: E402
-    SlurmCluster, _descendants, _pid_alive, _skip_or_fail, missing_requirements,
+    SlurmCluster, _pid_alive, _skip_or_fail, missing_requirements,
 )
 
 pytest_plugins = ["slurm_cluster"]
@@ -150,10 +150,10 @@ def test_cluster_stop_leaves_no_processes_even_after_a_failure(tmp_path):
         with SlurmCluster(tmp_path / "cluster") as cluster:
             job = cluster.sbatch(script, options=["--ntasks=2", f"--chdir={tmp_path}"])
             cluster.wait_state(job, "RUNNING", timeout=30)
-            pids = [p.pid for p in cluster._procs.values()]
-            cluster.wait_until(lambda: len([p for p in _descendants(cluster._procs["slurmd-localhost"].pid)
-                                            if cluster._comm(p) == "sleep"]) == 2, 30, "2 sleeps")
-            pids += _descendants(cluster._procs["slurmd-localhost"].pid)
+            cluster.wait_until(lambda: sum(cluster._comm(p) == "sleep" for p in cluster.processes()) == 2,
+                               30, "the job's 2 sleep tasks", job_id=job)
+            pids = cluster.processes()
+            assert {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"} <= {cluster._comm(p) for p in pids}
             raise RuntimeError("test failure")
     assert not [p for p in pids if _pid_alive(p)]
     assert not (cluster.munge_socket.exists())

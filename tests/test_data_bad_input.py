@@ -1,0 +1,131 @@
+"""Bad input never crashes a run: each case is a real tar file; the sample/shard is skipped and counted."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import socket
+import threading
+
+import pytest
+
+from data_fixtures import all_keys, jpeg_bytes, loader, simple_samples, take, write_shards, write_tar
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def _good(i):
+    return {"__key__": f"good{i}", "jpg": jpeg_bytes(), "txt": f"good {i}", "json": {"n": i}}
+
+
+BAD = [
+    ({"__key__": "corrupt", "jpg": b"\xff\xd8\xff\xe0 this is not a jpeg", "txt": "x"}, "corrupt_image"),
+    ({"__key__": "truncjpg", "jpg": jpeg_bytes(64, 64)[:200], "txt": "x"}, "corrupt_image"),
+    ({"__key__": "empty", "jpg": b"", "txt": "x"}, "empty_image"),
+    ({"__key__": "nocap", "jpg": jpeg_bytes()}, "missing_caption"),
+    ({"__key__": "noimg", "txt": "only a caption"}, "missing_image"),
+    ({"__key__": "badjson", "jpg": jpeg_bytes(), "txt": "x", "json": b"{not json"}, "bad_json"),
+    ({"__key__": "latin1", "jpg": jpeg_bytes(), "txt": "caf\xe9".encode("latin-1")}, "bad_caption_encoding"),
+]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_samples_are_skipped_and_counted_by_reason(tmp_path, workers):
+    samples = []
+    for i, (bad, _) in enumerate(BAD):
+        samples += [_good(2 * i), bad, _good(2 * i + 1)]
+    write_tar(str(tmp_path / "mixed-0.tar"), samples[: len(samples) // 2])
+    write_tar(str(tmp_path / "mixed-1.tar"), samples[len(samples) // 2 :])
+    ld = loader(str(tmp_path / "mixed-{0..1}.tar"), workers=workers, batch_size=7, shuffle_buffer=1)
+    batches = take(ld, 2)  # exactly the 14 good samples of epoch 0
+    assert sorted(all_keys(batches)) == sorted(f"good{i}" for i in range(14))
+    st = ld.stats()
+    for _, reason in BAD:
+        assert st[f"skipped/{reason}"] >= 1, reason
+    assert st["skipped/corrupt_image"] == 2
+    assert st["skipped_total"] == len(BAD)
+
+
+def test_truncated_tar_keeps_the_complete_samples(tmp_path):
+    path = write_tar(str(tmp_path / "t-0.tar"), simple_samples(6))
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) * 2 // 3])  # cut inside a later member
+    write_tar(str(tmp_path / "t-1.tar"), simple_samples(3, start=100))
+    ld = loader(str(tmp_path / "t-{0..1}.tar"), batch_size=2, shuffle_buffer=1)
+    batches = take(ld, 8)
+    epoch0 = [k for b in batches for k, e in zip(b["keys"], b["epochs"]) if e == 0]
+    kept = sorted(k for k in epoch0 if k < "s00100")
+    assert 2 <= len(kept) < 6 and kept == [f"s{i:05d}" for i in range(len(kept))]  # the complete prefix
+    assert sorted(k for k in epoch0 if k >= "s00100") == ["s00100", "s00101", "s00102"]
+    assert ld.stats()["skipped/shard_truncated"] >= 1
+
+
+def test_empty_and_garbage_shards(tmp_path):
+    open(tmp_path / "g-0.tar", "wb").close()  # 0 bytes
+    (tmp_path / "g-1.tar").write_bytes(os.urandom(3000))  # not a tar
+    write_tar(str(tmp_path / "g-2.tar"), simple_samples(4))
+    ld = loader(str(tmp_path / "g-{0..2}.tar"), batch_size=4, shuffle_buffer=1)
+    assert sorted(all_keys(take(ld, 3))) == sorted(3 * [f"s{i:05d}" for i in range(4)])
+    assert ld.stats()["skipped/shard_unreadable"] >= 2
+
+
+def test_missing_shard_and_failing_pipe_and_unreachable_host(tmp_path):
+    pattern = write_shards(str(tmp_path), [4, 4])
+    os.remove(str(tmp_path / "part-0001.tar"))
+    good = {f"s{i:05d}" for i in range(4)}
+
+    ld = loader(pattern, batch_size=4, shuffle_buffer=1)
+    assert set(all_keys(take(ld, 3))) == good
+    assert ld.stats()["skipped/shard_missing"] >= 1
+
+    ld = loader("pipe:cat " + pattern, batch_size=4, shuffle_buffer=1)  # cat exits 1 on the missing file
+    assert set(all_keys(take(ld, 3))) == good
+    assert ld.stats()["skipped/shard_unreadable"] >= 1
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = s.getsockname()[1]
+        url = f"http://127.0.0.1:{{{server.server_port}/part-0000.tar,{dead}/x.tar}}"
+        ld = loader(url, batch_size=4, shuffle_buffer=1, io_timeout=2)
+        assert set(all_keys(take(ld, 3))) == good
+        assert ld.stats()["skipped/shard_unreachable"] >= 1
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_source_without_any_valid_sample_stops_naming_it(tmp_path, workers):
+    good = write_shards(str(tmp_path / "ok"), [4, 4, 4, 4])
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    for k in range(2):
+        write_tar(str(bad_dir / f"b-{k}.tar"), [{"__key__": f"x{k}{i}", "jpg": b"garbage", "txt": "x"} for i in range(40)])
+    bad = str(bad_dir / "b-{0..1}.tar")
+    with pytest.raises(RuntimeError, match=r"dataset source '.*b-\{0\.\.1\}\.tar' yields no valid sample.*corrupt_image"):
+        take(loader(f"{good}::{bad}", batch_size=4, workers=workers, resampled=True, shuffle_buffer=2), 400)
+    # Filters that reject everything: same clear stop, naming the filter in the counts.
+    with pytest.raises(RuntimeError, match=r"yields no valid sample.*filter:n"):
+        take(loader(good, batch_size=4, filters={"n": ">1"}, resampled=True), 10)
+
+
+def test_filter_on_missing_or_null_field_fails_the_filter_without_crashing(tmp_path):
+    samples = [
+        {"__key__": "a", "jpg": jpeg_bytes(), "txt": "a", "json": {"w": 600}},
+        {"__key__": "b", "jpg": jpeg_bytes(), "txt": "b", "json": {"w": None}},
+        {"__key__": "c", "jpg": jpeg_bytes(), "txt": "c", "json": {"h": 600}},
+        {"__key__": "d", "jpg": jpeg_bytes(), "txt": "d"},
+        {"__key__": "e", "jpg": jpeg_bytes(), "txt": "e", "json": {"w": "wide"}},
+        {"__key__": "f", "jpg": jpeg_bytes(), "txt": "f", "json": {"w": 512}},
+    ]
+    path = write_tar(str(tmp_path / "f.tar"), samples)
+    ld = loader(path, batch_size=2, shuffle_buffer=1, filters={"w": ">=512"}, workers=2, resampled=True)
+    for b in take(ld, 5):
+        assert set(b["keys"]) <= {"a", "f"}
+    assert ld.stats()["filter/w/pass_rate"] == pytest.approx(2 / 6, abs=0.1)
