@@ -5,16 +5,17 @@ Tests copy it as ``train.py`` into a scratch directory and submit ``batch_files/
 ``srun`` (or per worker under torchrun), with ``config=PATH key=value ...`` arguments.
 
 Per process it writes ``<out>/<event>.r<restart>.rank<rank>`` marker files (``start``, ``signal``,
-``saved``, ``requeue``, ``exit``) holding a JSON line, and prints the same events. On SIGUSR1/SIGTERM it does what the
-trainer does: set a flag, act at the next "step" (0.1 s), rank 0 runs ``scontrol requeue
-$SLURM_JOB_ID`` (first run only, unless ``requeue=always``), every rank exits 0. ``save_seconds``
-stands for the time a checkpoint save takes between the signal and the requeue. Without a signal it
-exits 0 after ``steps`` steps (the restarted run uses ``restart_steps``).
+``saved``, ``requeue``, ``exit``), each one JSON line written atomically, and prints the same
+events. On SIGUSR1/SIGTERM it does what the trainer does: set a flag, act at the next "step"
+(0.1 s), "save" for ``save_seconds``, rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (first run
+only, unless ``requeue=always``), every rank exits 0. Without a signal it exits 0 after ``steps``
+steps (the restarted run after ``restart_steps``).
 
     python requeue_probe.py config=ignored out=/tmp/markers steps=600 restart_steps=5
 
-Arguments (``key=value``): out (required), steps [600], restart_steps [5], requeue [once|always|never],
-save_seconds [0], allreduce [0|1]: if 1, join torch.distributed (gloo, env://) and all_reduce the ranks once at start.
+Arguments (``key=value``): out (required), steps [600], restart_steps [5],
+requeue [once|always|never], save_seconds [0], allreduce [0|1]: if 1, join torch.distributed
+(gloo; MASTER_ADDR/MASTER_PORT from the environment) and all_reduce rank + 1 once at start.
 """
 
 from __future__ import annotations

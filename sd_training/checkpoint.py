@@ -6,6 +6,7 @@
       optimizer.pt       optimizer state
       lr_scheduler.pt    LR scheduler state
       grad_scaler.pt     fp16 gradient scaler state
+      sharded/           FSDP instead of unet/ema/optimizer.pt: every rank's shards (torch.distributed.checkpoint)
       rank_<R>.pt        per rank: RNG states (python, numpy, torch CPU and CUDA) and data-loader position
       train_state.json   step, images seen, tracker run id ...
       config.yaml        the resolved config of the run that wrote it
@@ -91,8 +92,14 @@ class Checkpointer:
         steps = complete_steps(self.root)
         return self.root / step_dir_name(steps[-1]) if steps else None
 
-    def save(self, step: int, shared: dict, per_rank: dict, train_state: dict, config_yaml: str, rank: int) -> Path:
-        """Collective: every rank calls it. Returns the final folder."""
+    def save(
+        self, step: int, shared: dict, per_rank: dict, train_state: dict, config_yaml: str, rank: int,
+        write_sharded=None,
+    ) -> Path:
+        """Collective: every rank calls it. Returns the final folder.
+
+        ``write_sharded(folder)``, when given, is called on every rank to write sharded state (FSDP: DCP).
+        """
         t0 = time.time()
         final = self.root / step_dir_name(step)
         tmp = self.root / (step_dir_name(step) + ".tmp")
@@ -102,6 +109,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         distributed.barrier()  # the folder exists before any rank writes into it
         _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
+        if write_sharded is not None:
+            write_sharded(tmp / "sharded")
         if rank == 0:
             for name, obj in shared.items():
                 _atomic_torch_save(obj, tmp / f"{name}.pt")

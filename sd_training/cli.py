@@ -5,6 +5,10 @@ from __future__ import annotations
 import sys
 
 from .config import ConfigError, help_text, load
+from .data import DatasetConfigError
+
+# Problems found while building models or data from the config: one clear line, no traceback.
+USER_ERRORS = (ConfigError, DatasetConfigError)
 
 
 def main(argv: list[str]) -> int:
@@ -13,14 +17,14 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         cfg = load(argv)
-    except ConfigError as e:
+    except USER_ERRORS as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     from .loop import main as train
 
     try:
         train(cfg)
-    except ConfigError as e:  # raised while building models / data from the config
+    except USER_ERRORS as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -61,6 +61,7 @@ class DistributedConfig:
     dist_backend: str = f("auto", "auto (nccl on CUDA, gloo on CPU) | nccl | gloo")
     dist_url: str = f("env://", "process-group init method; env:// reads MASTER_ADDR/MASTER_PORT")
     timeout_minutes: float = f(30.0, "minutes a collective may wait before the job fails")
+    strategy: str = f("ddp", "ddp (replicated UNet) | fsdp (FSDP2 fully_shard per UNet block, sharded checkpoints)")
 
 
 @dataclass
@@ -336,6 +337,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("wandb.mode", cfg.wandb.mode, ("auto", "online", "offline", "disabled"))
     _choice("system.device", cfg.system.device, ("auto", "cpu", "cuda"))
     _choice("distributed.dist_backend", cfg.distributed.dist_backend, ("auto", "nccl", "gloo"))
+    _choice("distributed.strategy", cfg.distributed.strategy, ("ddp", "fsdp"))
     _choice("optimizer.name", cfg.optimizer.name, ("adamw",))
     _choice("lr_scheduler.scheduler", cfg.lr_scheduler.scheduler, ("ConstantWithWarmup", "CosineWithWarmup"))
     _choice("model.mixed_precision", cfg.model.mixed_precision, ("no", "bf16", "fp16"))

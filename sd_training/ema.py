@@ -6,6 +6,8 @@ import copy
 
 import torch
 
+from .parallel import local
+
 
 class EMA:
     """EMA of a module's parameters (buffers are copied). Starts as an exact copy of the module."""
@@ -17,8 +19,9 @@ class EMA:
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
-        params = [p for p in module.parameters()]
-        shadow = [p for p in self.shadow.parameters()]
+        # Under FSDP2 both modules are sharded alike: each rank averages its own shards.
+        params = [local(p) for p in module.parameters()]
+        shadow = [local(p) for p in self.shadow.parameters()]
         # shadow = decay * shadow + (1 - decay) * param, for all tensors at once
         torch._foreach_lerp_(shadow, [p.detach().to(s.dtype) for p, s in zip(params, shadow)], 1.0 - self.decay)
         for b, sb in zip(module.buffers(), self.shadow.buffers()):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
@@ -22,6 +21,7 @@ from .export import export_pipeline, generate_eval_images, read_prompts, sample_
 from .models import build_models
 from .objective import diffusion_loss, encode_images, encode_text
 from .optim import build_lr_scheduler, build_optimizer
+from .parallel import Strategy
 from .preemption import StopFlag, requeue_job, under_slurm
 from .run_dir import RunDir
 from .trackers import build_trackers
@@ -115,18 +115,16 @@ class Trainer:
 
                 src = _load(resolve_unet_class(cfg.model.unet.target).from_pretrained, cfg.model.ema.path, "unet", "model.ema.path")
                 self.ema.load_weights(src)
-        self.optimizer = build_optimizer(self.unet.parameters(), cfg.optimizer, self.device)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.plan.total_steps)
         mp = cfg.model.mixed_precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(mp)
         # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=(mp == "fp16"))
-        self.model = self.unet
-        if info.is_distributed:
-            # Only the trained UNet is wrapped; the frozen VAE and text encoder never enter DDP.
-            self.model = torch.nn.parallel.DistributedDataParallel(
-                self.unet, device_ids=[self.device.index] if self.device.type == "cuda" else None
-            )
+        # Only the trained UNet (and its EMA) is wrapped; the frozen VAE and text encoder never are.
+        self.strategy = Strategy(cfg.distributed.strategy, info.is_distributed, self.device, self.autocast_dtype)
+        self.model = self.strategy.wrap(self.unet, self.ema.shadow if self.ema is not None else None)
+        # After wrapping: FSDP2 replaces the parameters by sharded DTensors.
+        self.optimizer = build_optimizer(self.unet.parameters(), cfg.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.plan.total_steps)
         from .data import build_train_loader
 
         self.loader = build_train_loader(
@@ -145,9 +143,14 @@ class Trainer:
             self.state.wandb_id = self.trackers.wandb_id
 
     def _resumable(self) -> dict:
-        objs = {"unet": self.unet, "optimizer": self.optimizer, "lr_scheduler": self.lr_scheduler, "grad_scaler": self.scaler}
-        if self.ema is not None:
-            objs["ema"] = self.ema
+        """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
+        objs = {"lr_scheduler": self.lr_scheduler, "grad_scaler": self.scaler}
+        if not self.strategy.sharded:
+            objs.update(unet=self.unet, optimizer=self.optimizer)
+            if self.ema is not None:
+                objs["ema"] = self.ema
+        elif self.ema is not None:
+            objs["ema_meta"] = _EMAMeta(self.ema)
         return objs
 
     def _maybe_resume(self) -> None:
@@ -157,8 +160,15 @@ class Trainer:
         shared, per_rank, train_state = Checkpointer.load(latest, self.info.rank)
         for name, obj in self._resumable().items():
             if name not in shared:
-                raise RuntimeError(f"checkpoint {latest} has no '{name}' state (was it written with other settings?)")
+                raise RuntimeError(
+                    f"checkpoint {latest} has no '{name}' state: it was written with other settings "
+                    "(model.use_ema, distributed.strategy); resume with those, or start a new run name"
+                )
             obj.load_state_dict(shared[name])
+        if self.strategy.sharded:
+            if not (latest / "sharded").is_dir():
+                raise RuntimeError(f"checkpoint {latest} was not written by distributed.strategy=fsdp (no sharded/)")
+            self.strategy.load_sharded(latest / "sharded", self.unet, self.optimizer, self.ema.shadow if self.ema else None)
         self.state.load_state_dict(train_state)
         self.loader.load_state_dict(per_rank["data"])
         set_rng_state(per_rank["rng"])
@@ -183,7 +193,7 @@ class Trainer:
         """
         cfg = self.cfg
         ids = batch["input_ids"].to(self.device, non_blocking=True)
-        no_sync = self.model.no_sync() if (self.info.is_distributed and not sync) else contextlib.nullcontext()
+        no_sync = self.strategy.sync_context(self.model, sync)
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
         fixed = {k: batch[k].to(self.device) for k in ("noise", "timesteps") if k in batch}
         with no_sync:
@@ -252,6 +262,9 @@ class Trainer:
             if stop_now:
                 stopped_by = stop.signal_name or "signal on another rank"
                 break
+        if not stopped_by and state.last_export_step < state.step:
+            # Resumed from a checkpoint written at the last step but killed before its export finished.
+            self._export()
         requeued = False
         if stopped_by:
             log.warning("stopped at step %d by %s after saving", state.step, stopped_by)
@@ -300,17 +313,24 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         shared = {name: obj.state_dict() for name, obj in self._resumable().items()} if self.info.is_main else {}
         per_rank = {"rng": rng_state(), "data": self.loader.state_dict()}
+        write_sharded = None
+        if self.strategy.sharded:
+            state = self.strategy.sharded_state(self.unet, self.optimizer, self.ema.shadow if self.ema else None)
+            write_sharded = lambda folder: self.strategy.save_sharded(state, folder)  # noqa: E731
         self.checkpointer.save(
-            self.state.step, shared, per_rank, self.state.state_dict(), self.config_yaml, self.info.rank
+            self.state.step, shared, per_rank, self.state.state_dict(), self.config_yaml, self.info.rank, write_sharded
         )
 
     def _export(self) -> None:
-        """Rank 0 exports the pipeline(s) and the sample grid; the others wait at a barrier."""
+        """Rank 0 exports the pipeline(s) and the sample grid; the others wait at a barrier.
+
+        Under FSDP every rank first takes part in gathering the full weights onto rank 0.
+        """
+        targets = [(False, self.strategy.plain_copy(self.unet, self.device))]
+        if self.ema is not None:
+            targets.append((True, self.strategy.plain_copy(self.ema.shadow, self.device)))
         if self.info.is_main:
             cfg = self.cfg.experiment
-            targets = [(False, self.unet)]
-            if self.ema is not None:
-                targets.append((True, self.ema.shadow))
             for is_ema, unet in targets:
                 out = export_pipeline(self.models, unet, self.run_dir.pipeline(None, ema=is_ema))
                 if not cfg.save_only_most_recent:
@@ -320,10 +340,10 @@ class Trainer:
                     keep.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copytree(out, keep, dirs_exist_ok=True)
                 log.info("exported pipeline %s", out)
-            self._write_samples(self.ema.shadow if self.ema is not None else self.unet)
-            self.state.last_export_step = self.state.step
+            self._write_samples(targets[-1][1])
+        self.state.last_export_step = self.state.step
         distributed.barrier()
-        self._write_eval_images()
+        self._write_eval_images(targets[-1][1])
 
     def _write_samples(self, unet) -> None:
         cfg = self.cfg.experiment
@@ -342,20 +362,35 @@ class Trainer:
     def _sample_resolution(self) -> int:
         return self.cfg.experiment.sample_resolution or self.cfg.dataset.params.resolution
 
-    def _write_eval_images(self) -> None:
+    def _write_eval_images(self, unet) -> None:
         """``num_eval_images`` images from the eval prompts, split across ranks (collective)."""
         cfg = self.cfg.experiment
         if cfg.num_eval_images < 1:
             return
         out = self.run_dir.root / "eval" / f"step_{self.state.step:08d}"
-        unet = self.ema.shadow if self.ema is not None else self.unet
+        if unet is None:  # FSDP: only rank 0 holds the gathered weights; eval images are made there
+            distributed.barrier()
+            return
+        rank, world = (self.info.rank, self.info.world_size) if not self.strategy.sharded else (0, 1)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             generate_eval_images(
                 self.models, unet, read_prompts(cfg.eval_caption_file), cfg.num_eval_images, out, cfg.sample_seed,
-                cfg.sample_steps, cfg.sample_guidance_scale, self._sample_resolution(), self.device,
-                self.info.rank, self.info.world_size,
+                cfg.sample_steps, cfg.sample_guidance_scale, self._sample_resolution(), self.device, rank, world,
             )
         distributed.barrier()
+
+
+class _EMAMeta:
+    """The EMA's scalars, saved as a plain file when its weights are sharded (FSDP)."""
+
+    def __init__(self, ema: EMA):
+        self.ema = ema
+
+    def state_dict(self) -> dict:
+        return {"decay": self.ema.decay, "num_updates": self.ema.num_updates}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.ema.decay, self.ema.num_updates = sd["decay"], sd["num_updates"]
 
 
 class _Window:

@@ -13,7 +13,7 @@ with ``nsenter --net=/run/netns/NAME prog`` (``ip netns exec`` remounts /sys and
 
     with NetnsHosts(["node1", "node2"]) as hosts:
         hosts.addr("node1")                 # '10.200.7.2'
-        subprocess.run(hosts.nsenter("node2") + ["ping", "-c1", hosts.addr("node1")])
+        subprocess.run(hosts.nsenter("node2") + ["python", "server.py", "--bind", hosts.addr("node2")])
 """
 
 from __future__ import annotations

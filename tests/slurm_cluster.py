@@ -1,47 +1,61 @@
-"""A real SLURM cluster for tests: munged + slurmctld + 1 or 2 slurmd, all state under one temp dir.
+"""A real SLURM cluster for tests: munged + slurmctld + 1 or 2 slurmd, state under one temp dir.
 
 Needs root and Debian's slurm 22.05 packages (``scripts/ci_install_slurm.sh`` installs them). Nothing
 system-wide is touched: munged runs with its own key and socket, the daemons use free TCP ports and
-``SLURM_CONF=<workdir>/slurm.conf``, and every client call made through the helpers below carries
-that environment. With ``nodes=2`` each slurmd runs in its own network namespace
+``SLURM_CONF=<workdir>/slurm.conf``, and every client call made through the helpers carries that
+environment. Config, logs (``<workdir>/log``), slurmctld state and job output (``<workdir>/jobs``)
+stay under ``workdir``; only the unix sockets go to a short ``/tmp/sdt-slurm-*`` dir (108-byte
+path limit), removed on stop. With ``nodes=2`` each slurmd runs in its own network namespace
 (``tests/netns_hosts.py``: 10.200.x addresses on a private bridge), so a 2-node job really crosses
-a network and ``MASTER_ADDR`` must be an address, not ``localhost``.
+a network: ``MASTER_ADDR`` must be an address (the templates use the node's NodeAddr) and gloo
+needs ``GLOO_SOCKET_IFNAME=eth0``.
 
-Test modules get the fixtures by naming this module as a plugin (fixtures are then shared by every
-module and the daemons start once per session)::
+Fixtures (``slurm_cluster``: one node ``localhost`` with 2 CPUs; ``slurm_cluster_2nodes``) start
+once per session, cancel each test's leftover jobs after it, and skip when root or the binaries are
+missing, or fail when ``CI=true``. A test module gets them by loading this module as a plugin; the
+``register_assert_rewrite`` line only avoids a PytestAssertRewriteWarning when the module also
+imports names from here::
 
+    pytest.register_assert_rewrite("slurm_cluster")
     pytest_plugins = ["slurm_cluster"]
 
-A test that runs the real trainer through the sbatch template, sends USR1 mid-run and checks that
-the job requeued itself and resumed (about 30 lines)::
+The end-to-end test of the trainer through the template, with USR1 mid-run, is then about 30 lines
+(``tiny_config`` and the override keys stand for whatever the trainer's tests use)::
+
+    REPO = Path(__file__).resolve().parents[1]
+    TEMPLATE = REPO / "batch_files" / "multinode-template.sbatch"
 
     @pytest.mark.slurm
     @pytest.mark.slow
-    def test_usr1_requeue_resume(slurm_cluster, tmp_path, tiny_config):
+    def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, tiny_config):
         run_dir = tmp_path / "logs" / "e2e"
         job = slurm_cluster.sbatch(
-            TEMPLATE,                                    # batch_files/multinode-template.sbatch
-            f"experiment.log_dir={tmp_path / 'logs'}", "experiment.name=e2e",
-            "experiment.requeue=true", "train.max_steps=40",
-            options=slurm_cluster.template_options(nodes=1, ntasks_per_node=2, chdir=REPO_ROOT),
+            TEMPLATE,  # arguments after the script are train.py overrides
+            f"experiment.log_dir={tmp_path / 'logs'}", "experiment.name=e2e", "experiment.requeue=true",
+            options=slurm_cluster.template_options(nodes=1, ntasks_per_node=2, chdir=REPO),
             env={"CONFIG": str(tiny_config), "PYTHON": sys.executable},
         )
-        slurm_cluster.wait_state(job, {"RUNNING"}, timeout=30)
         metrics = run_dir / "metrics.jsonl"
         slurm_cluster.wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3,
-                                 timeout=90, what="3 logged steps", job_id=job)
-        slurm_cluster.send_usr1(job)                     # what --signal=USR1@120 does near the limit
-        slurm_cluster.speed_up_requeue(job, restarts=1)  # skip slurm's ~120 s requeue hold
-        info = slurm_cluster.wait_state(job, {"COMPLETED"}, timeout=120)
-        assert info["Restarts"] == "1"
-        out = slurm_cluster.job_output(job)              # both runs: the template uses --open-mode=append
-        assert "resumed from step" in out                # whatever the trainer logs on resume
+                                 timeout=120, what="3 logged steps", job_id=job)
+        slurm_cluster.send_usr1(job)                     # as --signal=B:USR1; target="steps" as USR1@N
+        slurm_cluster.speed_up_requeue(job, restarts=1)  # skip slurm's ~120 s hold of a requeued job
+        info = slurm_cluster.wait_state(job, "COMPLETED", timeout=180)
+        assert info["Restarts"] == "1" and info["ExitCode"] == "0:0"
+        saved = sorted((run_dir / "checkpoints").glob("step_*"))
+        assert saved, slurm_cluster.job_output(job)
+        log = slurm_cluster.job_output(job)              # both runs (--open-mode=append)
+        assert "(restart 0)" in log and "(restart 1)" in log
         steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-        assert steps[-1] == 40
+        assert steps == sorted(set(steps))              # resumed where it stopped, no step twice
 
-``job_info`` returns ``scontrol show job -o`` as a dict of strings (``JobState``, ``Restarts``,
-``StdOut``, ``NodeList``, ``ExitCode`` ...). Every wait fails with the job's state, its output and the
-tails of the daemons' logs, so a failing test explains itself.
+Helpers: ``sbatch(script, *args, options=, env=) -> job_id``, ``template_options(...)`` (command-line
+options that override a template's cluster-specific #SBATCH lines), ``wait_state(job, states)``,
+``wait_until(predicate, timeout, what)``, ``job_info(job)`` (``scontrol show job -o`` as a dict of
+strings: ``JobState``, ``Restarts``, ``ExitCode``, ``StdOut`` ...), ``job_output(job)``,
+``send_usr1(job, target="batch"|"steps"|"full")``, ``speed_up_requeue(job)``, ``node_addr(name)``,
+``run("scontrol", ...)``. Every wait fails with the job's state and output and the tails of the
+daemons' logs, so a failing test explains itself.
 """
 
 from __future__ import annotations
@@ -67,6 +81,8 @@ except ImportError:  # pragma: no cover
 
 SBIN = Path("/usr/sbin")
 _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_:/]*$")  # a key in `scontrol show job -o` output
+_LAUNCHER_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                  "MASTER_ADDR", "MASTER_PORT"}
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 # States after which a job never runs again (a requeued job passes through REQUEUED/PENDING instead).
@@ -74,8 +90,6 @@ TERMINAL = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
     "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT",
 }
-
-
 # Pending reasons that mean "will not start without a human": fail instead of waiting out a timeout.
 HELD = {"launch_failed_requeued_held", "JobHeldAdmin", "JobHeldUser"}
 
@@ -311,8 +325,10 @@ class SlurmCluster:
             pass
         # Whatever jobs left behind (slurmstepd daemonizes away from slurmd, so these are not its
         # descendants): every process our daemons or jobs started carries our SLURM_CONF.
+        # slurmctld's helper slurmscriptd goes with slurmctld (killing it first stalls slurmctld).
         daemons = {p.pid for p in self._procs.values()}
-        _kill_and_wait([p for p in self.processes() if p not in daemons], timeout=3)
+        _kill_and_wait([p for p in self.processes() if p not in daemons and self._comm(p) != "slurmscriptd"],
+                       timeout=3)
         for name in [n for n in self._procs if n.startswith("slurmd-")] + ["slurmctld", "munged"]:
             pids = {self._procs[name].pid} if name in self._procs else set()
             pid_file = self.run_dir / (f"{name}.pid")
@@ -328,6 +344,7 @@ class SlurmCluster:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        _kill_and_wait(self.processes(), timeout=3)  # anything left (normally nothing)
         if self.hosts is not None:
             self.hosts.destroy()
         if self.sockets_dir is not None:
@@ -359,8 +376,11 @@ class SlurmCluster:
 
     # ---------------------------------------------------------------- clients
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """os.environ without any outer SLURM_* (a CI job may itself run under SLURM) + SLURM_CONF."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        """os.environ + SLURM_CONF, without an outer SLURM_* (CI may itself run under slurm) or
+        torch launcher variables (sbatch exports them to the job, where they would mislead rank
+        detection)."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_")) and k not in _LAUNCHER_VARS}
         env["SLURM_CONF"] = str(self.conf)
         if extra:
             env.update({k: str(v) for k, v in extra.items()})
@@ -446,8 +466,8 @@ class SlurmCluster:
             if state in wanted:
                 return dict(seen)
             if state in TERMINAL or seen.get("Reason") in HELD:
-                raise SlurmError(f"job {job_id} ended {state} ({seen.get('Reason')}) (ExitCode={seen.get('ExitCode')}), "
-                                 f"wanted {sorted(wanted)}\n{self.diagnostics(job_id)}")
+                raise SlurmError(f"job {job_id} is {state} ({seen.get('Reason')}, ExitCode="
+                                 f"{seen.get('ExitCode')}), wanted {sorted(wanted)}\n{self.diagnostics(job_id)}")
             return None
 
         return self.wait_until(reached, timeout, f"job {job_id} to reach {sorted(wanted)}", job_id)
@@ -534,7 +554,7 @@ def _skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _cluster_fixture(nodes: int, request, tmp_path_factory):
+def _cluster_fixture(nodes: int, tmp_path_factory):
     reason = missing_requirements(nodes)
     if reason:
         _skip_or_fail(reason)
@@ -543,13 +563,13 @@ def _cluster_fixture(nodes: int, request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def _slurm_cluster_1(request, tmp_path_factory):
-    yield from _cluster_fixture(1, request, tmp_path_factory)
+def _slurm_cluster_1(tmp_path_factory):
+    yield from _cluster_fixture(1, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def _slurm_cluster_2(request, tmp_path_factory):
-    yield from _cluster_fixture(2, request, tmp_path_factory)
+def _slurm_cluster_2(tmp_path_factory):
+    yield from _cluster_fixture(2, tmp_path_factory)
 
 
 @pytest.fixture

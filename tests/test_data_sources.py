@@ -187,3 +187,23 @@ def test_http_shards(tmp_path):
         assert ld.stats()["skipped/shard_unreachable"] >= 1
     finally:
         server.shutdown()
+
+
+def test_csv_of_image_urls(tmp_path):
+    (tmp_path / "web").mkdir()
+    for i in range(5):
+        (tmp_path / "web" / f"{i}.jpg").write_bytes(jpeg_bytes(40, 40, _colour(i)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(tmp_path / "web")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        rows = ["url,caption"] + [f"{base}/{i}.jpg,web {i}" for i in range(5)] + [f"{base}/gone.jpg,gone"]
+        (tmp_path / "urls.csv").write_text("\n".join(rows) + "\n")
+        ld = loader(str(tmp_path / "urls.csv"), type="CSV", batch_size=5, shuffle_buffer=1, io_timeout=5,
+                    samples_per_shard=100)
+        b = take(ld, 1)[0]
+        assert sorted(b["captions"]) == [f"web {i}" for i in range(5)]
+        take(ld, 1)
+        assert ld.stats()["skipped/image_unreadable"] >= 1  # the 404 image
+    finally:
+        server.shutdown()

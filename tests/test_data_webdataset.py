@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import tarfile
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from data_fixtures import (
     all_keys,
@@ -22,7 +24,7 @@ from data_fixtures import (
     write_shards,
     write_tar,
 )
-from sd_training.data import DatasetConfigError, build_train_loader
+from sd_training.data import DatasetConfig, DatasetConfigError, build_train_loader
 from sd_training.data.synthetic import COLOURS, SHAPES, write_shapes_shards
 
 
@@ -214,3 +216,52 @@ def test_build_train_loader_contract_signature(shapes):
     assert ld.num_samples == 48  # from sizes.json
     assert set(ld.stats()) >= {"samples_seen", "samples_read", "skipped_total", "epoch"}
     assert os.path.basename(shapes).startswith("shapes-")
+
+
+@dataclass
+class _System:
+    batch_size: int = 3
+    workers: int = 0
+
+
+@dataclass
+class _Experiment:
+    num_examples_to_see: int = 300
+
+
+@dataclass
+class _Root:
+    """What the top-level config looks like to the dataset section (its interpolation targets)."""
+
+    system: _System = field(default_factory=_System)
+    experiment: _Experiment = field(default_factory=_Experiment)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+
+
+def test_omegaconf_config_with_interpolations_and_yaml_lists(shapes):
+    root = OmegaConf.structured(_Root)
+    root.dataset.params.path = shapes
+    root.dataset.params.resolution = 32
+    root.dataset.params.filters = {"shape": ["circle", "square"], "width": ">=64"}
+    ld = build_train_loader(root.dataset, tokenizer=tokenizer(), rank=0, world_size=1, seed=0)
+    assert ld.plan.batch_size == 3 and ld.steps_total == 100
+    for b in take(ld, 3):
+        assert all(c.split()[2] in ("circle", "square") for c in b["captions"])
+
+
+def test_img2dataset_output_folder_works_as_is(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for k in range(2):
+        samples = [
+            {"__key__": f"{k:05d}{i:04d}", "jpg": png_bytes(), "txt": f"img2dataset {k} {i}",
+             "json": {"status": "success", "url": "http://x", "original_width": 800, "pwatermark": 0.1 * i}}
+            for i in range(4)
+        ]
+        write_tar(str(tmp_path / f"{k:05d}.tar"), samples)
+        pq.write_table(pa.table({"key": [s["__key__"] for s in samples]}), tmp_path / f"{k:05d}.parquet")
+        (tmp_path / f"{k:05d}_stats.json").write_text(json.dumps({"successes": 4}))
+    ld = loader(str(tmp_path), batch_size=2, shuffle_buffer=1, filters={"pwatermark": "<=0.15", "status": "== success"})
+    batches = take(ld, 2)
+    assert sorted(c for b in batches for c in b["captions"]) == [f"img2dataset {k} {i}" for k in range(2) for i in range(2)]

@@ -39,10 +39,12 @@ def max_diff(a, b):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ddp_two_ranks_equal_one_rank_double_batch(tmp_path, tiny_pipeline, shapes_shards):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_rank_double_batch(tmp_path, tiny_pipeline, shapes_shards, strategy):
     # A larger Adam epsilon keeps near-zero gradients (whose fp32 rounding differs with the summation
     # order) from turning into full-size updates of different sign.
-    common = {"optimizer.params.learning_rate": 1e-3, "lr_scheduler.params.warmup_length": 0, "optimizer.params.epsilon": 1e-4}
+    common = {"optimizer.params.learning_rate": 1e-3, "lr_scheduler.params.warmup_length": 0, "optimizer.params.epsilon": 1e-4,
+              "distributed.strategy": strategy}
     one = run_worker(tmp_path, 1, tiny_pipeline, shapes_shards, tmp_path / "one.pt", **{"system.batch_size": 8}, **common)
     two = run_worker(tmp_path, 2, tiny_pipeline, shapes_shards, tmp_path / "two.pt", **{"system.batch_size": 4}, **common)
     # 2 ranks x 2 micro-batches x 2 images: accumulation with no_sync across ranks.

@@ -63,7 +63,14 @@ def kill_after_checkpoint(p, ckpt_root: Path, step: int, timeout=600):
 
 
 def final_state(run: Path):
-    shared, _, ts = Checkpointer.load(run / "checkpoints" / f"step_{N:08d}", 0)
+    """Plain files (DDP) or the DCP shards (FSDP), read back as full tensors."""
+    folder = run / "checkpoints" / f"step_{N:08d}"
+    shared, _, ts = Checkpointer.load(folder, 0)
+    if (folder / "sharded").is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(str(folder / "sharded"), str(folder.parent / "full.pt"))
+        shared.update(torch.load(folder.parent / "full.pt", weights_only=False))
     return shared, ts
 
 
@@ -88,13 +95,18 @@ def losses(run: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
-def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards, nproc):
+@pytest.mark.parametrize("nproc, strategy", [
+    (1, "ddp"),
+    pytest.param(2, "ddp", marks=pytest.mark.distributed),
+    pytest.param(2, "fsdp", marks=pytest.mark.distributed),
+])
+def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards, nproc, strategy):
     bs = 4 // nproc
-    straight = args_for(tmp_path, tiny_pipeline, shapes_shards, "straight", **{"system.batch_size": bs})
+    kw = {"system.batch_size": bs, "distributed.strategy": strategy}
+    straight = args_for(tmp_path, tiny_pipeline, shapes_shards, "straight", **kw)
     finish(launch(tmp_path, straight, nproc))
 
-    resumed = args_for(tmp_path, tiny_pipeline, shapes_shards, "resumed", **{"system.batch_size": bs})
+    resumed = args_for(tmp_path, tiny_pipeline, shapes_shards, "resumed", **kw)
     run = tmp_path / "runs" / "resumed"
     kill_after_checkpoint(launch(tmp_path, resumed, nproc), run / "checkpoints", 3)
     first = complete_steps(run / "checkpoints")
@@ -104,6 +116,13 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards
     b, tb = final_state(run)
     for name in ("unet", "ema", "optimizer", "lr_scheduler"):
         assert_same(a[name], b[name], name)
+    # The exported pipeline holds the final weights.
+    from diffusers import UNet2DConditionModel
+
+    exported = UNet2DConditionModel.from_pretrained(run / "current_pipeline" / "unet").state_dict()
+    raw = a["unet"] if strategy == "ddp" else a["unet"]
+    for k, v in exported.items():
+        assert torch.equal(v, raw[k].to(v.dtype)), k
     assert ta["step"] == tb["step"] == N and ta["images_seen"] == tb["images_seen"] == 4 * N
     # The restarted run logged the same losses for the steps it re-did or continued.
     la, lb = losses(tmp_path / "runs" / "straight"), losses(run)

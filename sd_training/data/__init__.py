@@ -12,7 +12,15 @@ from __future__ import annotations
 import os
 from typing import Any, List
 
-from .config import DatasetConfig, DatasetConfigError, DatasetParams, TagParams, canonical_type, validate_dataset_config
+from .config import (
+    DatasetConfig,
+    DatasetConfigError,
+    DatasetParams,
+    TagParams,
+    canonical_type,
+    plain_config,
+    validate_dataset_config,
+)
 from .loader import TrainLoader, describe
 from .samples import SampleProcessor
 from .sources import REMOTE, Source, build_sources
@@ -58,6 +66,7 @@ def _check_local_units(kind: str, sources: List[Source]) -> None:
 
 def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: int, seed: int) -> TrainLoader:
     """The training loader of one rank (see :class:`TrainLoader` for batches, resume and stats)."""
+    cfg = plain_config(cfg)
     validate_dataset_config(cfg)
     kind = canonical_type(cfg.type)
     p = cfg.params

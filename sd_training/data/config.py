@@ -154,6 +154,19 @@ def _value(x: Any) -> Any:
     return x
 
 
+def plain_config(cfg) -> DatasetConfig:
+    """A ``DatasetConfig`` dataclass with plain Python values (from an OmegaConf node, interpolations resolved)."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    if isinstance(cfg, DictConfig):
+        try:
+            return OmegaConf.to_object(cfg)
+        except InterpolationResolutionError as exn:
+            raise DatasetConfigError(f"dataset: {exn}".splitlines()[0] + " (set it or the key it refers to)") from exn
+    return cfg
+
+
 def validate_dataset_config(cfg: DatasetConfig) -> None:
     """Reject settings that cannot work, before anything is built. Raises :class:`DatasetConfigError`.
 
@@ -164,6 +177,7 @@ def validate_dataset_config(cfg: DatasetConfig) -> None:
     from .captions import load_idx_to_prompt
     from .filters import parse_filters
 
+    cfg = plain_config(cfg)
     kind = canonical_type(cfg.type)
     p = cfg.params
     defaults = _defaults(DatasetParams)

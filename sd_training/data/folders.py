@@ -59,13 +59,13 @@ class FolderSource(Source):
             if os.path.isdir(img_dir):
                 cap_dir = os.path.join(root, "captions")
                 items = [
-                    (os.path.join("images", p), os.path.join("captions", os.path.splitext(p)[0] + ".txt"))
+                    (os.path.join("images", p), os.path.join("captions", os.path.splitext(p)[0] + ".txt"), os.path.splitext(p)[0])
                     for p in _walk(img_dir, IMAGE_SUFFIXES)
                 ]
                 if not os.path.isdir(cap_dir):
                     raise DatasetConfigError(f"dataset.params.path: {root} has images/ but no captions/ folder")
             else:
-                items = [(p, os.path.splitext(p)[0] + ".txt") for p in _walk(root, IMAGE_SUFFIXES)]
+                items = [(p, os.path.splitext(p)[0] + ".txt", os.path.splitext(p)[0]) for p in _walk(root, IMAGE_SUFFIXES)]
         n_every = int(params.consider_every_nth)
         items = items[::n_every]
         if not items:
@@ -85,7 +85,7 @@ class FolderSource(Source):
             else:
                 yield self._flat_sample(*item)
 
-    def _flat_sample(self, image_rel: str, caption_rel: str) -> Dict[str, Any]:
+    def _flat_sample(self, image_rel: str, caption_rel: str, key: str) -> Dict[str, Any]:
         caption: Optional[bytes] = None
         try:
             with open(os.path.join(self.root, caption_rel), "rb") as fh:
@@ -93,7 +93,7 @@ class FolderSource(Source):
         except OSError:
             caption = None  # counted as missing_caption by the select stage
         return {
-            "key": os.path.splitext(image_rel)[0],
+            "key": key,
             "url": self.root,
             "image": None,
             "image_path": os.path.join(self.root, image_rel),

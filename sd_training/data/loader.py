@@ -92,16 +92,23 @@ class TrainLoader:
                     pin_memory=False,
                 )
             )
-        for batch in source:
-            worker = batch.pop("_worker")
-            expected = self.batches % W
-            if worker != expected:  # the round-robin invariant the position relies on
-                raise RuntimeError(f"data: batch {self.batches} came from worker {worker}, expected {expected}")
-            self._states[worker] = batch.pop("_state")
-            self._counts.update(batch.pop("_stats"))
-            self.batches += 1
-            self._epoch = min(self._epoch_of(s) for s in self._states.values()) if len(self._states) == W else 0
-            yield batch
+        try:
+            for batch in source:
+                worker = batch.pop("_worker")
+                expected = self.batches % W
+                if worker != expected:  # the round-robin invariant the position relies on
+                    raise RuntimeError(f"data: batch {self.batches} came from worker {worker}, expected {expected}")
+                self._states[worker] = batch.pop("_state")
+                self._counts.update(batch.pop("_stats"))
+                self.batches += 1
+                self._epoch = min(self._epoch_of(s) for s in self._states.values()) if len(self._states) == W else 0
+                yield batch
+        finally:
+            # Stop the workers now. Left to the garbage collector (an exception's traceback keeps the
+            # iterator alive in a reference cycle), torch's shutdown waits 5 s per worker.
+            shutdown = getattr(source, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
     def _epoch_of(self, st: Dict) -> int:
         slot = self.plan.slot(0)  # epochs differ by at most one between a rank's slots: the first is enough
@@ -189,6 +196,8 @@ def describe(loader: TrainLoader) -> List[str]:
         f"{'resampled (with replacement)' if p.resampled else 'finite epochs'}; rank {p.rank}/{p.world_size}, "
         f"{p.workers} worker(s), batch {p.batch_size}, shuffle buffer {p.shuffle_buffer}"
     ]
+    if loader.proc.filters:
+        lines.append("data: metadata filters: " + ", ".join(f"{f.key} {f.text}" for f in loader.proc.filters))
     if loader.num_samples:
         lines.append(f"data: {loader.num_samples} samples before filtering")
         if loader.steps_total:

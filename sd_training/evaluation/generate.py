@@ -1,0 +1,68 @@
+"""Images from prompts with a diffusers pipeline, split across ranks, resumable, with a progress bar.
+
+The convention is ``sd_training.export.generate_eval_images``'s, so a folder made here and the eval
+images a training run writes are interchangeable: image ``i`` uses prompt ``i % len(prompts)`` and a
+CPU generator seeded ``seed + i`` (the same picture on any device and any number of ranks), is written
+as ``{i:06d}.png`` with its prompt in ``{i:06d}.txt``, and rank ``r`` makes images r, r+W, r+2W, ...
+Images already on disk are skipped, so a preempted job picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_pipeline(folder: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A ``StableDiffusionPipeline`` (or the class its model_index.json names) from a local folder."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(
+        folder, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False, local_files_only=True
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def image_path(out: Path, i: int) -> Path:
+    return Path(out) / f"{i:06d}.png"
+
+
+@torch.no_grad()
+def generate_images(
+    pipe, prompts: list[str], n: int, out: str | Path, seed: int = 0, steps: int = 25, guidance: float = 7.5,
+    resolution: int | None = None, rank: int = 0, world_size: int = 1, batch_size: int = 8, progress: bool = True,
+) -> list[Path]:
+    """Write this rank's share of ``n`` images to ``out``; returns the paths of its share (new or not)."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mine = list(range(rank, n, world_size))
+    todo = [i for i in mine if not image_path(out, i).is_file()]
+    size = dict(height=resolution, width=resolution) if resolution else {}
+    was_training = pipe.unet.training
+    pipe.unet.eval()
+    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=f"generate (rank {rank})", unit="img",
+               disable=not progress, position=0 if rank == 0 else None, leave=rank == 0)
+    try:
+        for start in range(0, len(todo), batch_size):
+            idx = todo[start : start + batch_size]
+            texts = [prompts[i % len(prompts)] for i in idx]
+            images = pipe(
+                texts, num_inference_steps=steps, guidance_scale=guidance,
+                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in idx], **size,
+            ).images
+            for i, text, im in zip(idx, texts, images):
+                path = image_path(out, i)
+                # The sidecar first and the image last, via a temporary name: an image on disk is complete.
+                path.with_suffix(".txt").write_text(text + "\n")
+                tmp = path.with_name(path.name + ".tmp")
+                im.save(tmp, format="PNG")
+                tmp.replace(path)
+            bar.update(len(idx))
+    finally:
+        bar.close()
+        pipe.unet.train(was_training)
+    return [image_path(out, i) for i in mine]

@@ -1,0 +1,277 @@
+"""FLOPs per training image, peak FLOP/s per device, and model FLOPs utilisation (MFU).
+
+Counting is done once at start-up by running the models on the **meta device** under
+``torch.utils.flop_counter.FlopCounterMode``: a copy of each module is built from its config with no
+storage, so counting the SD 1.x UNet at 512 px takes well under a second and no memory. What is counted
+is what FlopCounterMode counts: matmuls (``mm``/``addmm``/``bmm``/``baddbmm``), convolutions and
+attention, 2 FLOPs per multiply-add. Normalisations, activations, softmax and element-wise ops are not
+counted (by convention; they are a few percent and memory-bound).
+
+Why meta and not a real forward on a tiny input: on CPU, PyTorch's fused SDPA kernel
+(``_scaled_dot_product_flash_attention_for_cpu``) has no FlopCounterMode formula, so a CPU forward
+counts 0 FLOPs for attention. On meta, SDPA decomposes into two ``bmm`` whose count equals the
+formula FlopCounterMode uses for the CUDA flash / efficient / cuDNN kernels (4 * b * h * s_q * s_kv * d).
+
+Conventions (as in PaLM's appendix B and torchtitan):
+
+* **Model FLOPs** per image = 3 x one UNet forward (forward + backward, the backward being twice the
+  forward). It depends only on the UNet architecture and resolution, not on the implementation; MFU
+  uses it.
+* **Hardware FLOPs** per image = the UNet's forward + backward as PyTorch actually runs it (traced on
+  meta, so it includes the recomputation of gradient checkpointing, which in diffusers covers the
+  resnet/attention blocks: ~0.74 of a forward for SD 1.x, not a whole forward), plus one forward of
+  the frozen VAE encoder (unless latents are precomputed) and of the frozen text encoder. HFU uses it.
+* Peaks are **dense** tensor-core peaks (NVIDIA's datasheets quote 2:4-sparsity figures, twice these).
+  MFU = images/s per device x FLOPs per image / peak FLOP/s per device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TERA = 1e12
+
+# Dense peak TFLOP/s per device (no sparsity), by precision. Matched against torch.cuda.get_device_name()
+# in this order, so the more specific names come first. fp32 is the non-tensor-core (CUDA core) rate.
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0}),  # SXM
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.5, "fp32": 67.0}),  # SXM5 ("H100 80GB HBM3")
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),  # SXM4 and PCIe alike
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting on the meta device.
+# ----------------------------------------------------------------------------------------------
+
+
+def _meta_copy(module_or_config: Any, default_cls) -> torch.nn.Module:
+    """An uninitialised copy on the meta device, built from ``module.config`` (or from a config)."""
+    if isinstance(module_or_config, torch.nn.Module):
+        cls, config = type(module_or_config), module_or_config.config
+    else:
+        cls, config = default_cls, module_or_config
+    with torch.device("meta"):
+        if isinstance(config, Mapping):  # diffusers: the config is a (frozen) dict
+            return cls.from_config(dict(config))
+        return cls(config)  # transformers: PreTrainedModel(PretrainedConfig)
+
+
+def _count(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def _hw(size: int | tuple[int, int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def _unet_inputs(unet: torch.nn.Module, latent_size, seq_len: int, batch: int) -> tuple[tuple, dict]:
+    cfg = unet.config
+    h, w = _hw(latent_size)
+    ctx_dim = cfg.encoder_hid_dim or cfg.cross_attention_dim
+    kwargs: dict = {}
+    if cfg.get("addition_embed_type") == "text_time":  # SDXL: pooled text embeds + 6 size/crop ids
+        n_text = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": torch.empty(batch, n_text, device="meta"),
+            "time_ids": torch.empty(batch, 6, device="meta"),
+        }
+    args = (
+        torch.empty(batch, cfg.in_channels, h, w, device="meta"),
+        torch.zeros(batch, dtype=torch.long, device="meta"),
+        torch.empty(batch, seq_len, ctx_dim, device="meta"),
+    )
+    return args, kwargs
+
+
+def _meta_unet(unet, gradient_checkpointing: bool = False) -> torch.nn.Module:
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    m = _meta_copy(unet, UNet2DConditionModel)
+    # xformers has no meta kernels; its FLOPs equal SDPA's, so SDPA is counted whatever the backend.
+    m.set_attn_processor(AttnProcessor2_0())
+    if gradient_checkpointing:
+        m.enable_gradient_checkpointing()
+    return m
+
+
+def unet_forward_flops(unet, latent_size: int | tuple[int, int], seq_len: int = 77) -> int:
+    """FLOPs of one UNet forward for one image. ``unet``: a module or its config dict (UNet2DConditionModel).
+
+    ``latent_size``: latent pixels (64 for SD 1.x at 512 px); ``seq_len``: text tokens (77 for CLIP).
+    """
+    m = _meta_unet(unet).eval()
+    args, kwargs = _unet_inputs(m, latent_size, seq_len, batch=1)
+    with torch.no_grad():
+        return _count(lambda: m(*args, **kwargs, return_dict=False))
+
+
+def unet_train_flops(unet, latent_size, seq_len: int = 77, gradient_checkpointing: bool = False) -> int:
+    """FLOPs of the UNet's forward + backward for one image, as autograd runs it (with recomputation)."""
+    m = _meta_unet(unet, gradient_checkpointing).train()
+    args, kwargs = _unet_inputs(m, latent_size, seq_len, batch=1)
+    return _count(lambda: m(*args, **kwargs, return_dict=False)[0].sum().backward())
+
+
+def vae_encode_flops(vae, resolution: int | tuple[int, int]) -> int:
+    """FLOPs of the VAE encoder (with its quant conv) for one image of ``resolution`` pixels."""
+    from diffusers import AutoencoderKL
+
+    m = _meta_copy(vae, AutoencoderKL).eval()
+    h, w = _hw(resolution)
+    x = torch.empty(1, m.config.in_channels, h, w, device="meta")
+    with torch.no_grad():
+        return _count(lambda: m.encode(x).latent_dist.mode())
+
+
+def text_encode_flops(text_encoder, seq_len: int = 77) -> int:
+    """FLOPs of the text encoder for one caption of ``seq_len`` tokens (a module, or a CLIPTextConfig)."""
+    from transformers import CLIPTextModel
+
+    m = _meta_copy(text_encoder, CLIPTextModel).eval()
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with torch.no_grad():
+        return _count(lambda: m(ids, return_dict=False))
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs per training image, counted once (see the module docstring for the conventions)."""
+
+    unet_forward: int  # one UNet forward
+    unet_train: int  # UNet forward + backward as run (incl. gradient-checkpointing recomputation)
+    vae_encode: int  # frozen VAE encoder forward (0 when the batch carries precomputed latents)
+    text_encode: int  # frozen text encoder forward
+
+    @property
+    def model(self) -> int:
+        """Model FLOPs per image: 3 x UNet forward (what MFU counts)."""
+        return 3 * self.unet_forward
+
+    @property
+    def hardware(self) -> int:
+        """Hardware FLOPs per image: everything the device computes for it (what HFU counts)."""
+        return self.unet_train + self.vae_encode + self.text_encode
+
+
+def latent_size_of(vae, resolution: int | tuple[int, int]) -> tuple[int, int]:
+    """Latent pixels for ``resolution`` image pixels: the VAE halves them once per extra level."""
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    h, w = _hw(resolution)
+    return h // factor, w // factor
+
+
+def count_step_flops(
+    models, resolution: int | tuple[int, int], gradient_checkpointing: bool = False, encode_images: bool = True,
+    seq_len: int | None = None,
+) -> StepFlops:
+    """Count once at start-up for a ``Models`` (``sd_training.models``) training at ``resolution`` px.
+
+    ``encode_images=False`` when batches carry precomputed latents (the VAE does not run in the step).
+    """
+    seq_len = seq_len or int(getattr(models.tokenizer, "model_max_length", 77))
+    latent = latent_size_of(models.vae, resolution)
+    from .export import unwrap
+
+    unet = unwrap(models.unet)
+    return StepFlops(
+        unet_forward=unet_forward_flops(unet, latent, seq_len),
+        unet_train=unet_train_flops(unet, latent, seq_len, gradient_checkpointing),
+        vae_encode=vae_encode_flops(models.vae, resolution) if encode_images else 0,
+        text_encode=text_encode_flops(models.text_encoder, seq_len),
+    )
+
+
+def model_flops_per_image(unet, latent_size: int | tuple[int, int], seq_len: int = 77) -> int:
+    """Model FLOPs per training image: 3 x one UNet forward (dense convention, implementation-free)."""
+    return 3 * unet_forward_flops(unet, latent_size, seq_len)
+
+
+def hardware_flops_per_image(
+    unet, latent_size: int | tuple[int, int], seq_len: int = 77, *, gradient_checkpointing: bool = False,
+    vae=None, resolution: int | tuple[int, int] | None = None, text_encoder=None,
+) -> int:
+    """Hardware FLOPs per training image: UNet forward + backward as run (with recomputation when
+    ``gradient_checkpointing``), plus the VAE encoder at ``resolution`` when ``vae`` is given (omit it for
+    precomputed latents) and the text encoder when given."""
+    total = unet_train_flops(unet, latent_size, seq_len, gradient_checkpointing)
+    if vae is not None:
+        if resolution is None:
+            raise ValueError("hardware_flops_per_image: pass the image resolution with the vae")
+        total += vae_encode_flops(vae, resolution)
+    if text_encoder is not None:
+        total += text_encode_flops(text_encoder, seq_len)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Peaks and utilisation.
+# ----------------------------------------------------------------------------------------------
+
+
+def precision_key(dtype) -> str:
+    """'bf16' | 'fp16' | 'tf32' | 'fp32' for a torch dtype or a name ('bf16', 'fp16', 'no', 'fp32', 'tf32').
+
+    Plain fp32 counts against the TF32 tensor-core peak when PyTorch lets convolutions or matmuls use
+    TF32 (cuDNN convolutions do by default), else against the CUDA-core fp32 peak.
+    """
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    key = names.get(dtype, dtype)
+    key = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "no": "fp32"}.get(key, key)
+    if key not in ("bf16", "fp16", "tf32", "fp32"):
+        raise ValueError(f"unknown precision {dtype!r}: one of bf16, fp16, tf32, fp32 (or a torch dtype)")
+    if key == "fp32" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32):
+        key = "tf32"
+    return key
+
+
+def peak_flops(device: torch.device | str, dtype, override: float | None = None) -> float | None:
+    """Dense peak FLOP/s of one ``device`` at ``dtype`` (see ``precision_key``), or None when unknown.
+
+    ``override`` (FLOP/s, e.g. 312e12) wins over the table: use it for GPUs the table lacks or for a
+    CPU. Without it a CPU (or any device not in ``PEAK_TFLOPS``) gives None: MFU is not reported.
+    """
+    if override is not None:
+        if override <= 0:
+            raise ValueError(f"peak FLOP/s override must be positive, got {override}")
+        return float(override)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return peak_flops_by_name(name, dtype)
+
+
+def peak_flops_by_name(name: str, dtype) -> float | None:
+    """Table look-up by CUDA device name ('NVIDIA A100-SXM4-80GB', 'NVIDIA H100 80GB HBM3', ...)."""
+    key = precision_key(dtype)
+    for pattern, peaks in PEAK_TFLOPS:
+        if pattern.lower() in name.lower():
+            return peaks[key] * TERA
+    log.warning("no peak FLOP/s known for device '%s': MFU is not reported (set the peak to override)", name)
+    return None
+
+
+def mfu(images_per_sec_per_device: float, flops_per_image: float, peak: float | None) -> float | None:
+    """Utilisation in [0, 1]: achieved FLOP/s per device over the dense ``peak`` (None when no peak).
+
+    With ``StepFlops.model`` this is MFU; with ``StepFlops.hardware`` it is hardware FLOPs utilisation.
+    """
+    if not peak:
+        return None
+    return images_per_sec_per_device * flops_per_image / peak

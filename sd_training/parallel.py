@@ -1,0 +1,121 @@
+"""Data-parallel strategies for the trained UNet: DDP (replicated) or FSDP2 (``fully_shard`` per block).
+
+Only the UNet (and its EMA copy) is ever wrapped; the frozen VAE and text encoder stay plain modules.
+The strategy also owns how the UNet's state is saved and gathered:
+
+- ``ddp``: every rank holds the full weights; rank 0 writes them (``shared`` state in the checkpoint).
+- ``fsdp``: each rank holds a shard; all ranks write their shards with torch.distributed.checkpoint
+  (DCP) into ``checkpoints/step_N/sharded/``, resumed with the same or another world size, and
+  exports gather the full weights on rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameter), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def unet_blocks(unet: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units FSDP shards separately: each down/up block and the mid block (diffusers layout)."""
+    blocks = []
+    for name in ("down_blocks", "up_blocks"):
+        blocks.extend(getattr(unet, name, []) or [])
+    if getattr(unet, "mid_block", None) is not None:
+        blocks.append(unet.mid_block)
+    return blocks
+
+
+class Strategy:
+    def __init__(self, name: str, is_distributed: bool, device: torch.device, param_dtype: torch.dtype | None):
+        # One process: neither wrapper does anything useful, so both run the plain module.
+        self.name = name if is_distributed else "single"
+        self.device = device
+        self.param_dtype = param_dtype
+
+    @property
+    def sharded(self) -> bool:
+        return self.name == "fsdp"
+
+    def wrap(self, unet: torch.nn.Module, ema_shadow: torch.nn.Module | None) -> torch.nn.Module:
+        """Returns the module to call in the forward pass."""
+        self.module_cls = type(unet)  # FSDP2 swaps the class of a module it shards
+        if self.name == "ddp":
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return torch.nn.parallel.DistributedDataParallel(unet, device_ids=ids)
+        if self.name == "fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            # Parameters are gathered in the compute dtype; gradients are reduced in fp32.
+            mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+            for module in [unet] + ([ema_shadow] if ema_shadow is not None else []):
+                for block in unet_blocks(module):
+                    fully_shard(block, mp_policy=mp)
+                fully_shard(module, mp_policy=mp)
+            return unet
+        return unet
+
+    def sync_context(self, model: torch.nn.Module, sync: bool):
+        """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation."""
+        if self.name == "ddp" and not sync:
+            return model.no_sync()
+        if self.name == "fsdp":
+            model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ state
+    def sharded_state(self, unet, optimizer, ema_shadow) -> dict:
+        """FSDP: the sharded state DCP writes (collective)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(unet, optimizer)
+        state = {"unet": model_sd, "optimizer": optim_sd}
+        if ema_shadow is not None:
+            state["ema"] = get_model_state_dict(ema_shadow)
+        return state
+
+    def save_sharded(self, state: dict, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=str(folder))
+
+    def load_sharded(self, folder: Path, unet, optimizer, ema_shadow) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        state = self.sharded_state(unet, optimizer, ema_shadow)  # the layout to load into
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(unet, optimizer, model_state_dict=state["unet"], optim_state_dict=state["optimizer"])
+        if ema_shadow is not None:
+            set_model_state_dict(ema_shadow, state["ema"])
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict | None:
+        """Full CPU weights on rank 0 (None elsewhere). Collective under FSDP: every rank must call it."""
+        import torch.distributed as dist
+
+        if not self.sharded:
+            return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if dist.get_rank() == 0 else None
+
+    def plain_copy(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:
+        """An unsharded module with the full weights on rank 0, for export and sampling (collective)."""
+        if not self.sharded:
+            return module
+        sd = self.full_state_dict(module)
+        if sd is None:
+            return None
+        plain = self.module_cls.from_config(module.config)
+        plain.load_state_dict(sd)
+        return plain.to(device)
