@@ -83,11 +83,13 @@ def test_make_shards_from_parquet_and_csv(tmp_path):
 @pytest.mark.slow
 def test_benchmark_runs_and_writes_its_json(tmp_path):
     out_json = tmp_path / "bench.json"
-    _run("benchmarks/bench_data.py", "--samples", "40", "--out", str(out_json), "--work-dir", str(tmp_path / "w"))
+    _run("benchmarks/bench_data.py", "--samples", "40", "--repeats", "1", "--out", str(out_json),
+         "--work-dir", str(tmp_path / "w"))
     result = json.loads(out_json.read_text())
     for case in ("reject_0", "reject_90"):
         r = result["results"][case]
         assert r["ours_samples_per_s"] > 0 and r["naive_samples_per_s"] > 0
         assert r["ratio"] == pytest.approx(r["ours_samples_per_s"] / r["naive_samples_per_s"], rel=1e-6)
         assert r["ours_samples_out"] == r["naive_samples_out"]
-    assert result["results"]["reject_90"]["ratio"] > 1.5
+    # Skipping the decode of rejected samples must show even on 40 samples (CPU time: robust to a busy machine).
+    assert result["results"]["reject_90"]["ratio_cpu"] > 1.5

@@ -265,3 +265,18 @@ def test_img2dataset_output_folder_works_as_is(tmp_path):
     ld = loader(str(tmp_path), batch_size=2, shuffle_buffer=1, filters={"pwatermark": "<=0.15", "status": "== success"})
     batches = take(ld, 2)
     assert sorted(c for b in batches for c in b["captions"]) == [f"img2dataset {k} {i}" for k in range(2) for i in range(2)]
+
+
+def test_restore_with_other_worker_count_is_approximate_not_fatal(tmp_path, caplog):
+    pattern = write_shards(str(tmp_path), [5] * 8)
+    first = loader(pattern, workers=2, batch_size=2, shuffle_buffer=1)
+    seen = all_keys(take(first, 6))
+    state = first.state_dict()
+    other = loader(pattern, workers=1, batch_size=2, shuffle_buffer=1)
+    other.load_state_dict(state)
+    assert "position is approximate" in caplog.text
+    after = take(other, 10)
+    assert len(after) == 10 and other.stats()["samples_seen"] == 12 + 20  # counters carry over
+    assert len(set(all_keys(after)) - set(seen)) >= 10  # it moved on rather than starting over
+    with pytest.raises(ValueError, match="version"):
+        other.load_state_dict({"version": 99})

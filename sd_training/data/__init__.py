@@ -76,6 +76,7 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
         num_examples = int(p.num_examples_to_see)
     except (TypeError, ValueError):
         num_examples = None
+    seed = int(seed) % 2**63  # numpy seeds must be non-negative; -1 style seeds map deterministically
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
 
@@ -102,7 +103,7 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
     plan = Plan(
         sources=sources,
         units=units,
-        seed=int(seed),
+        seed=seed,
         rank=int(rank),
         world_size=int(world_size),
         workers=workers,

@@ -49,6 +49,9 @@ def cover_size(width: int, height: int, out_w: int, out_h: int) -> Tuple[int, in
 
 def _to_rgb(img: Image.Image) -> Image.Image:
     """RGB; transparent pixels become white (what a viewer shows), not the black of a plain convert."""
+    if img.mode == "RGB":
+        img.load()
+        return img
     if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -68,7 +71,9 @@ def decode_resized(
 ) -> np.ndarray:
     """Decode ``img`` (from :func:`open_image`), resize to cover ``out_w x out_h``, crop, maybe flip.
 
-    Returns uint8 HxWx3. ``rng`` picks the random crop offset (``center_crop=False``).
+    Returns uint8 HxWx3. ``rng`` picks the random crop offset (``center_crop=False``). The crop is taken
+    in source coordinates and resized in one step (PIL ``resize(box=...)``): the same pixels as resizing
+    the whole image and cropping, without computing the pixels that would be cropped away.
     """
     width, height = img.size
     try:
@@ -81,16 +86,16 @@ def decode_resized(
         raise
     except Exception as exn:  # truncated or corrupt data shows up at decode time
         raise ImageError("corrupt_image", f"decode failed ({exn})") from exn
-    rw, rh = cover_size(img.width, img.height, out_w, out_h)
-    if (rw, rh) != img.size:
-        img = img.resize((rw, rh), Image.BICUBIC, reducing_gap=None)
+    rw, rh = cover_size(img.width, img.height, out_w, out_h)  # the resized size, before cropping
     if center_crop or rng is None:
         left, top = (rw - out_w) // 2, (rh - out_h) // 2
     else:
         left = int(rng.integers(0, rw - out_w + 1))
         top = int(rng.integers(0, rh - out_h + 1))
-    if (left, top, rw, rh) != (0, 0, out_w, out_h):
-        img = img.crop((left, top, left + out_w, top + out_h))
+    sx, sy = img.width / rw, img.height / rh  # source pixels per output pixel
+    box = (left * sx, top * sy, (left + out_w) * sx, (top + out_h) * sy)
+    if img.size != (out_w, out_h) or box != (0, 0, out_w, out_h):
+        img = img.resize((out_w, out_h), Image.BICUBIC, box=box, reducing_gap=None)
     if flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
     arr = np.asarray(img, dtype=np.uint8)

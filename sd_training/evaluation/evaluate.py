@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .clip_score import ClipScorer, prompts_for
-from .fid import InceptionFeatures, compute_fid, image_files, rank_world, reference_stats
+from .fid import InceptionFeatures, compute_fid, image_files, reference_stats
 
 log = logging.getLogger(__name__)
 
