@@ -131,7 +131,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards
 
 
 @pytest.mark.slow
-def test_sigterm_saves_then_exits_and_resume_completes(tmp_path, tiny_pipeline, shapes_shards):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_then_exits_and_resume_completes(tmp_path, tiny_pipeline, shapes_shards, sig):
+    """SIGTERM (preemption) and Ctrl-C outside SLURM: one save at the step boundary, a clean exit."""
     args = args_for(tmp_path, tiny_pipeline, shapes_shards, "term", **{"experiment.checkpoint_every": 1000,
                                                                       "experiment.num_examples_to_see": 4 * 200})
     run = tmp_path / "runs" / "term"
@@ -140,9 +142,9 @@ def test_sigterm_saves_then_exits_and_resume_completes(tmp_path, tiny_pipeline, 
     while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
         assert p.poll() is None and time.time() < deadline
         time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(sig)
     out = finish(p)
-    assert "stopped at step" in out
+    assert "stopped at step" in out and f"by {sig.name}" in out and "requeue" not in out
     steps = complete_steps(run / "checkpoints")
     assert len(steps) == 1 and 3 <= steps[0] < 200  # saved at the step boundary after the signal
     # Not under SLURM: nothing is requeued; a restart continues from that step to the end.
