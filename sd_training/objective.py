@@ -1,9 +1,155 @@
-"""One training step's loss: encode, sample timesteps and noise, predict, compare with the target."""
+"""One training step's loss: encode, sample timesteps and noise, predict, compare with the target.
+
+The ``objective`` config section chooses the parameterisation and the tricks around it. With every
+option at its default the step is the plain DDPM/Stable Diffusion one and draws exactly the random
+numbers it always drew (one ``randn_like`` for the noise, then one ``randint`` for the timesteps), so
+runs and resumed runs stay bit-identical; an option that needs more random numbers draws them only
+when it is on.
+
+References, for the formulas below:
+  * v-prediction: Salimans & Ho 2022, v = sqrt(a_t) * eps - sqrt(1 - a_t) * x0 (``get_velocity``).
+  * min-SNR-gamma weighting: Hang et al. 2023; the per-parameterisation forms follow diffusers'
+    examples/text_to_image/train_text_to_image.py.
+  * offset noise: Guttenberg 2023 ("Diffusion with offset noise"), as in diffusers' ``--noise_offset``.
+  * pyramid (multi-resolution) noise: Whitaker 2023, the EveryDream2 / kohya form (seed 002).
+  * input perturbation: Ning et al. 2023, as in diffusers' ``--input_perturbation``.
+  * zero terminal SNR: Lin et al. 2023 ("Common diffusion noise schedules and sample steps are flawed").
+  * logit-normal timesteps: Esser et al. 2024 (Stable Diffusion 3), mapped onto the discrete DDPM steps.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+
+from .fields import f
+
+log = logging.getLogger(__name__)
+
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+LOSS_WEIGHTINGS = ("none", "min_snr")
+TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")
+# Pyramid noise adds at most this many resolution levels; it stops earlier at a 1-pixel level.
+PYRAMID_MAX_LEVELS = 10
+
+
+@dataclass
+class ObjectiveConfig:
+    prediction_type: Optional[str] = f(
+        None, "epsilon | v_prediction | sample: what the UNet predicts (None: the training scheduler's own prediction_type)"
+    )
+    loss_weighting: str = f("none", "none | min_snr: per-sample loss weight (min_snr: min(SNR, snr_gamma) in x0 units)")
+    snr_gamma: float = f(5.0, "min_snr: the SNR cap gamma (dimensionless; 5 in Hang et al.)")
+    noise_offset: float = f(0.0, "std of the per-channel constant (zero-frequency) noise added to the unit noise (0: off)")
+    pyramid_noise_discount: float = f(0.0, "multi-resolution noise: weight ratio between successive coarser levels, in [0, 1) (0: off)")
+    input_perturbation: float = f(0.0, "std of extra noise added to the UNet input only, in units of the noise (0: off)")
+    zero_terminal_snr: bool = f(False, "rescale betas to SNR 0 at the last timestep (Lin et al.); needs v_prediction or sample")
+    timestep_sampling: str = f("uniform", "uniform | logit_normal: distribution of training timesteps")
+    logit_mean: float = f(0.0, "logit_normal: mean of the normal in logit(t / num_train_timesteps) units")
+    logit_std: float = f(1.0, "logit_normal: std of the normal in logit(t / num_train_timesteps) units")
+
+
+def _error(message: str) -> ValueError:
+    # ConfigError lives in config.py, which imports this module for the schema: import it late.
+    from .config import ConfigError
+
+    return ConfigError(message)
+
+
+def validate_objective_config(cfg: ObjectiveConfig, path: str = "objective") -> None:
+    """Checks that need no model; raises ConfigError naming the key. ``configure_schedulers`` checks the rest."""
+
+    def choice(key, value, allowed):
+        if value not in allowed:
+            raise _error(f"'{path}.{key}' is '{value}', expected one of {', '.join(allowed)}")
+
+    if cfg.prediction_type is not None:
+        choice("prediction_type", cfg.prediction_type, PREDICTION_TYPES)
+    choice("loss_weighting", cfg.loss_weighting, LOSS_WEIGHTINGS)
+    choice("timestep_sampling", cfg.timestep_sampling, TIMESTEP_SAMPLINGS)
+    if cfg.snr_gamma <= 0:
+        raise _error(f"'{path}.snr_gamma' must be > 0, got {cfg.snr_gamma}")
+    for key in ("noise_offset", "input_perturbation"):
+        if getattr(cfg, key) < 0:
+            raise _error(f"'{path}.{key}' must be >= 0, got {getattr(cfg, key)}")
+    if not 0.0 <= cfg.pyramid_noise_discount < 1.0:
+        raise _error(f"'{path}.pyramid_noise_discount' must be within [0, 1), got {cfg.pyramid_noise_discount}")
+    if cfg.logit_std <= 0:
+        raise _error(f"'{path}.logit_std' must be > 0, got {cfg.logit_std}")
+    if cfg.zero_terminal_snr and cfg.prediction_type == "epsilon":
+        raise _error(_ZTSNR_EPSILON.format(path=path, why="is 'epsilon'"))
+
+
+_ZTSNR_EPSILON = (
+    "'{path}.zero_terminal_snr' needs a parameterisation that is defined at SNR 0, but '{path}.prediction_type' {why}: "
+    "at the last timestep the input is pure noise, so predicting the noise teaches nothing. "
+    "Set {path}.prediction_type=v_prediction (Lin et al.) or turn zero_terminal_snr off"
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedulers
+# ----------------------------------------------------------------------------------------------
+
+
+def _accepts(scheduler_cls, arg: str) -> bool:
+    import inspect
+
+    return arg in inspect.signature(scheduler_cls.__init__).parameters
+
+
+def configure_schedulers(noise_scheduler, inference_scheduler, cfg: ObjectiveConfig | None, path: str = "objective"):
+    """Both schedulers rebuilt (``from_config`` with overrides) with the objective's parameterisation.
+
+    The inference scheduler is what exported pipelines and sample grids use, so it must sample with the
+    ``prediction_type`` (and the betas) the UNet is trained with. Zero terminal SNR also sets
+    ``timestep_spacing="trailing"`` on the inference scheduler, so sampling starts at the last
+    (SNR 0) timestep as Lin et al. recommend. An inference scheduler class that cannot rescale its
+    betas (PNDM, LMS, Heun ...) is replaced by ``DDIMScheduler`` (the paper's sampler), with a warning.
+    Returns ``(noise_scheduler, inference_scheduler)``; the arguments are not modified.
+    """
+    cfg = cfg or ObjectiveConfig()
+    train_over: dict = {}
+    infer_over: dict = {}
+    if cfg.prediction_type is not None:
+        train_over["prediction_type"] = infer_over["prediction_type"] = cfg.prediction_type
+    if cfg.zero_terminal_snr:
+        train_over["rescale_betas_zero_snr"] = infer_over["rescale_betas_zero_snr"] = True
+        infer_over["timestep_spacing"] = "trailing"
+    kind = cfg.prediction_type or noise_scheduler.config.prediction_type
+    terminal_snr_zero = cfg.zero_terminal_snr or bool(noise_scheduler.config.get("rescale_betas_zero_snr", False))
+    if terminal_snr_zero and kind == "epsilon":
+        why = "is 'epsilon'" if cfg.prediction_type else "is unset and the training scheduler's own is 'epsilon'"
+        raise _error(_ZTSNR_EPSILON.format(path=path, why=why))
+    if kind not in PREDICTION_TYPES:
+        raise _error(f"the training scheduler's prediction_type '{kind}' is not one of {', '.join(PREDICTION_TYPES)}: set {path}.prediction_type")
+
+    if train_over:
+        noise_scheduler = type(noise_scheduler).from_config(noise_scheduler.config, **train_over)
+    if infer_over:
+        cls = type(inference_scheduler)
+        if cfg.zero_terminal_snr and not _accepts(cls, "rescale_betas_zero_snr"):
+            from diffusers import DDIMScheduler
+
+            log.warning(
+                "%s.zero_terminal_snr: the inference scheduler %s cannot rescale its betas; exported pipelines and "
+                "samples use DDIMScheduler (trailing timesteps) instead", path, cls.__name__,
+            )
+            cls = DDIMScheduler
+        if "prediction_type" in infer_over and not _accepts(cls, "prediction_type"):
+            raise _error(f"{path}.prediction_type: the inference scheduler {cls.__name__} has no prediction_type setting")
+        inference_scheduler = cls.from_config(inference_scheduler.config, **infer_over)
+    return noise_scheduler, inference_scheduler
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoders
+# ----------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -13,10 +159,45 @@ def encode_images(vae, pixel_values: torch.Tensor, scale: float) -> torch.Tensor
     return latents * scale
 
 
-@torch.no_grad()
-def encode_text(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
-    """Token ids -> the last hidden states the UNet cross-attends to."""
-    return text_encoder(input_ids, return_dict=False)[0]
+def _core(text_encoder):
+    """The module holding ``final_layer_norm``, under DDP / compile wrappers and across transformers 4 and 5."""
+    from .export import unwrap
+
+    te = unwrap(text_encoder)
+    return te.text_model if hasattr(te, "text_model") else te  # transformers 4 nests it in .text_model
+
+
+def encode_text(text_encoder, input_ids: torch.Tensor, clip_skip: int = 0) -> torch.Tensor:
+    """Token ids -> the hidden states the UNet cross-attends to (float32).
+
+    ``clip_skip`` counts back from the last layer (seed 002 / kohya / EveryDream convention): 0 or 1 =
+    the last layer's output; N >= 2 = the output of layer ``num_layers - N + 1`` (2 = penultimate),
+    then the final layer norm. diffusers' ``clip_skip`` argument counts one lower (its 1 = our 2).
+    ``build_text_encoder`` already bakes ``model.text_encoder.clip_skip`` into the module it returns
+    (its last layers are dropped), so the training loop calls this with the default 0; the argument is
+    for an encoder loaded as is (evaluating a stock pipeline with clip skip).
+
+    Gradients flow only when the encoder has trainable parameters (text-encoder training); a frozen
+    encoder runs under no_grad, as it always did.
+    """
+    grad = torch.is_grad_enabled() and any(p.requires_grad for p in text_encoder.parameters())
+    with torch.set_grad_enabled(grad):
+        if clip_skip <= 1:
+            hidden = text_encoder(input_ids, return_dict=False)[0]
+        else:
+            out = text_encoder(input_ids, output_hidden_states=True, return_dict=False)
+            states = out[2]  # (last_hidden_state, pooler_output, hidden_states): embeddings + one per layer
+            if clip_skip >= len(states):
+                raise ValueError(f"clip_skip={clip_skip} but the text encoder has only {len(states) - 1} layers")
+            hidden = _core(text_encoder).final_layer_norm(states[-clip_skip])
+    # A frozen encoder stored in fp16/bf16 (model.text_encoder.dtype) must not hand the fp32 UNet a
+    # half tensor outside autocast. A no-op for fp32 encoders.
+    return hidden.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Targets and weights
+# ----------------------------------------------------------------------------------------------
 
 
 def training_target(noise_scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
@@ -31,24 +212,134 @@ def training_target(noise_scheduler, latents: torch.Tensor, noise: torch.Tensor,
     raise ValueError(f"unsupported prediction_type '{kind}' in the training noise scheduler")
 
 
+def snr(noise_scheduler, timesteps: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio alpha_bar_t / (1 - alpha_bar_t) of each timestep, float32 (diffusers' ``compute_snr``)."""
+    ac = noise_scheduler.alphas_cumprod.to(device=timesteps.device)[timesteps].float()
+    return (ac.sqrt() / (1.0 - ac).sqrt()) ** 2
+
+
+def min_snr_weights(noise_scheduler, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per-sample weights of the min-SNR-gamma strategy for the scheduler's ``prediction_type``.
+
+    The x0-space weight is min(SNR, gamma); an epsilon loss equals SNR times the x0 loss and a v loss
+    (SNR + 1) times it, hence min(SNR, gamma) / SNR and min(SNR, gamma) / (SNR + 1). The epsilon form is
+    written as where(SNR < gamma, 1, gamma / SNR): the same numbers, but 1 rather than 0/0 at SNR 0.
+    """
+    s = snr(noise_scheduler, timesteps)
+    capped = torch.clamp(s, max=gamma)  # == stack([snr, gamma * ones]).min(dim=1)[0]
+    kind = noise_scheduler.config.prediction_type
+    if kind == "epsilon":
+        return torch.where(s < gamma, torch.ones_like(s), gamma / s)
+    if kind == "v_prediction":
+        return capped / (s + 1.0)
+    if kind == "sample":
+        return capped
+    raise ValueError(f"unsupported prediction_type '{kind}' in the training noise scheduler")
+
+
+# ----------------------------------------------------------------------------------------------
+# Noise and timesteps
+# ----------------------------------------------------------------------------------------------
+
+
+def pyramid_noise(noise: torch.Tensor, discount: float, max_levels: int = PYRAMID_MAX_LEVELS) -> torch.Tensor:
+    """Multi-resolution noise: ``noise`` plus upsampled coarser noise, level i weighted discount**i.
+
+    Level i has the size of the latent divided by r**i with r drawn in [2, 4) per level (Whitaker's
+    "rather than always going 2x"); it stops after the first level that is 1 pixel high or wide, so
+    the number of levels is bounded by the latent size. The result is rescaled to unit std per sample
+    (the reference divides by the batch's std; per sample keeps a sample's noise independent of the
+    batch size). The ratios r are drawn from the CPU generator: no device sync for the sizes.
+    """
+    if noise.ndim != 4:
+        raise ValueError(f"pyramid noise needs [B, C, H, W] latents, got shape {tuple(noise.shape)}")
+    b, c, h, w = noise.shape
+    out = noise
+    for i in range(max_levels):
+        r = 2.0 + 2.0 * torch.rand(()).item()
+        hn, wn = max(1, int(h / r**i)), max(1, int(w / r**i))
+        level = torch.randn(b, c, hn, wn, device=noise.device, dtype=noise.dtype)
+        out = out + F.interpolate(level, size=(h, w), mode="bilinear", align_corners=False) * discount**i
+        if hn == 1 or wn == 1:
+            break
+    return out / out.std(dim=(1, 2, 3), keepdim=True)
+
+
+def sample_noise(latents: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
+    """Unit Gaussian noise shaped like ``latents``, with pyramid and offset noise when configured."""
+    noise = torch.randn_like(latents)
+    if cfg.pyramid_noise_discount > 0:
+        noise = pyramid_noise(noise, cfg.pyramid_noise_discount)
+    if cfg.noise_offset > 0:
+        # One constant per (sample, channel): shifts the image mean, which plain noise barely does.
+        shape = latents.shape[:2] + (1,) * (latents.ndim - 2)
+        noise = noise + cfg.noise_offset * torch.randn(shape, device=latents.device, dtype=latents.dtype)
+    return noise
+
+
+def sample_timesteps(noise_scheduler, batch_size: int, device: torch.device, cfg: ObjectiveConfig) -> torch.Tensor:
+    """Training timesteps in [0, num_train_timesteps), int64."""
+    n = noise_scheduler.config.num_train_timesteps
+    if cfg.timestep_sampling == "uniform":
+        return torch.randint(0, n, (batch_size,), device=device)
+    if cfg.timestep_sampling == "logit_normal":
+        # u = sigmoid(N(mean, std)) in (0, 1), then the DDPM step whose interval [t/n, (t+1)/n) holds u.
+        u = torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn(batch_size, device=device))
+        return (u * n).long().clamp_(0, n - 1)
+    raise ValueError(f"unknown timestep_sampling '{cfg.timestep_sampling}'")
+
+
+_DEFAULTS = ObjectiveConfig()
+
+
 def diffusion_loss(
     unet, noise_scheduler, latents: torch.Tensor, encoder_hidden_states: torch.Tensor,
-    noise: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
+    cfg: ObjectiveConfig | None = None, noise: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
 ):
     """Mean-squared error of the UNet's prediction; also returns the per-sample losses and timesteps.
 
     Noise and timesteps not given are drawn from the global torch RNG of the latents' device, which the
     checkpoint saves and restores, so a resumed run draws the same ones. Fixed ones give a loss that is
-    comparable across steps (validation).
+    comparable across steps (validation): a given ``noise`` is used as is (no offset, pyramid or input
+    perturbation); the loss weighting still applies. The per-sample losses are the weighted ones, so
+    the loss is their mean.
     """
-    if noise is None:
-        noise = torch.randn_like(latents)
+    cfg = cfg or _DEFAULTS
+    kind = noise_scheduler.config.prediction_type
+    if cfg.prediction_type is not None and cfg.prediction_type != kind:
+        raise ValueError(
+            f"objective.prediction_type is '{cfg.prediction_type}' but the noise scheduler's is '{kind}': "
+            "build the schedulers with configure_schedulers()"
+        )
+    drawn = noise is None
+    if drawn:
+        noise = sample_noise(latents, cfg)
     if timesteps is None:
-        timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device)
+        timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device, cfg)
     timesteps = timesteps.long()
-    noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+    model_noise = noise
+    if drawn and cfg.input_perturbation > 0:
+        # Ning et al.: the UNet sees x_t built from perturbed noise, but is still asked for the original.
+        model_noise = noise + cfg.input_perturbation * torch.randn_like(noise)
+    noisy = noise_scheduler.add_noise(latents, model_noise, timesteps)
     target = training_target(noise_scheduler, latents, noise, timesteps)
     pred = unet(noisy, timesteps, encoder_hidden_states, return_dict=False)[0]
     # The loss in fp32 even under autocast: a bf16 mean over millions of elements loses precision.
-    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+    if cfg.loss_weighting == "min_snr":
+        per_sample = per_sample * min_snr_weights(noise_scheduler, timesteps, cfg.snr_gamma)
     return per_sample.mean(), per_sample.detach(), timesteps
+
+
+def expected_logit_normal_cdf(k: torch.Tensor, num_train_timesteps: int, mean: float, std: float) -> torch.Tensor:
+    """P(t <= k) under ``timestep_sampling=logit_normal``: Phi((logit((k + 1) / n) - mean) / std)."""
+    x = (k.double() + 1) / num_train_timesteps
+    z = (torch.log(x) - torch.log1p(-x) - mean) / std
+    return torch.where(k >= num_train_timesteps - 1, torch.ones_like(z), torch.special.ndtr(z))
+
+
+__all__ = [
+    "ObjectiveConfig", "validate_objective_config", "configure_schedulers", "encode_images", "encode_text",
+    "training_target", "snr", "min_snr_weights", "pyramid_noise", "sample_noise", "sample_timesteps",
+    "diffusion_loss", "expected_logit_normal_cdf",
+]

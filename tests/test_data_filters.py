@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError
 
 from data_fixtures import make_cfg
 from sd_training.data import DatasetConfig, DatasetConfigError, validate_dataset_config
@@ -126,5 +127,5 @@ def test_validation_works_on_an_omegaconf_structured_config():
     cfg.params.filters = {"pwatermark": "<=0.5", "original_width": "big"}
     with pytest.raises(DatasetConfigError, match="original_width"):
         validate_dataset_config(cfg)
-    with pytest.raises(Exception):  # unknown keys are rejected by the schema itself
+    with pytest.raises(ConfigAttributeError):  # unknown keys are rejected by the schema itself
         cfg.params.not_a_key = 1

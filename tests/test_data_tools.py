@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_fixtures import all_keys, jpeg_bytes, loader, png_bytes, take
+from data_fixtures import jpeg_bytes, loader, png_bytes, take
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

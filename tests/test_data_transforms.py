@@ -6,7 +6,6 @@ import io
 import time
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image, JpegImagePlugin
 

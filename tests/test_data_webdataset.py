@@ -35,7 +35,7 @@ def shapes(tmp_path_factory):
 
 def test_shapes_dataset_is_real_and_deterministic(tmp_path):
     pat_a = write_shapes_shards(str(tmp_path / "a"), 12, 3, size=48, seed=3)
-    pat_b = write_shapes_shards(str(tmp_path / "b"), 12, 3, size=48, seed=3)
+    write_shapes_shards(str(tmp_path / "b"), 12, 3, size=48, seed=3)
     assert pat_a.endswith("shapes-{000000..000002}.tar")
     sizes = json.loads((tmp_path / "a" / "sizes.json").read_text())
     assert sizes == {"shapes-000000.tar": 4, "shapes-000001.tar": 4, "shapes-000002.tar": 4}

@@ -38,7 +38,8 @@ class _SlotDataset(IterableDataset):
         info = get_worker_info()
         physical = info.id if info is not None else 0
         logical = (physical + self.shift) % self.plan.workers_per_rank
-        torch.set_num_threads(1)  # workers are processes already; intra-op threads only oversubscribe
+        if info is not None:
+            torch.set_num_threads(1)  # workers are processes already; intra-op threads only oversubscribe
         return iter(SlotStream(self.plan, self.proc, logical, self.states.get(logical)))
 
 
@@ -89,7 +90,7 @@ class TrainLoader:
                     num_workers=self.plan.workers,
                     prefetch_factor=PREFETCH_BATCHES,
                     persistent_workers=False,  # a new iter() must start from the loader's current position
-                    pin_memory=False,
+                    pin_memory=torch.cuda.is_available(),  # lets the loop's .to(device, non_blocking=True) overlap
                 )
             )
         try:
@@ -101,7 +102,8 @@ class TrainLoader:
                 self._states[worker] = batch.pop("_state")
                 self._counts.update(batch.pop("_stats"))
                 self.batches += 1
-                self._epoch = min(self._epoch_of(s) for s in self._states.values()) if len(self._states) == W else 0
+                if len(self._states) == W:
+                    self._epoch = min(self._epoch_of(w, st) for w, st in self._states.items())
                 yield batch
         finally:
             # Stop the workers now. Left to the garbage collector (an exception's traceback keeps the
@@ -110,9 +112,9 @@ class TrainLoader:
             if shutdown is not None:
                 shutdown()
 
-    def _epoch_of(self, st: Dict) -> int:
-        slot = self.plan.slot(0)  # epochs differ by at most one between a rank's slots: the first is enough
-        return self.plan.global_index(slot, int(st["base"]), int(st["i"])) // len(self.plan.units)
+    def _epoch_of(self, worker: int, st: Dict) -> int:
+        g = self.plan.global_index(self.plan.slot(worker), int(st["base"]), int(st["i"]))
+        return g // len(self.plan.units)
 
     # -- the training state -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

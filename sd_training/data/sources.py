@@ -16,8 +16,8 @@ Units are plain picklable values; a source is rebuilt nowhere - it is pickled in
 
 from __future__ import annotations
 
+import abc
 import glob
-import io
 import json
 import os
 import re
@@ -42,15 +42,16 @@ class ShardError(Exception):
 
 
 @dataclass
-class Source:
+class Source(abc.ABC):
     """One source (one element of a '::'-joined path) and its units of work."""
 
     name: str
     units: List[Any] = field(default_factory=list)
     num_samples: Optional[int] = None  # known without reading (sizes.json, row counts), else None
 
-    def read(self, unit: Any, stats: Stats) -> Iterator[Dict[str, Any]]:  # pragma: no cover - abstract
-        raise TypeError(f"{type(self).__name__} does not implement read()")
+    @abc.abstractmethod
+    def read(self, unit: Any, stats: Stats) -> Iterator[Dict[str, Any]]:
+        """Raw samples of ``unit`` in a fixed order; raises :class:`ShardError` if the unit is unusable."""
 
     def describe(self, unit: Any) -> str:
         return str(unit)
@@ -231,6 +232,3 @@ def build_sources(kind: str, params) -> List[Source]:
         return [FolderSource(s, params) for s in specs]
     raise DatasetConfigError(f"dataset.type={kind}: no reader")  # canonical_type() rejects it earlier
 
-
-def io_bytes(data: Any) -> io.BytesIO:
-    return io.BytesIO(data if isinstance(data, (bytes, bytearray)) else bytes(data))

@@ -118,6 +118,8 @@ class SlotStream:
 
     # -- the stages --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Dict[str, Any]]:
+        """read units -> select (json, filters, caption: no decode) -> shuffle buffer (encoded bytes)
+        -> process (header, min size, bucket, reduced decode, crop/flip, caption augment) -> bucket -> batch."""
         if self._state is not None:
             self._restore(self._state)
             self._state = None

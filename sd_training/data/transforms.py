@@ -14,11 +14,6 @@ from typing import Optional, Tuple
 import numpy as np
 from PIL import Image
 
-# Refuse absurd images (decompression bombs) instead of letting a worker allocate gigabytes.
-MAX_PIXELS = 16384 * 16384
-Image.MAX_IMAGE_PIXELS = MAX_PIXELS
-
-
 class ImageError(Exception):
     """An image that cannot be used; ``reason`` is the skip counter name."""
 
@@ -28,7 +23,8 @@ class ImageError(Exception):
 
 
 def open_image(data: bytes) -> Image.Image:
-    """Open (header only, nothing decoded yet)."""
+    """Open (header only, nothing decoded yet). Images above PIL's ``MAX_IMAGE_PIXELS`` (~89 Mpx,
+    a decompression-bomb guard) are refused instead of letting a worker allocate gigabytes."""
     if not data:
         raise ImageError("empty_image", "0 bytes")
     try:

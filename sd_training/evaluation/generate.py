@@ -18,11 +18,10 @@ def load_pipeline(folder: str, device: torch.device, dtype: torch.dtype = torch.
     """A ``StableDiffusionPipeline`` (or the class its model_index.json names) from a local folder."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(
-        folder, torch_dtype=dtype, safety_checker=None, requires_safety_checker=False, local_files_only=True
-    )
+    # Loaded as saved, then cast: the dtype keyword of from_pretrained changed name across diffusers versions.
+    pipe = DiffusionPipeline.from_pretrained(folder, safety_checker=None, requires_safety_checker=False, local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    return pipe.to(device, dtype)
 
 
 def image_path(out: Path, i: int) -> Path:

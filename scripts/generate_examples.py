@@ -1,0 +1,131 @@
+"""Prompts -> images, from an exported pipeline or from a training checkpoint; split across ranks.
+
+    python scripts/generate_examples.py --prompts captions.csv --out samples/ --pipeline runs/x/current_pipeline
+    python scripts/generate_examples.py --prompts prompts.txt --out samples/ --checkpoint runs/x [--ema]
+    torchrun --nproc_per_node 8 scripts/generate_examples.py ...          (each rank makes its share)
+
+Prompts: a .txt (one per line) or a .csv (its 'caption' column, else the first), as
+``experiment.eval_caption_file``. Image ``i`` uses prompt ``i % len(prompts)`` and seed ``seed + i`` and
+is written as ``{i:06d}.png`` with its prompt in ``{i:06d}.txt`` - the convention of the training run's
+eval images, so ``python -m sd_training.evaluation --images OUT`` scores either. Existing images are
+kept: rerun the same command to finish an interrupted job.
+
+``--checkpoint`` takes a run folder, its ``checkpoints/`` folder, or one ``step_N`` folder (newest
+complete one by default). The models are built from the ``config.yaml`` saved in the checkpoint
+(``model.*`` keys can be changed with ``--set model.pretrained=/local/copy``), then ``unet.pt`` (or the
+EMA weights with ``--ema``) is loaded. FSDP checkpoints (``sharded/``) are not read here: use the
+pipeline the run exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", required=True, help="prompt file: .txt one per line, or .csv with a 'caption' column")
+    p.add_argument("--out", required=True, help="output folder ({i:06d}.png + {i:06d}.txt)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--pipeline", help="exported diffusers pipeline folder (e.g. runs/x/current_pipeline)")
+    src.add_argument("--checkpoint", help="run folder, its checkpoints/ folder, or a checkpoints/step_N folder")
+    p.add_argument("--ema", action="store_true", help="with --checkpoint: use the EMA weights (ema.pt)")
+    p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="with --checkpoint: override a model.* key of the saved config (repeatable)")
+    p.add_argument("--num-images", type=int, default=None, help="images in all (default: one per prompt)")
+    p.add_argument("--seed", type=int, default=0, help="image i uses generator seed seed+i")
+    p.add_argument("--steps", type=int, default=25, help="denoising steps")
+    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale")
+    p.add_argument("--resolution", type=int, default=None, help="pixels (default: the pipeline's, or the run's)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per pipeline call, per rank")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weights' precision")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def find_checkpoint(path: str) -> Path:
+    """The newest complete step folder under a run / checkpoints folder, or the step folder itself."""
+    from sd_training.checkpoint import MARKER, complete_steps, step_dir_name
+
+    p = Path(path)
+    if (p / MARKER).exists():
+        return p
+    for root in (p / "checkpoints", p):
+        steps = complete_steps(root)
+        if steps:
+            return root / step_dir_name(steps[-1])
+    raise FileNotFoundError(f"no complete checkpoint (a step_N folder with {MARKER}) in {p}")
+
+
+def model_config(ckpt: Path, overrides: list[str]):
+    """The ``model`` section of the checkpoint's config.yaml (only that: data paths need not exist here)."""
+    from omegaconf import OmegaConf
+
+    from sd_training.config import ModelConfig
+
+    saved = OmegaConf.load(ckpt / "config.yaml")
+    cli = OmegaConf.from_dotlist(overrides)
+    bad = [k for k in cli.keys() if k != "model"]
+    if bad:
+        raise SystemExit(f"--set only changes model.* keys, got {bad[0]}")
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), saved.model, cli.get("model", {}))
+    return OmegaConf.to_object(merged), saved
+
+
+def pipeline_from_checkpoint(ckpt: Path, ema: bool, overrides: list[str], device: torch.device):
+    from sd_training.export import make_pipeline
+    from sd_training.models import build_models
+
+    cfg, saved = model_config(ckpt, overrides)
+    cfg.gradient_checkpointing = False  # inference
+    models = build_models(cfg, device, seed=int(saved.system.seed))
+    name = "ema.pt" if ema else "unet.pt"
+    if not (ckpt / name).is_file():
+        hint = " (the run had model.use_ema=False)" if ema else ""
+        if (ckpt / "sharded").is_dir():
+            hint = " (an FSDP checkpoint: generate from the pipeline the run exported instead)"
+        raise FileNotFoundError(f"{ckpt / name} does not exist{hint}")
+    state = torch.load(ckpt / name, map_location="cpu", weights_only=True)
+    models.unet.load_state_dict(state["shadow"] if ema else state)
+    return make_pipeline(models, models.unet), int(saved.dataset.params.resolution)
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    from sd_training import distributed
+    from sd_training.evaluation.generate import generate_images, load_pipeline
+    from sd_training.export import read_prompts
+
+    prompts = read_prompts(args.prompts)
+    info = distributed.setup(args.device)
+    try:
+        resolution = args.resolution
+        if args.pipeline:
+            pipe = load_pipeline(args.pipeline, info.device, DTYPES[args.dtype])
+        else:
+            ckpt = find_checkpoint(args.checkpoint)
+            if info.is_main:
+                print(f"generating from {ckpt}{' (EMA)' if args.ema else ''}", file=sys.stderr)
+            pipe, run_resolution = pipeline_from_checkpoint(ckpt, args.ema, args.set, info.device)
+            pipe.set_progress_bar_config(disable=True)
+            pipe = pipe.to(info.device, DTYPES[args.dtype])
+            resolution = resolution or run_resolution
+        written = generate_images(
+            pipe, prompts, args.num_images or len(prompts), args.out, args.seed, args.steps, args.guidance,
+            resolution, info.rank, info.world_size, args.batch_size, progress=not args.no_progress,
+        )
+        distributed.barrier()  # the folder is complete when rank 0 returns
+        return written
+    finally:
+        distributed.teardown()
+
+
+if __name__ == "__main__":
+    main()
