@@ -77,6 +77,9 @@ class ExperimentConfig:
     keep_last_checkpoints: int = f(2, "complete resume checkpoints kept (older ones are deleted)")
     keep_checkpoint_every: Optional[int] = f(None, "optimizer steps: checkpoints at multiples of this are kept forever")
     resume: bool = f(True, "continue from the newest complete checkpoint in the run directory, if any")
+    max_nonfinite_steps: int = f(10, "consecutive optimizer steps with a non-finite loss or gradient before the run saves and stops")
+    export_weights: str = f("auto", "pipelines exported: auto (raw, plus ema with model.use_ema) | raw | ema | both")
+    sample_from: str = f("auto", "weights of the sample grids: auto (ema with model.use_ema, else raw) | raw | ema | both")
     requeue: bool = f(True, "on SIGUSR1/SIGTERM under SLURM: save, then `scontrol requeue` the job")
     log_every: int = f(10, "optimizer steps between metric lines")
     sample_prompts: List[str] = f(
@@ -99,32 +102,43 @@ class OptimizerParams:
     beta2: float = f(0.999, "AdamW beta2")
     weight_decay: float = f(0.01, "decoupled weight decay (AdamW)")
     epsilon: float = f(1e-8, "AdamW epsilon")
+    momentum: float = f(0.0, "SGD momentum")
     max_grad_norm: Optional[float] = f(1.0, "clip the gradient norm to this after accumulation (None: no clipping)")
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = f("adamw", "adamw")
+    name: str = f("adamw", "adamw | adamw8bit (bitsandbytes) | adafactor | sgd")
     params: OptimizerParams = f(OptimizerParams, "optimizer hyper-parameters")
+    implementation: str = f("auto", "adamw kernels: auto (fused on CUDA, foreach elsewhere) | fused | foreach | for_loop")
+    nesterov: bool = f(False, "sgd: Nesterov momentum")
+    scale_lr: bool = f(False, "multiply the peak LR by (global batch)^0.55 (EveryDream2's rule; the result is logged)")
+    no_decay_norm_and_bias: bool = f(True, "no weight decay on normalisation weights and biases")
 
 
 @dataclass
 class LRSchedulerParams:
     learning_rate: float = f("${optimizer.params.learning_rate}", "peak learning rate (must agree with the optimizer's)")
     warmup_length: int = f(500, "optimizer steps of linear warmup from 0")
-    decay_length: Optional[int] = f(None, "CosineWithWarmup: optimizer steps of cosine decay after warmup (None: to the end)")
-    min_lr_ratio: float = f(0.0, "CosineWithWarmup: the final learning rate as a fraction of the peak")
+    decay_length: Optional[int] = f(None, "Cosine/LinearWithWarmup: optimizer steps of decay after warmup (None: to the end)")
+    min_lr_ratio: float = f(0.0, "Cosine/LinearWithWarmup: the final learning rate as a fraction of the peak")
 
 
 @dataclass
 class LRSchedulerConfig:
-    scheduler: str = f("ConstantWithWarmup", "ConstantWithWarmup | CosineWithWarmup")
+    scheduler: str = f("ConstantWithWarmup", "Constant | ConstantWithWarmup | CosineWithWarmup | LinearWithWarmup")
     params: LRSchedulerParams = f(LRSchedulerParams, "schedule parameters, counted in optimizer steps")
 
 
 @dataclass
 class ComponentConfig:
     pretrained: Optional[str] = f(None, "pipeline root or component folder, local path or hub id (None: from model.pretrained)")
+
+
+@dataclass
+class VAEConfig:
+    pretrained: Optional[str] = f(None, "pipeline root or vae folder (None: from model.pretrained)")
+    dtype: str = f("auto", "frozen VAE weights: auto (bf16 under bf16, else fp32) | fp32 | bf16 | fp16 (upcast to fp32 on overflow)")
 
 
 @dataclass
@@ -137,6 +151,11 @@ class UNetConfig:
 @dataclass
 class EMAConfig:
     decay: float = f(0.9999, "EMA decay per update")
+    update_every: int = f(1, "optimizer steps between EMA updates")
+    start_step: int = f(0, "optimizer steps during which the EMA copies the weights instead of averaging")
+    warmup: bool = f(False, "ramp the decay as min(decay, (1 + n) / (10 + n)) over the first n updates")
+    device: str = f("auto", "auto (the UNet's device) | cpu (seed 000: saves accelerator memory; use a larger update_every)")
+    strength_target: Optional[float] = f(None, "EveryDream2: derive decay so decay^(updates in the run) = this (overrides decay; logged)")
     path: Optional[str] = f(None, "pipeline root or unet folder holding EMA weights to start from (None: copy of the UNet)")
 
 
@@ -144,7 +163,7 @@ class EMAConfig:
 class ModelConfig:
     pretrained: Optional[str] = f(None, "diffusers pipeline: local folder or hub id (the default for every component)")
     revision: Optional[str] = f(None, "hub revision of the pretrained pipeline")
-    vae: ComponentConfig = f(ComponentConfig, "the frozen autoencoder")
+    vae: VAEConfig = f(VAEConfig, "the frozen autoencoder")
     text_encoder: ComponentConfig = f(ComponentConfig, "the frozen text encoder")
     tokenizer: ComponentConfig = f(ComponentConfig, "the tokenizer")
     noise_scheduler_training: ComponentConfig = f(ComponentConfig, "scheduler config for training noise (built as DDPMScheduler)")
@@ -155,7 +174,11 @@ class ModelConfig:
     mixed_precision: str = f("no", "no | bf16 | fp16 (fp16 uses a gradient scaler)")
     gradient_checkpointing: bool = f(False, "recompute activations in backward (~40% slower, much less memory)")
     xformers: bool = f(False, "use xformers memory-efficient attention (falls back to SDPA, with a warning, where unavailable)")
-    attention: str = f("sdpa", "sdpa | xformers: attention backend (model.xformers=True means xformers)")
+    attention: str = f("sdpa", "sdpa | xformers | sliced: attention backend (model.xformers=True means xformers)")
+    channels_last: bool = f(False, "UNet weights and inputs in channels-last memory format (faster convolutions on recent GPUs)")
+    compile: bool = f(False, "torch.compile the UNet (minutes of compilation; saved weights never carry its prefix)")
+    init_from: Optional[str] = f(None, "stage 2: start the UNet from another run's dir, checkpoint (step_N) or exported pipeline")
+    init_weights: str = f("ema", "with init_from: ema (when present, else raw) | raw")
 
 
 @dataclass
@@ -338,10 +361,31 @@ def validate(cfg: TrainConfig) -> None:
     _choice("system.device", cfg.system.device, ("auto", "cpu", "cuda"))
     _choice("distributed.dist_backend", cfg.distributed.dist_backend, ("auto", "nccl", "gloo"))
     _choice("distributed.strategy", cfg.distributed.strategy, ("ddp", "fsdp"))
-    _choice("optimizer.name", cfg.optimizer.name, ("adamw",))
-    _choice("lr_scheduler.scheduler", cfg.lr_scheduler.scheduler, ("ConstantWithWarmup", "CosineWithWarmup"))
+    _choice("optimizer.name", cfg.optimizer.name, ("adamw", "adamw8bit", "adafactor", "sgd"))
+    _choice("optimizer.implementation", cfg.optimizer.implementation, ("auto", "fused", "foreach", "for_loop"))
+    _choice("lr_scheduler.scheduler", cfg.lr_scheduler.scheduler, ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup"))
+    _choice("model.vae.dtype", cfg.model.vae.dtype, ("auto", "fp32", "bf16", "fp16"))
+    _choice("model.ema.device", cfg.model.ema.device, ("auto", "cpu"))
+    _choice("model.init_weights", cfg.model.init_weights, ("ema", "raw"))
+    _choice("experiment.export_weights", cfg.experiment.export_weights, ("auto", "raw", "ema", "both"))
+    _choice("experiment.sample_from", cfg.experiment.sample_from, ("auto", "raw", "ema", "both"))
+    _check_optimizer_keys(cfg.optimizer)
+    if not cfg.model.use_ema:
+        for key in ("export_weights", "sample_from"):
+            if getattr(cfg.experiment, key) in ("ema", "both"):
+                raise ConfigError(f"'experiment.{key}={getattr(cfg.experiment, key)}' needs model.use_ema=true")
+    if cfg.model.use_ema and cfg.model.ema.device == "cpu" and cfg.distributed.strategy == "fsdp":
+        raise ConfigError("'model.ema.device=cpu' is not supported with distributed.strategy=fsdp (the EMA is sharded like the UNet)")
+    if cfg.model.ema.update_every < 1:
+        raise ConfigError("'model.ema.update_every' must be >= 1")
+    if cfg.model.ema.strength_target is not None and not 0 < cfg.model.ema.strength_target < 1:
+        raise ConfigError("'model.ema.strength_target' must be within (0, 1)")
+    if cfg.lr_scheduler.scheduler == "Constant" and cfg.lr_scheduler.params.warmup_length > 0:
+        raise ConfigError("lr_scheduler.scheduler=Constant has no warmup: set lr_scheduler.params.warmup_length=0 or use ConstantWithWarmup")
+    if cfg.experiment.max_nonfinite_steps < 1:
+        raise ConfigError("'experiment.max_nonfinite_steps' must be >= 1")
     _choice("model.mixed_precision", cfg.model.mixed_precision, ("no", "bf16", "fp16"))
-    _choice("model.attention", cfg.model.attention, ("sdpa", "xformers"))
+    _choice("model.attention", cfg.model.attention, ("sdpa", "xformers", "sliced"))
     for path, value in [
         ("system.batch_size", cfg.system.batch_size),
         ("system.gradient_accumulation", cfg.system.gradient_accumulation),
@@ -371,10 +415,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("'lr_scheduler.params.warmup_length' must be >= 0")
     if not 0.0 <= cfg.lr_scheduler.params.min_lr_ratio <= 1.0:
         raise ConfigError("'lr_scheduler.params.min_lr_ratio' must be within [0, 1]")
-    if cfg.lr_scheduler.scheduler != "CosineWithWarmup":
-        for key in ("decay_length",):
-            if getattr(cfg.lr_scheduler.params, key) is not None:
-                raise ConfigError(f"'lr_scheduler.params.{key}' only applies to CosineWithWarmup")
+    if cfg.lr_scheduler.scheduler not in ("CosineWithWarmup", "LinearWithWarmup"):
+        if cfg.lr_scheduler.params.decay_length is not None or cfg.lr_scheduler.params.min_lr_ratio != 0.0:
+            raise ConfigError("'lr_scheduler.params.decay_length' / 'min_lr_ratio' only apply to CosineWithWarmup and LinearWithWarmup")
     m = cfg.model
     if m.unet.params and m.unet.pretrained is not None:
         raise ConfigError("set either 'model.unet.pretrained' or 'model.unet.params' (from scratch), not both")
@@ -394,6 +437,27 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.experiment.eval_caption_file and not os.path.exists(cfg.experiment.eval_caption_file):
         raise ConfigError(f"'experiment.eval_caption_file' {cfg.experiment.eval_caption_file} does not exist")
     validate_dataset_config(cfg.dataset)
+
+
+# Keys of optimizer.params each optimizer reads (learning_rate, weight_decay, max_grad_norm: all).
+_OPTIMIZER_KEYS = {
+    "adamw": {"beta1", "beta2", "epsilon"},
+    "adamw8bit": {"beta1", "beta2", "epsilon"},
+    "adafactor": set(),
+    "sgd": {"momentum"},
+}
+
+
+def _check_optimizer_keys(cfg: OptimizerConfig) -> None:
+    """A hyper-parameter the chosen optimizer does not read must stay at its default (never ignored)."""
+    defaults = OptimizerParams()
+    for key in ("beta1", "beta2", "epsilon", "momentum"):
+        if key not in _OPTIMIZER_KEYS[cfg.name] and getattr(cfg.params, key) != getattr(defaults, key):
+            raise ConfigError(f"'optimizer.params.{key}' does not apply to optimizer.name={cfg.name}; remove it")
+    if cfg.name != "adamw" and cfg.implementation != "auto":
+        raise ConfigError(f"'optimizer.implementation' only applies to adamw, not {cfg.name}")
+    if cfg.name != "sgd" and cfg.nesterov:
+        raise ConfigError("'optimizer.nesterov' only applies to optimizer.name=sgd")
 
 
 def _check_unet_params(target: str, params: dict) -> None:

@@ -16,11 +16,11 @@ from omegaconf import OmegaConf
 from . import distributed, quickstart
 from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .config import TrainConfig, to_yaml
-from .ema import EMA
+from .ema import EMA, decay_from_strength
 from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
 from .models import build_models
 from .objective import diffusion_loss, encode_images, encode_text
-from .optim import build_lr_scheduler, build_optimizer
+from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
 from .preemption import StopFlag, requeue_job, under_slurm
 from .run_dir import RunDir
@@ -37,6 +37,7 @@ class TrainState:
     images_seen: int = 0  # all ranks together
     wandb_id: str | None = None
     last_export_step: int = -1
+    nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite gradient, whole run
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -107,13 +108,21 @@ class Trainer:
         quickstart.prepare(cfg.quickstart, info.is_main)
         self.models = build_models(cfg.model, self.device, seed=cfg.system.seed)
         self.unet = unwrap(self.models.unet)
+        if cfg.model.init_from:
+            self._init_from(cfg.model.init_from)
         self.ema = None
         if cfg.model.use_ema:
-            self.ema = EMA(self.unet, cfg.model.ema.decay)
-            if cfg.model.ema.path:
+            e = cfg.model.ema
+            decay = e.decay
+            if e.strength_target is not None:
+                decay = decay_from_strength(e.strength_target, self.plan.total_steps, e.update_every)
+                log.info("EMA decay %.8f derived from model.ema.strength_target=%s", decay, e.strength_target)
+            ema_device = torch.device("cpu") if e.device == "cpu" else self.device
+            self.ema = EMA(self.unet, decay, e.update_every, e.start_step, e.warmup, ema_device)
+            if e.path:
                 from .models import _load, resolve_unet_class
 
-                src = _load(resolve_unet_class(cfg.model.unet.target).from_pretrained, cfg.model.ema.path, "unet", "model.ema.path")
+                src = _load(resolve_unet_class(cfg.model.unet.target).from_pretrained, e.path, "unet", "model.ema.path")
                 self.ema.load_weights(src)
         mp = cfg.model.mixed_precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(mp)
@@ -122,9 +131,19 @@ class Trainer:
         # Only the trained UNet (and its EMA) is wrapped; the frozen VAE and text encoder never are.
         self.strategy = Strategy(cfg.distributed.strategy, info.is_distributed, self.device, self.autocast_dtype)
         self.model = self.strategy.wrap(self.unet, self.ema.shadow if self.ema is not None else None)
+        if cfg.model.compile:
+            # The compiled wrapper is only called; weights are always read from self.unet (no _orig_mod keys).
+            self.model = torch.compile(self.model)
         # After wrapping: FSDP2 replaces the parameters by sharded DTensors.
-        self.optimizer = build_optimizer(self.unet.parameters(), cfg.optimizer, self.device)
+        o = cfg.optimizer
+        self.peak_lr = o.params.learning_rate * lr_scale(o, self.plan.global_batch)
+        if o.scale_lr:
+            log.info("optimizer.scale_lr: peak LR %.3g = %.3g x (global batch %d)^0.55",
+                     self.peak_lr, o.params.learning_rate, self.plan.global_batch)
+        groups = param_groups(self.unet, o.params.weight_decay, o.no_decay_norm_and_bias)
+        self.optimizer = build_optimizer(groups, o, self.device, self.peak_lr)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.plan.total_steps)
+        self.nonfinite_streak = 0
         from .data import build_train_loader
 
         self.loader = build_train_loader(
@@ -141,6 +160,36 @@ class Trainer:
                 cfg, self.run_dir.root, self.run_dir.metrics, self.state.wandb_id, OmegaConf.to_container(OmegaConf.structured(cfg))
             )
             self.state.wandb_id = self.trackers.wandb_id
+
+    def _init_from(self, src: str) -> None:
+        """Stage 2: UNet weights from another run (dir or checkpoint) or an exported pipeline."""
+        from .models import ConfigError, _load
+
+        path = Path(src)
+        want_ema = self.cfg.model.init_weights == "ema"
+        ckpt = None
+        if (path / "checkpoints").is_dir():
+            ckpt = Checkpointer(path / "checkpoints").latest()
+            if ckpt is None:
+                raise ConfigError(f"'model.init_from': {path}/checkpoints holds no complete checkpoint")
+        elif (path / "COMPLETE").exists():
+            ckpt = path
+        if ckpt is not None:
+            if (ckpt / "sharded").is_dir():
+                raise ConfigError(f"'model.init_from': {ckpt} is an FSDP checkpoint; use the run's exported pipeline")
+            name = "ema" if want_ema and (ckpt / "ema.pt").exists() else "unet"
+            sd = torch.load(ckpt / f"{name}.pt", map_location="cpu", weights_only=True)
+            self.unet.load_state_dict(sd["shadow"] if name == "ema" else sd)
+            log.info("model.init_from: UNet %s weights from checkpoint %s", name, ckpt)
+            return
+        folder = path
+        if want_ema and path.name == "current_pipeline" and (path.parent / "current_pipeline_ema").is_dir():
+            folder = path.parent / "current_pipeline_ema"
+        elif (path / "current_pipeline").is_dir():  # a run directory without checkpoints
+            folder = path / ("current_pipeline_ema" if want_ema and (path / "current_pipeline_ema").is_dir() else "current_pipeline")
+        src_unet = _load(type(self.unet).from_pretrained, str(folder), "unet", "model.init_from")
+        self.unet.load_state_dict(src_unet.state_dict())
+        log.info("model.init_from: UNet weights from %s", folder)
 
     def _resumable(self) -> dict:
         """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
@@ -196,31 +245,57 @@ class Trainer:
         no_sync = self.strategy.sync_context(self.model, sync)
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
         fixed = {k: batch[k].to(self.device) for k in ("noise", "timesteps") if k in batch}
+        if "latents" in batch:
+            latents = batch["latents"].to(self.device, non_blocking=True).float()
+        else:
+            latents = self._encode(batch["pixel_values"].to(self.device, non_blocking=True))
+        if self.cfg.model.channels_last:
+            latents = latents.contiguous(memory_format=torch.channels_last)
         with no_sync:
             with autocast:
-                if "latents" in batch:
-                    latents = batch["latents"].to(self.device, non_blocking=True)
-                else:
-                    pixels = batch["pixel_values"].to(self.device, non_blocking=True)
-                    latents = encode_images(self.models.vae, pixels, self.models.latent_scale)
                 hidden = encode_text(self.models.text_encoder, ids)
                 loss, per_sample, timesteps = diffusion_loss(
-                    self.model, self.models.noise_scheduler, latents.float(), hidden, **fixed
+                    self.model, self.models.noise_scheduler, latents, hidden, **fixed
                 )
             self.scaler.scale(loss / cfg.system.gradient_accumulation).backward()
         return loss.detach(), per_sample, timesteps
 
+    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """VAE-encode in the VAE's own dtype, outside autocast (autocast would recast an fp32 VAE)."""
+        vae = self.models.vae
+        with torch.autocast(self.device.type, enabled=False):
+            latents = encode_images(vae, pixels, self.models.latent_scale)
+            if vae.dtype == torch.float16 and not bool(torch.isfinite(latents).all()):
+                # The SD VAE overflows in fp16 on some images (seed 000's NaNs): keep it in fp32 from now on.
+                log.warning("the fp16 VAE overflowed (non-finite latents): keeping the VAE in fp32 from now on")
+                vae.to(torch.float32)
+                latents = encode_images(vae, pixels, self.models.latent_scale)
+        return latents.float()
+
     def _optimizer_step(self) -> torch.Tensor:
+        """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted)."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optimizer.params.max_grad_norm
         params = [p for p in self.unet.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        # The gradients are already all-reduced, so every rank sees the same norm and takes the same
+        # branch. Note: a sync point with the device (one scalar per optimizer step).
+        finite = bool(torch.isfinite(grad_norm))
+        if finite or self.scaler.is_enabled():
+            # With fp16 loss scaling, an overflow is the scaler's to skip (and lower the scale).
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        if self.ema is not None:
-            self.ema.update(self.unet)
+        if finite:
+            self.nonfinite_streak = 0
+            if self.ema is not None:
+                self.ema.update(self.unet, self.state.step + 1)
+        else:
+            self.nonfinite_streak += 1
+            self.state.nonfinite_steps += 1
+            log.warning("non-finite gradient norm at step %d: update skipped (%d in a row)",
+                        self.state.step + 1, self.nonfinite_streak)
         return grad_norm
 
     def _loop(self, stop: StopFlag) -> dict:
@@ -240,6 +315,8 @@ class Trainer:
                 window.add_loss(loss, per_sample, timesteps, self.models.noise_scheduler.config.num_train_timesteps)
             grad_norm = self._optimizer_step()
             state.step += 1
+            if self.nonfinite_streak >= cfg.experiment.max_nonfinite_steps:
+                self._stop_nonfinite(window)
             state.images_seen += plan.global_batch
             window.grad_norm = grad_norm
             window.step_time += time.perf_counter() - t_step
@@ -280,6 +357,18 @@ class Trainer:
             "run_dir": str(self.run_dir.root),
         }
 
+    def _stop_nonfinite(self, window: "_Window") -> None:
+        """Save the last good weights (skipped steps never changed them) and stop with advice."""
+        self._log(window)
+        self._save_checkpoint()
+        raise NonFiniteLossError(
+            f"{self.nonfinite_streak} consecutive optimizer steps up to step {self.state.step} had a non-finite "
+            f"loss or gradient (last loss {float(window.last_loss):.4g}); the updates were skipped and the last good "
+            f"state is saved in {self.run_dir.checkpoints}. Try: a lower optimizer.params.learning_rate or a "
+            "longer lr_scheduler.params.warmup_length; optimizer.params.max_grad_norm (clipping); "
+            "model.mixed_precision=bf16 instead of fp16; model.vae.dtype=fp32; or look for bad samples in the data"
+        )
+
     # ------------------------------------------------------------------ side effects
     def _log(self, w: "_Window") -> None:
         loss = distributed.all_reduce_mean(w.loss_sum / max(w.loss_count, 1)).item()
@@ -295,7 +384,10 @@ class Trainer:
             "images_per_sec_per_device": n_images / max(w.step_time, 1e-9) / self.info.world_size,
             "step_time": w.step_time / max(w.steps, 1),
             "data_wait_fraction": w.data_time / max(w.step_time, 1e-9),
+            "nonfinite_steps": self.state.nonfinite_steps,
         }
+        if self.ema is not None:
+            metrics["ema_decay"] = self.ema.current_decay()
         if self.device.type == "cuda":
             metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
@@ -326,9 +418,15 @@ class Trainer:
 
         Under FSDP every rank first takes part in gathering the full weights onto rank 0.
         """
-        targets = [(False, self.strategy.plain_copy(self.unet, self.device))]
-        if self.ema is not None:
-            targets.append((True, self.strategy.plain_copy(self.ema.shadow, self.device)))
+        weights = self._weights(self.cfg.experiment.export_weights, default_both=True)
+        samples_from = self._weights(self.cfg.experiment.sample_from, default_both=False)
+        needed = set(weights) | set(samples_from)
+        plain = {}
+        if "raw" in needed:
+            plain["raw"] = self.strategy.plain_copy(self.unet, self.device)
+        if "ema" in needed:
+            plain["ema"] = self.strategy.plain_copy(self.ema.shadow, self.device)
+        targets = [(w == "ema", plain[w]) for w in weights]
         if self.info.is_main:
             cfg = self.cfg.experiment
             for is_ema, unet in targets:
@@ -340,24 +438,37 @@ class Trainer:
                     keep.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copytree(out, keep, dirs_exist_ok=True)
                 log.info("exported pipeline %s", out)
-            self._write_samples(targets[-1][1])
+            for w in samples_from:
+                self._write_samples(plain[w], suffix="" if w == samples_from[0] else f"_{w}")
         self.state.last_export_step = self.state.step
         distributed.barrier()
-        self._write_eval_images(targets[-1][1])
+        self._write_eval_images(plain[samples_from[0]])
 
-    def _write_samples(self, unet) -> None:
+    def _weights(self, choice: str, default_both: bool) -> list[str]:
+        """'auto' | 'raw' | 'ema' | 'both' -> the weights to use, first = the main one."""
+        if choice == "auto":
+            if self.ema is None:
+                return ["raw"]
+            return ["raw", "ema"] if default_both else ["ema"]
+        return {"raw": ["raw"], "ema": ["ema"], "both": ["ema", "raw"]}[choice]
+
+    def _write_samples(self, unet, suffix: str = "") -> None:
         cfg = self.cfg.experiment
         if not cfg.sample_prompts or cfg.sample_per_prompt < 1:
             return
+        if next(unet.parameters()).device != self.device:  # an EMA kept on the CPU (model.ema.device=cpu)
+            import copy
+
+            unet = copy.deepcopy(unet).to(self.device)
         # Sampling draws from its own generators; the training RNG stream is left untouched.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             grid = sample_grid(
                 self.models, unet, list(cfg.sample_prompts), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
                 cfg.sample_guidance_scale, self._sample_resolution(), self.device,
             )
-        path = self.run_dir.samples / f"step_{self.state.step:08d}.png"
+        path = self.run_dir.samples / f"step_{self.state.step:08d}{suffix}.png"
         grid.save(path)
-        self.trackers.log_image("samples", path, self.state.step)
+        self.trackers.log_image(f"samples{suffix}", path, self.state.step)
 
     def _sample_resolution(self) -> int:
         return self.cfg.experiment.sample_resolution or self.cfg.dataset.params.resolution
@@ -380,6 +491,10 @@ class Trainer:
         distributed.barrier()
 
 
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive non-finite steps: the run saved and stopped."""
+
+
 class _EMAMeta:
     """The EMA's scalars, saved as a plain file when its weights are sharded (FSDP)."""
 
@@ -387,10 +502,10 @@ class _EMAMeta:
         self.ema = ema
 
     def state_dict(self) -> dict:
-        return {"decay": self.ema.decay, "num_updates": self.ema.num_updates}
+        return self.ema.meta_state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
-        self.ema.decay, self.ema.num_updates = sd["decay"], sd["num_updates"]
+        self.ema.load_meta_state_dict(sd)
 
 
 class _Window:
@@ -402,6 +517,7 @@ class _Window:
         self.q_sum = torch.zeros(4)
         self.q_count = torch.zeros(4)
         self.grad_norm = 0.0
+        self.last_loss = float("nan")
         self.data_time = 0.0
         self.step_time = 0.0
         self.steps = 0
@@ -412,6 +528,7 @@ class _Window:
             self.q_sum = self.q_sum.to(loss.device)
             self.q_count = self.q_count.to(loss.device)
         self.loss_sum = self.loss_sum + loss.float()
+        self.last_loss = loss
         self.loss_count += 1
         # Loss by timestep quartile (as guided-diffusion logs): where in the noise range the model struggles.
         q = (timesteps * 4 // num_timesteps).clamp(max=3)

@@ -93,6 +93,10 @@ def build_unet(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
 
 def set_attention_backend(unet: torch.nn.Module, cfg: ModelConfig, device: torch.device) -> str:
     """Apply ``model.attention`` / ``model.xformers``; returns the backend actually used."""
+    if cfg.attention == "sliced" and not cfg.xformers:
+        # Attention computed in slices of heads: less peak memory, slower (diffusers' "auto" slice size).
+        unet.set_attention_slice("auto")
+        return "sliced"
     want = "xformers" if cfg.xformers or cfg.attention == "xformers" else "sdpa"
     if want == "xformers":
         reason = None
@@ -113,10 +117,20 @@ def set_attention_backend(unet: torch.nn.Module, cfg: ModelConfig, device: torch
     return "sdpa"
 
 
-def _frozen(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def frozen_dtype(requested: str, mixed_precision: str) -> torch.dtype:
+    """``auto``: bf16 under bf16 mixed precision, else fp32 (the SD VAE overflows in fp16)."""
+    if requested == "auto":
+        return torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+    return DTYPES[requested]
+
+
+def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     module.requires_grad_(False)
     module.eval()
-    return module.to(device)
+    return module.to(device=device, dtype=dtype)
 
 
 def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Models:
@@ -150,6 +164,8 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Model
 
     unet = build_unet(cfg, seed).to(device)
     unet.train()
+    if cfg.channels_last:
+        unet.to(memory_format=torch.channels_last)
     if cfg.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     set_attention_backend(unet, cfg, device)
@@ -166,7 +182,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Model
     return Models(
         tokenizer=tokenizer,
         text_encoder=_frozen(text_encoder, device),
-        vae=_frozen(vae, device),
+        vae=_frozen(vae, device, frozen_dtype(cfg.vae.dtype, cfg.mixed_precision)),
         unet=unet,
         noise_scheduler=noise_scheduler,
         inference_scheduler=inference_scheduler,

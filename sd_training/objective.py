@@ -20,7 +20,6 @@ References, for the formulas below:
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -161,9 +160,9 @@ def encode_images(vae, pixel_values: torch.Tensor, scale: float) -> torch.Tensor
 
 def _core(text_encoder):
     """The module holding ``final_layer_norm``, under DDP / compile wrappers and across transformers 4 and 5."""
-    from .export import unwrap
-
-    te = unwrap(text_encoder)
+    te = text_encoder
+    while hasattr(te, "module") or hasattr(te, "_orig_mod"):  # DistributedDataParallel / torch.compile
+        te = getattr(te, "module", None) or te._orig_mod
     return te.text_model if hasattr(te, "text_model") else te  # transformers 4 nests it in .text_model
 
 
@@ -331,15 +330,8 @@ def diffusion_loss(
     return per_sample.mean(), per_sample.detach(), timesteps
 
 
-def expected_logit_normal_cdf(k: torch.Tensor, num_train_timesteps: int, mean: float, std: float) -> torch.Tensor:
-    """P(t <= k) under ``timestep_sampling=logit_normal``: Phi((logit((k + 1) / n) - mean) / std)."""
-    x = (k.double() + 1) / num_train_timesteps
-    z = (torch.log(x) - torch.log1p(-x) - mean) / std
-    return torch.where(k >= num_train_timesteps - 1, torch.ones_like(z), torch.special.ndtr(z))
-
-
 __all__ = [
     "ObjectiveConfig", "validate_objective_config", "configure_schedulers", "encode_images", "encode_text",
     "training_target", "snr", "min_snr_weights", "pyramid_noise", "sample_noise", "sample_timesteps",
-    "diffusion_loss", "expected_logit_normal_cdf",
+    "diffusion_loss",
 ]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sd_training.config import ConfigError, ModelConfig, ComponentConfig, UNetConfig
+from sd_training.config import ConfigError, ModelConfig, ComponentConfig, UNetConfig, VAEConfig
 from sd_training.models import build_models
 from sd_training.tiny import TINY_UNET, build_clip_tokenizer
 
@@ -36,7 +36,7 @@ def test_latent_scale_comes_from_vae_config(tmp_path):
 
 def test_build_per_component_with_scratch_unet(tiny_pipeline):
     cfg = ModelConfig(
-        vae=ComponentConfig(str(tiny_pipeline / "vae")),  # a component folder itself
+        vae=VAEConfig(str(tiny_pipeline / "vae")),  # a component folder itself
         text_encoder=ComponentConfig(str(tiny_pipeline)),  # a pipeline root
         tokenizer=ComponentConfig(str(tiny_pipeline)),
         noise_scheduler_training=ComponentConfig(str(tiny_pipeline)),

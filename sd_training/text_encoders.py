@@ -1,0 +1,447 @@
+"""The text encoder and its tokenizer: transformers CLIP folders, or open_clip models converted to CLIP.
+
+Whatever the source, training and exported pipelines see a transformers ``CLIPTextModel`` and a
+``CLIPTokenizer``, so a pipeline written by ``export.py`` is a standard diffusers one:
+
+* ``type: clip``: a ``CLIPTextModel`` folder in diffusers layout (a pipeline's ``text_encoder/``).
+  That covers SD 1.x (OpenAI CLIP ViT-L/14) and SD 2.x, whose OpenCLIP ViT-H/14 text tower diffusers
+  already stores as a ``CLIPTextModel`` with its last layer removed (23 of 24 layers).
+* ``type: open_clip``: an open_clip architecture by name plus a local checkpoint file. Only the text
+  tower is built (a ViT-H vision tower is 630M parameters SD never uses), its weights are loaded from
+  the checkpoint and copied into an equivalent ``CLIPTextModel`` (the mapping diffusers uses for SD 2's
+  OpenCLIP checkpoints: ``in_proj`` split into q/k/v, ``c_fc``/``c_proj`` -> ``fc1``/``fc2``,
+  ``ln_final`` -> ``final_layer_norm``). Its tokenizer is CLIP's BPE (the ids equal open_clip's) padding
+  with id 0 (``!``) as open_clip and SD 2 do. With ``clip_skip: 2`` an OpenCLIP ViT-H-14 checkpoint gives
+  exactly SD 2's text encoder.
+
+Clip skip is baked in: the last ``clip_skip - 1`` layers are removed from the module returned here, so
+its ``last_hidden_state`` (which passes the final layer norm) *is* the clip-skipped embedding, and an
+exported pipeline samples with the conditioning it was trained with, no argument needed. (diffusers'
+``pipe(..., clip_skip=N)`` is no alternative: with transformers 5 it fails, reaching for
+``text_encoder.text_model``, which ``CLIPTextModel`` no longer has.) The number applied is recorded in
+the encoder's ``config.json`` (``sd_training_clip_skip``), so building again from an exported pipeline
+with the same ``clip_skip`` does not remove more layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .fields import f
+
+log = logging.getLogger(__name__)
+
+TYPES = ("clip", "open_clip")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Written into the converted / truncated encoder's config.json: the clip_skip its layers already reflect.
+CLIP_SKIP_KEY = "sd_training_clip_skip"
+CLIP_VOCAB_SIZE = 49408  # the BPE vocabulary of OpenAI CLIP and of open_clip's default tokenizer
+OPEN_CLIP_PAD = "!"  # id 0: open_clip pads with 0, and SD 2's tokenizer does the same
+
+
+@dataclass
+class TextEncoderConfig:
+    pretrained: Optional[str] = f(
+        None, "type clip: pipeline root or text_encoder folder, local path or hub id (None: model.pretrained)"
+    )
+    type: str = f("clip", "clip (transformers CLIPTextModel folder: SD 1.x, SD 2.x) | open_clip (open_clip_model + open_clip_weights)")
+    open_clip_model: Optional[str] = f(None, "type open_clip: architecture name, e.g. ViT-H-14, or local-dir:FOLDER with open_clip_config.json")
+    open_clip_weights: Optional[str] = f(None, "type open_clip: local path of the checkpoint file (.bin / .pt / .safetensors)")
+    clip_skip: int = f(0, "layers counted back from the last: 0 or 1 = last, 2 = penultimate (kohya/EveryDream); baked into exports")
+    max_length: Optional[int] = f(None, "tokens per caption, start and end tokens included (None: the tokenizer's model_max_length, 77)")
+    train: bool = f(False, "train the text encoder with the UNet (False: frozen, eval mode, no gradients)")
+    learning_rate: Optional[float] = f(None, "train: peak learning rate of the text encoder, same schedule (None: optimizer.params.learning_rate)")
+    dtype: str = f("fp32", "fp32 | fp16 | bf16: storage dtype of the frozen text encoder (train needs fp32)")
+
+
+def _error(message: str) -> ValueError:
+    # ConfigError lives in config.py, which imports this module for the schema: import it late.
+    from .config import ConfigError
+
+    return ConfigError(message)
+
+
+def validate_text_encoder_config(cfg: TextEncoderConfig, path: str = "model.text_encoder") -> None:
+    """Checks that need no model; raises ConfigError naming the key."""
+    if cfg.type not in TYPES:
+        close = difflib.get_close_matches(str(cfg.type), TYPES, n=1)
+        raise _error(f"'{path}.type' is '{cfg.type}', expected one of {', '.join(TYPES)}" + (f"; did you mean '{close[0]}'?" if close else ""))
+    if cfg.dtype not in DTYPES:
+        raise _error(f"'{path}.dtype' is '{cfg.dtype}', expected one of {', '.join(DTYPES)}")
+    if cfg.type == "open_clip":
+        for key in ("open_clip_model", "open_clip_weights"):
+            if not getattr(cfg, key):
+                raise _error(f"'{path}.type' is open_clip: set '{path}.{key}'")
+        if cfg.pretrained is not None:
+            raise _error(f"'{path}.pretrained' is for type clip; with type open_clip the weights come from '{path}.open_clip_weights'")
+        if cfg.open_clip_model.startswith("hf-hub:"):
+            raise _error(f"'{path}.open_clip_model': hf-hub: names download at run time; give the architecture name and a local '{path}.open_clip_weights'")
+        if not os.path.isfile(cfg.open_clip_weights):
+            raise _error(
+                f"'{path}.open_clip_weights' {cfg.open_clip_weights} is not a file (download the checkpoint first, e.g. "
+                "open_clip_pytorch_model.bin of laion/CLIP-ViT-H-14-laion2B-s32B-b79K)"
+            )
+    else:
+        for key in ("open_clip_model", "open_clip_weights"):
+            if getattr(cfg, key) is not None:
+                raise _error(f"'{path}.{key}' only applies to {path}.type=open_clip")
+    if cfg.clip_skip < 0:
+        raise _error(f"'{path}.clip_skip' must be >= 0, got {cfg.clip_skip}")
+    if cfg.max_length is not None and cfg.max_length < 2:
+        raise _error(f"'{path}.max_length' must be >= 2 (start and end tokens), got {cfg.max_length}")
+    if cfg.train and cfg.dtype != "fp32":
+        raise _error(f"'{path}.train' keeps fp32 master weights: set '{path}.dtype=fp32' (model.mixed_precision sets the compute dtype)")
+    if cfg.learning_rate is not None:
+        if not cfg.train:
+            raise _error(f"'{path}.learning_rate' is set but '{path}.train' is False")
+        if cfg.learning_rate < 0:
+            raise _error(f"'{path}.learning_rate' must be >= 0, got {cfg.learning_rate}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------------------
+
+
+def _load(loader, src: str, subfolder: str, what: str, **kwargs):
+    """``loader(src)`` on a pipeline root (through ``subfolder``), a component folder, or a hub id."""
+    if os.path.isdir(src):
+        args = dict(subfolder=subfolder) if os.path.isdir(os.path.join(src, subfolder)) else {}
+    elif os.path.exists(src) or src.startswith((".", "/", "~")):
+        raise _error(f"'{what}': '{src}' is not a directory (expected a diffusers pipeline or component folder)")
+    else:  # a hub id: the component lives in its subfolder
+        args = dict(subfolder=subfolder)
+    try:
+        return loader(src, **args, **kwargs)
+    except OSError as e:
+        raise _error(f"cannot load '{what}' from '{src}': {str(e).splitlines()[0]}") from None
+
+
+def build_text_encoder(
+    cfg: TextEncoderConfig, pipeline_src: str | None, device: torch.device, *,
+    tokenizer_src: str | None = None, revision: str | None = None, gradient_checkpointing: bool = False,
+):
+    """The text encoder (``CLIPTextModel``) and its tokenizer (``CLIPTokenizer``), ready for the loop.
+
+    ``pipeline_src`` is ``model.pretrained``; ``tokenizer_src`` is ``model.tokenizer.pretrained`` as
+    set by the user (None: the pipeline's tokenizer for type clip, CLIP's BPE padding with 0 for
+    type open_clip). ``revision`` applies to sources taken from ``pipeline_src``. The encoder comes
+    back on ``device`` with clip skip applied and the tokenizer's ``model_max_length`` set to
+    ``max_length``; frozen (eval, no grad, in ``dtype``) unless ``train``, then fp32, train mode,
+    requiring grad, with gradient checkpointing if asked.
+    """
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    validate_text_encoder_config(cfg)
+    rev = dict(revision=revision) if revision else {}
+    if cfg.type == "clip":
+        src = cfg.pretrained or pipeline_src
+        if src is None:
+            raise _error("the text encoder has no source: set model.pretrained or model.text_encoder.pretrained")
+        text_encoder = _load(
+            CLIPTextModel.from_pretrained, src, "text_encoder", "model.text_encoder.pretrained",
+            **(rev if cfg.pretrained is None else {}),
+        )
+    else:
+        tower = load_open_clip_text_tower(cfg.open_clip_model, cfg.open_clip_weights)
+        text_encoder = clip_text_model_from_open_clip(tower)
+        del tower
+
+    tok_src = tokenizer_src or (pipeline_src or cfg.pretrained if cfg.type == "clip" else None)
+    if tok_src is not None:
+        tokenizer = _load(
+            CLIPTokenizer.from_pretrained, tok_src, "tokenizer", "model.tokenizer.pretrained",
+            **(rev if tokenizer_src is None and tok_src == pipeline_src else {}),
+        )
+    else:
+        vocab = text_encoder.config.vocab_size
+        if vocab != CLIP_VOCAB_SIZE:
+            raise _error(
+                f"the open_clip model '{cfg.open_clip_model}' has a {vocab}-token vocabulary, not CLIP's BPE ({CLIP_VOCAB_SIZE}): "
+                "set model.tokenizer.pretrained to a matching CLIPTokenizer folder"
+            )
+        tokenizer = open_clip_tokenizer(text_encoder.config.max_position_embeddings)
+
+    apply_clip_skip(text_encoder, cfg.clip_skip)
+    _set_max_length(tokenizer, text_encoder, cfg.max_length)
+
+    if cfg.train:
+        text_encoder.to(device=device, dtype=torch.float32)
+        text_encoder.requires_grad_(True)
+        text_encoder.train()
+        if gradient_checkpointing:
+            # transformers 5 renamed it; the old name still works there but warns.
+            enable = getattr(text_encoder, "activation_checkpointing_enable", None) or text_encoder.gradient_checkpointing_enable
+            enable()
+    else:
+        text_encoder.requires_grad_(False)
+        text_encoder.eval()
+        text_encoder.to(device=device, dtype=DTYPES[cfg.dtype])
+    log.info(
+        "text encoder: %s, %d layers (clip_skip %d), hidden size %d, max_length %d, %s",
+        cfg.type, text_encoder.config.num_hidden_layers, cfg.clip_skip, text_encoder.config.hidden_size,
+        tokenizer.model_max_length, "trained" if cfg.train else f"frozen {cfg.dtype}",
+    )
+    return text_encoder, tokenizer
+
+
+def _set_max_length(tokenizer, text_encoder, max_length: int | None) -> None:
+    """The data layer and exported pipelines both pad/truncate to ``tokenizer.model_max_length``."""
+    limit = text_encoder.config.max_position_embeddings
+    if max_length is None:
+        if tokenizer.model_max_length > limit:  # a tokenizer saved without it reports a huge sentinel
+            tokenizer.model_max_length = limit
+        return
+    if max_length > limit:
+        raise _error(f"'model.text_encoder.max_length' {max_length} exceeds the text encoder's {limit} position embeddings")
+    tokenizer.model_max_length = max_length
+
+
+def _core(text_encoder):
+    """The module that holds ``embeddings`` / ``encoder`` / ``final_layer_norm`` (transformers 4 nests them)."""
+    return text_encoder.text_model if hasattr(text_encoder, "text_model") else text_encoder
+
+
+def apply_clip_skip(text_encoder, clip_skip: int):
+    """Remove the last layers so ``last_hidden_state`` is the clip-skipped embedding; in place, returned.
+
+    0 or 1 leave the encoder as loaded (seed 002: "a value of 0 or 1 does nothing"). N >= 2 counts from
+    the original model: an encoder whose config records that clip skip K was already applied loses
+    N - K more layers (none when N == K); N < K cannot be undone and is an error. An SD 2 encoder from
+    diffusers records nothing, so N counts from its 23 layers, as in EveryDream2.
+    """
+    if clip_skip <= 1:
+        return text_encoder
+    baked = max(int(getattr(text_encoder.config, CLIP_SKIP_KEY, 0) or 0), 1)
+    if clip_skip < baked:
+        raise _error(
+            f"'model.text_encoder.clip_skip' is {clip_skip} but this text encoder was saved with clip_skip {baked} "
+            f"applied ({CLIP_SKIP_KEY} in its config.json): its last layers are gone. Use clip_skip {baked} (or 0: as is)"
+        )
+    core = _core(text_encoder)
+    layers = list(core.encoder.layers)
+    drop = clip_skip - baked
+    if drop >= len(layers):
+        raise _error(f"'model.text_encoder.clip_skip' {clip_skip} leaves no layer of the {len(layers)}-layer text encoder")
+    if drop:
+        core.encoder.layers = torch.nn.ModuleList(layers[: len(layers) - drop])
+        text_encoder.config.num_hidden_layers = len(layers) - drop
+    setattr(text_encoder.config, CLIP_SKIP_KEY, clip_skip)
+    return text_encoder
+
+
+def open_clip_tokenizer(context_length: int = 77):
+    """A ``CLIPTokenizer`` whose ids equal open_clip's ``tokenize`` (CLIP BPE, padded with id 0)."""
+    from .tiny import build_clip_tokenizer
+
+    # The tokenizer keeps its vocabulary in memory: the folder it is read from can go.
+    with tempfile.TemporaryDirectory(prefix="open_clip_tokenizer_") as tmp:
+        tokenizer = build_clip_tokenizer(tmp, model_max_length=context_length)
+    tokenizer.pad_token = OPEN_CLIP_PAD
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# open_clip -> CLIPTextModel
+# ----------------------------------------------------------------------------------------------
+
+_TEXT_KEYS = ("token_embedding.", "positional_embedding", "transformer.", "ln_final.", "text_projection", "cls_emb")
+
+
+def _text_state_dict(state_dict: dict) -> dict:
+    """The text tower's entries of a full open_clip checkpoint: under ``text.`` (CustomTextCLIP) or top level (CLIP)."""
+    if any(k.startswith("text.") for k in state_dict):
+        return {k[len("text."):]: v for k, v in state_dict.items() if k.startswith("text.")}
+    return {k: v for k, v in state_dict.items() if k.startswith(_TEXT_KEYS)}
+
+
+def load_open_clip_text_tower(name: str, weights: str) -> torch.nn.Module:
+    """open_clip's text tower of architecture ``name`` with the text weights of checkpoint ``weights``."""
+    try:
+        import open_clip
+        from open_clip.factory import load_state_dict
+        from open_clip.model import _build_text_tower
+    except ImportError as e:
+        raise _error(f"model.text_encoder.type=open_clip needs open_clip_torch (pip install open_clip_torch): {e}") from None
+    model_cfg = open_clip.get_model_config(name)
+    if model_cfg is None:
+        close = difflib.get_close_matches(name, open_clip.list_models(), n=3)
+        raise _error(
+            f"'model.text_encoder.open_clip_model': open_clip has no architecture '{name}'"
+            + (f"; did you mean {', '.join(close)}?" if close else " (open_clip.list_models() lists them)")
+        )
+    text_cfg = model_cfg.get("text_cfg", {})
+    if text_cfg.get("hf_model_name"):
+        raise _error(
+            f"'model.text_encoder.open_clip_model' {name} has a Hugging Face text tower ({text_cfg['hf_model_name']}), "
+            "not a CLIP text transformer; it cannot become a CLIPTextModel"
+        )
+    tower = _build_text_tower(model_cfg["embed_dim"], text_cfg, quick_gelu=model_cfg.get("quick_gelu", False))
+    try:
+        state_dict = _text_state_dict(load_state_dict(weights))
+    except Exception as e:  # a truncated file, a pickle that weights_only refuses ...
+        raise _error(f"cannot read 'model.text_encoder.open_clip_weights' {weights}: {e}") from None
+    misfit = f"'model.text_encoder.open_clip_weights' {weights} does not fit open_clip architecture '{name}'"
+    try:
+        result = tower.load_state_dict(state_dict, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise _error(f"{misfit}: {str(e).splitlines()[-1].strip()}") from None
+    # The projection to the joint image-text space is not part of what SD conditions on.
+    missing = [k for k in result.missing_keys if not k.startswith("text_projection")]
+    if missing or result.unexpected_keys:
+        raise _error(f"{misfit}: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected {result.unexpected_keys[:5]}")
+    return tower.eval()
+
+
+def _activation(act: torch.nn.Module) -> str | None:
+    from open_clip.transformer import QuickGELU
+
+    if isinstance(act, QuickGELU):
+        return "quick_gelu"
+    if type(act) is torch.nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_pytorch_tanh"}.get(act.approximate)
+    return None
+
+
+def clip_text_model_from_open_clip(model: torch.nn.Module):
+    """An equivalent transformers ``CLIPTextModel`` (fp32, eval) of an open_clip text tower or CLIP model.
+
+    Equivalent means: for the same token ids, its hidden states after every layer and its
+    ``last_hidden_state`` equal open_clip's token embedding + positional embedding -> resblocks (causal
+    mask) -> ``ln_final``. Towers that a ``CLIPTextModel`` cannot express are refused with the reason.
+    """
+    from open_clip.transformer import ResidualAttentionBlock
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    t = model.text if hasattr(model, "text") else model  # CustomTextCLIP keeps the tower in .text
+    if not hasattr(t, "token_embedding") or not hasattr(t, "transformer"):
+        raise _error(f"{type(t).__name__} is not an open_clip text transformer; it cannot become a CLIPTextModel")
+    blocks = list(t.transformer.resblocks)
+    width = t.token_embedding.weight.shape[1]
+    n_pos = t.positional_embedding.shape[0]
+    problems = []
+    if getattr(t, "cls_emb", None) is not None:
+        problems.append("a class-token embedding (embed_cls)")
+    mask = getattr(t, "attn_mask", None)
+    causal = torch.full((n_pos, n_pos), float("-inf")).triu_(1)
+    if mask is None or mask.shape != causal.shape or not torch.equal(mask.float().cpu(), causal):
+        problems.append("no causal attention mask")
+    act = _activation(blocks[0].mlp.gelu) if blocks and type(blocks[0]) is ResidualAttentionBlock else None
+    norms = [m for b in blocks for m in (getattr(b, "ln_1", None), getattr(b, "ln_2", None))] + [t.ln_final]
+    for b in blocks:
+        if type(b) is not ResidualAttentionBlock:
+            problems.append(f"custom attention blocks ({type(b).__name__}: qk_norm / scaled cosine / extra norms)")
+            break
+        if not isinstance(b.ls_1, torch.nn.Identity) or not isinstance(b.ls_2, torch.nn.Identity):
+            problems.append("LayerScale (ls_init_value)")
+            break
+        if hasattr(b, "ln_1_kv") or _activation(b.mlp.gelu) != act:
+            problems.append("cross-attention or mixed activations")
+            break
+    if blocks and act is None and not problems:
+        problems.append(f"activation {type(blocks[0].mlp.gelu).__name__}")
+    if not all(isinstance(m, torch.nn.LayerNorm) and m.elementwise_affine and m.bias is not None for m in norms):
+        problems.append("norms other than affine LayerNorm")
+    elif len({m.eps for m in norms}) != 1:
+        problems.append("layer norms with different eps")
+    if problems:
+        raise _error(f"this open_clip text tower cannot become a CLIPTextModel: it has {'; '.join(dict.fromkeys(problems))}")
+
+    proj = getattr(t, "text_projection", None)
+    proj_dim = proj.shape[1] if isinstance(proj, torch.Tensor) else proj.out_features if proj is not None else width
+    config = CLIPTextConfig(
+        vocab_size=t.token_embedding.weight.shape[0],
+        hidden_size=width,
+        intermediate_size=blocks[0].mlp.c_fc.out_features,
+        num_hidden_layers=len(blocks),
+        num_attention_heads=blocks[0].attn.num_heads,
+        max_position_embeddings=n_pos,
+        hidden_act=act,
+        layer_norm_eps=norms[0].eps,
+        projection_dim=proj_dim,
+        attention_dropout=0.0,
+        bos_token_id=49406,
+        eos_token_id=49407,
+        pad_token_id=0,
+    )
+    te = CLIPTextModel(config).float()
+    core = _core(te)
+    written: set[int] = set()
+
+    def put(dst: torch.nn.Parameter, src: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            dst.copy_(src if src is not None else torch.zeros_like(dst))
+        written.add(id(dst))
+
+    def linear(dst, weight, bias):
+        put(dst.weight, weight)
+        put(dst.bias, bias)
+
+    put(core.embeddings.token_embedding.weight, t.token_embedding.weight)
+    put(core.embeddings.position_embedding.weight, t.positional_embedding)
+    for ours, theirs in zip(core.encoder.layers, blocks):
+        a = theirs.attn  # nn.MultiheadAttention: q, k, v stacked in in_proj
+        w = a.in_proj_weight.chunk(3, dim=0)
+        b = a.in_proj_bias.chunk(3, dim=0) if a.in_proj_bias is not None else (None,) * 3
+        for proj_name, wi, bi in zip(("q_proj", "k_proj", "v_proj"), w, b):
+            linear(getattr(ours.self_attn, proj_name), wi, bi)
+        linear(ours.self_attn.out_proj, a.out_proj.weight, a.out_proj.bias)
+        linear(ours.layer_norm1, theirs.ln_1.weight, theirs.ln_1.bias)
+        linear(ours.layer_norm2, theirs.ln_2.weight, theirs.ln_2.bias)
+        linear(ours.mlp.fc1, theirs.mlp.c_fc.weight, theirs.mlp.c_fc.bias)
+        linear(ours.mlp.fc2, theirs.mlp.c_proj.weight, theirs.mlp.c_proj.bias)
+    linear(core.final_layer_norm, t.ln_final.weight, t.ln_final.bias)
+    left = [n for n, p in te.named_parameters() if id(p) not in written]
+    if left:  # a transformers version with parameters this mapping does not know
+        raise RuntimeError(f"open_clip -> CLIPTextModel conversion left parameters unset: {left[:5]}")
+    return te.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Training and export helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def text_encoder_param_groups(
+    text_encoder, cfg: TextEncoderConfig, base_lr: float, weight_decay: float,
+    exclude_norm_and_bias: bool = True, lr_scale: float = 1.0,
+) -> list[dict]:
+    """The optimizer parameter groups of a trained text encoder ([] when frozen), named "text_encoder".
+
+    ``base_lr`` is the UNet's peak LR (after ``optimizer.scale_lr``); ``cfg.learning_rate``, when set,
+    is multiplied by the same ``lr_scale``. Decay / no-decay split as the UNet's (``optim.param_groups``).
+    The LR schedule (a LambdaLR) scales every group's own peak by the same factor, so warmup and decay
+    apply to both.
+    """
+    if not cfg.train:
+        return []
+    from .optim import param_groups  # late: optim imports config, which imports this module
+
+    lr = cfg.learning_rate * lr_scale if cfg.learning_rate is not None else base_lr
+    groups = param_groups(text_encoder, weight_decay, exclude_norm_and_bias, lr=lr)
+    return [dict(g, name="text_encoder") for g in groups]
+
+
+def text_encoder_for_pipeline(text_encoder):
+    """The encoder a pipeline (export, sample grid) should hold: an fp32 copy of a half-precision one.
+
+    A pipeline casts its prompt embeddings to the text encoder's dtype and hands them to the fp32 UNet
+    outside autocast, which fails for fp16/bf16; saving it as fp32 also keeps exports uniform.
+    """
+    if all(p.dtype == torch.float32 for p in text_encoder.parameters()):
+        return text_encoder
+    return copy.deepcopy(text_encoder).float()
+
+
+__all__ = [
+    "TextEncoderConfig", "validate_text_encoder_config", "build_text_encoder", "apply_clip_skip", "open_clip_tokenizer",
+    "load_open_clip_text_tower", "clip_text_model_from_open_clip", "text_encoder_param_groups", "text_encoder_for_pipeline",
+]
