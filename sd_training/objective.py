@@ -106,33 +106,36 @@ def configure_schedulers(noise_scheduler, inference_scheduler, cfg: ObjectiveCon
     """Both schedulers rebuilt (``from_config`` with overrides) with the objective's parameterisation.
 
     The inference scheduler is what exported pipelines and sample grids use, so it must sample with the
-    ``prediction_type`` (and the betas) the UNet is trained with. Zero terminal SNR also sets
-    ``timestep_spacing="trailing"`` on the inference scheduler, so sampling starts at the last
-    (SNR 0) timestep as Lin et al. recommend. An inference scheduler class that cannot rescale its
-    betas (PNDM, LMS, Heun ...) is replaced by ``DDIMScheduler`` (the paper's sampler), with a warning.
-    Returns ``(noise_scheduler, inference_scheduler)``; the arguments are not modified.
+    ``prediction_type`` (and the betas) the UNet is trained with: it takes the training scheduler's
+    (after ``objective.prediction_type``) even when only the pipeline's own two configs disagree.
+    Zero terminal SNR also sets ``timestep_spacing="trailing"`` on the inference scheduler, so
+    sampling starts at the last (SNR 0) timestep as Lin et al. recommend. An inference scheduler class
+    that cannot rescale its betas (PNDM, LMS, Heun ...) is replaced by ``DDIMScheduler`` (the paper's
+    sampler), with a warning. Returns ``(noise_scheduler, inference_scheduler)``: the same objects
+    when nothing changes; the arguments are never modified.
     """
     cfg = cfg or ObjectiveConfig()
-    train_over: dict = {}
-    infer_over: dict = {}
-    if cfg.prediction_type is not None:
-        train_over["prediction_type"] = infer_over["prediction_type"] = cfg.prediction_type
-    if cfg.zero_terminal_snr:
-        train_over["rescale_betas_zero_snr"] = infer_over["rescale_betas_zero_snr"] = True
-        infer_over["timestep_spacing"] = "trailing"
-    kind = cfg.prediction_type or noise_scheduler.config.prediction_type
-    terminal_snr_zero = cfg.zero_terminal_snr or bool(noise_scheduler.config.get("rescale_betas_zero_snr", False))
-    if terminal_snr_zero and kind == "epsilon":
+    train_cfg = noise_scheduler.config
+    kind = cfg.prediction_type or train_cfg.prediction_type
+    zero_snr = cfg.zero_terminal_snr or bool(train_cfg.get("rescale_betas_zero_snr", False))
+    if zero_snr and kind == "epsilon":
         why = "is 'epsilon'" if cfg.prediction_type else "is unset and the training scheduler's own is 'epsilon'"
         raise _error(_ZTSNR_EPSILON.format(path=path, why=why))
     if kind not in PREDICTION_TYPES:
         raise _error(f"the training scheduler's prediction_type '{kind}' is not one of {', '.join(PREDICTION_TYPES)}: set {path}.prediction_type")
 
+    train_over: dict = {}
+    if kind != train_cfg.prediction_type:
+        train_over["prediction_type"] = kind
+    if zero_snr and not train_cfg.get("rescale_betas_zero_snr", False):
+        train_over["rescale_betas_zero_snr"] = True
     if train_over:
-        noise_scheduler = type(noise_scheduler).from_config(noise_scheduler.config, **train_over)
-    if infer_over:
-        cls = type(inference_scheduler)
-        if cfg.zero_terminal_snr and not _accepts(cls, "rescale_betas_zero_snr"):
+        noise_scheduler = type(noise_scheduler).from_config(train_cfg, **train_over)
+
+    cls, infer_cfg = type(inference_scheduler), inference_scheduler.config
+    infer_over: dict = {}
+    if zero_snr:
+        if not _accepts(cls, "rescale_betas_zero_snr"):
             from diffusers import DDIMScheduler
 
             log.warning(
@@ -140,9 +143,16 @@ def configure_schedulers(noise_scheduler, inference_scheduler, cfg: ObjectiveCon
                 "samples use DDIMScheduler (trailing timesteps) instead", path, cls.__name__,
             )
             cls = DDIMScheduler
-        if "prediction_type" in infer_over and not _accepts(cls, "prediction_type"):
+        if not infer_cfg.get("rescale_betas_zero_snr", False):
+            infer_over["rescale_betas_zero_snr"] = True
+        if infer_cfg.get("timestep_spacing") != "trailing":
+            infer_over["timestep_spacing"] = "trailing"
+    if infer_cfg.get("prediction_type", "epsilon") != kind:
+        if not _accepts(cls, "prediction_type"):
             raise _error(f"{path}.prediction_type: the inference scheduler {cls.__name__} has no prediction_type setting")
-        inference_scheduler = cls.from_config(inference_scheduler.config, **infer_over)
+        infer_over["prediction_type"] = kind
+    if infer_over or cls is not type(inference_scheduler):
+        inference_scheduler = cls.from_config(infer_cfg, **infer_over)
     return noise_scheduler, inference_scheduler
 
 
@@ -265,7 +275,7 @@ def pyramid_noise(noise: torch.Tensor, discount: float, max_levels: int = PYRAMI
 
 
 def sample_noise(latents: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
-    """Unit Gaussian noise shaped like ``latents``, with pyramid and offset noise when configured."""
+    """Unit Gaussian noise shaped like ``latents``; then pyramid noise (renormalised), then the offset, when on."""
     noise = torch.randn_like(latents)
     if cfg.pyramid_noise_discount > 0:
         noise = pyramid_noise(noise, cfg.pyramid_noise_discount)

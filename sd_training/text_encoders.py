@@ -83,7 +83,10 @@ def validate_text_encoder_config(cfg: TextEncoderConfig, path: str = "model.text
         if cfg.pretrained is not None:
             raise _error(f"'{path}.pretrained' is for type clip; with type open_clip the weights come from '{path}.open_clip_weights'")
         if cfg.open_clip_model.startswith("hf-hub:"):
-            raise _error(f"'{path}.open_clip_model': hf-hub: names download at run time; give the architecture name and a local '{path}.open_clip_weights'")
+            raise _error(
+                f"'{path}.open_clip_model': hf-hub: names download at run time; "
+                f"give the architecture name and a local '{path}.open_clip_weights'"
+            )
         if not os.path.isfile(cfg.open_clip_weights):
             raise _error(
                 f"'{path}.open_clip_weights' {cfg.open_clip_weights} is not a file (download the checkpoint first, e.g. "

@@ -162,7 +162,8 @@ def test_zero_terminal_snr_rescales_both_schedulers():
 def test_scheduler_that_cannot_rescale_becomes_ddim(caplog):
     from diffusers import DDIMScheduler, PNDMScheduler
 
-    _, infer = configure_schedulers(ddpm(), PNDMScheduler.from_config(SD_SCHEDULER), ObjectiveConfig(zero_terminal_snr=True, prediction_type="v_prediction"))
+    cfg = ObjectiveConfig(zero_terminal_snr=True, prediction_type="v_prediction")
+    _, infer = configure_schedulers(ddpm(), PNDMScheduler.from_config(SD_SCHEDULER), cfg)
     assert type(infer) is DDIMScheduler and infer.config.rescale_betas_zero_snr
     assert "DDIMScheduler" in caplog.text
 
@@ -170,7 +171,8 @@ def test_scheduler_that_cannot_rescale_becomes_ddim(caplog):
 def test_prediction_type_alone_keeps_the_inference_class(tmp_path):
     from diffusers import EulerDiscreteScheduler
 
-    train, infer = configure_schedulers(ddpm(), EulerDiscreteScheduler.from_config(SD_SCHEDULER), ObjectiveConfig(prediction_type="v_prediction"))
+    euler = EulerDiscreteScheduler.from_config(SD_SCHEDULER)
+    train, infer = configure_schedulers(ddpm(), euler, ObjectiveConfig(prediction_type="v_prediction"))
     assert train.config.prediction_type == infer.config.prediction_type == "v_prediction"
     assert type(infer) is EulerDiscreteScheduler and not infer.config.rescale_betas_zero_snr
     # What an exported pipeline writes and reads back.
@@ -180,6 +182,9 @@ def test_prediction_type_alone_keeps_the_inference_class(tmp_path):
     a, b = ddpm(), EulerDiscreteScheduler.from_config(SD_SCHEDULER)
     assert configure_schedulers(a, b, ObjectiveConfig()) == (a, b)
     assert configure_schedulers(a, b, None) == (a, b)
+    # A pipeline whose two scheduler configs disagree samples with the training one's parameterisation.
+    _, fixed = configure_schedulers(ddpm(prediction_type="v_prediction"), EulerDiscreteScheduler.from_config(SD_SCHEDULER), None)
+    assert fixed.config.prediction_type == "v_prediction"
 
 
 def test_zero_terminal_snr_with_epsilon_is_refused():

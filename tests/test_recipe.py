@@ -1,0 +1,246 @@
+"""Recipe options, each checked for what it does: optimizers, schedules, EMA, precision, init, NaN guard."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import train_args
+from sd_training import distributed
+from sd_training.config import ConfigError, LRSchedulerConfig, LRSchedulerParams, OptimizerConfig, OptimizerParams, load
+from sd_training.ema import EMA, decay_from_strength
+from sd_training.loop import NonFiniteLossError, Trainer
+from sd_training.loop import main as train
+from sd_training.optim import build_optimizer, lr_factor, lr_scale, param_groups
+
+
+def make_trainer(tmp_path, pipeline, shards, name="r", **overrides) -> Trainer:
+    cfg = load(train_args(tmp_path, pipeline, shards, name=name, **overrides))
+    t = Trainer(cfg, distributed.setup("cpu"))
+    t._setup()
+    return t
+
+
+def fixed_batch(t: Trainer, n=4, nan=False):
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(n, 4, 8, 8, generator=g)
+    if nan:
+        latents[0, 0, 0, 0] = float("nan")
+    ids = t.models.tokenizer(["a red circle"] * n, padding="max_length", max_length=77, return_tensors="pt").input_ids
+    return {"latents": latents, "input_ids": ids}
+
+
+# ---------------------------------------------------------------- optimizers and schedules
+
+
+def test_param_groups_exclude_norms_and_biases_from_weight_decay():
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8), torch.nn.Linear(8, 4))
+    decay, no_decay = param_groups(m, 0.1, True)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {id(p) for p in decay["params"]} == {id(m[0].weight), id(m[2].weight)}
+    assert {id(p) for p in no_decay["params"]} == {id(m[0].bias), id(m[1].weight), id(m[1].bias), id(m[2].bias)}
+    (only,) = param_groups(m, 0.1, False)
+    assert len(only["params"]) == 6
+
+
+@pytest.mark.parametrize("name, cls", [("adamw", "AdamW"), ("adafactor", "Adafactor"), ("sgd", "SGD")])
+def test_optimizers_build_and_step(name, cls):
+    m = torch.nn.Linear(4, 2)
+    cfg = OptimizerConfig(name=name, params=OptimizerParams(momentum=0.9 if name == "sgd" else 0.0))
+    opt = build_optimizer(param_groups(m, 0.01, True), cfg, torch.device("cpu"), 1e-2)
+    assert type(opt).__name__ == cls
+    before = m.weight.detach().clone()
+    m(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    assert not torch.equal(before, m.weight)
+
+
+def test_adamw_uses_foreach_on_cpu():
+    opt = build_optimizer(param_groups(torch.nn.Linear(2, 2), 0.0, True), OptimizerConfig(), torch.device("cpu"), 1e-3)
+    assert opt.defaults["foreach"] is True
+
+
+def test_adamw8bit_without_bitsandbytes_says_what_to_install():
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed")
+    with pytest.raises(ConfigError, match="pip install bitsandbytes"):
+        build_optimizer([{"params": [torch.nn.Parameter(torch.zeros(1))]}], OptimizerConfig(name="adamw8bit"),
+                        torch.device("cpu"), 1e-3)
+
+
+def test_optimizer_key_that_does_not_apply_is_rejected(tmp_path):
+    base = ["experiment.name=x", "experiment.num_examples_to_see=8", "model.pretrained=/p", "dataset.params.path=x.tar"]
+    with pytest.raises(ConfigError, match="optimizer.params.beta2.*sgd"):
+        load(base + ["optimizer.name=sgd", "optimizer.params.beta2=0.9"])
+    with pytest.raises(ConfigError, match="warmup_length=0"):
+        load(base + ["lr_scheduler.scheduler=Constant"])
+
+
+def test_scale_lr_rule():
+    assert lr_scale(OptimizerConfig(scale_lr=True), 64) == pytest.approx(64 ** 0.55)
+    assert lr_scale(OptimizerConfig(), 64) == 1.0
+
+
+def test_linear_schedule_and_constant():
+    lin = LRSchedulerConfig(scheduler="LinearWithWarmup", params=LRSchedulerParams(learning_rate=1.0, warmup_length=2, min_lr_ratio=0.2))
+    assert [round(lr_factor(s, lin, 6), 6) for s in range(6)] == [0.5, 1.0, 0.8, 0.6, 0.4, 0.2]
+    const = LRSchedulerConfig(scheduler="Constant", params=LRSchedulerParams(learning_rate=1.0, warmup_length=0))
+    assert {lr_factor(s, const, 6) for s in range(6)} == {1.0}
+
+
+@pytest.mark.slow
+def test_schedule_ends_at_min_lr_with_accumulation(tmp_path, tiny_pipeline, shapes_shards):
+    """The LR of the last optimizer step is the schedule's last value, with gradient accumulation > 1."""
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="sched", **{
+        "system.gradient_accumulation": 2, "system.batch_size": 2, "experiment.num_examples_to_see": 40,
+        "lr_scheduler.scheduler": "CosineWithWarmup", "lr_scheduler.params.warmup_length": 2,
+        "lr_scheduler.params.min_lr_ratio": 0.1, "optimizer.scale_lr": "true", "experiment.sample_per_prompt": 0}))
+    out = train(cfg)
+    assert out["step"] == 10  # 40 images / (2 x 2) optimizer steps, not 20 micro-steps
+    rows = [json.loads(l) for l in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    peak = 1e-3 * 4 ** 0.55  # scale_lr with global batch 4
+    # Logged after step s: the LR the next step would use; after the last step it is the floor.
+    assert lrs[1] == pytest.approx(peak * 1.0)
+    assert lrs[10] == pytest.approx(peak * 0.1)
+
+
+# ---------------------------------------------------------------- EMA
+
+
+def test_ema_decay_warmup_interval_and_start_step():
+    m = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        m.weight.fill_(0.0)
+    ema = EMA(m, decay=0.5, update_every=2, start_step=2)
+    assert torch.equal(ema.shadow.weight, m.weight)  # an exact copy at the start
+    with torch.no_grad():
+        m.weight.fill_(1.0)
+    ema.update(m, step=1)  # not due (every 2 steps)
+    assert ema.shadow.weight.sum() == 0
+    ema.update(m, step=2)  # due, but within start_step: copies
+    assert torch.equal(ema.shadow.weight, m.weight) and ema.num_updates == 0
+    with torch.no_grad():
+        m.weight.fill_(3.0)
+    ema.update(m, step=4)  # 0.5 * 1 + 0.5 * 3
+    assert torch.allclose(ema.shadow.weight, torch.full_like(m.weight, 2.0))
+    w = EMA(m, decay=0.999, warmup=True)
+    assert w.current_decay() == pytest.approx(1 / 10)
+
+
+def test_ema_strength_target_and_cpu_device():
+    d = decay_from_strength(0.1, total_steps=1000, update_every=10)
+    assert d ** 100 == pytest.approx(0.1)
+    ema = EMA(torch.nn.Linear(2, 2), 0.9, device=torch.device("cpu"))
+    assert next(ema.shadow.parameters()).device.type == "cpu"
+
+
+@pytest.mark.slow
+def test_ema_exported_and_sampled_separately(tmp_path, tiny_pipeline, shapes_shards):
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="ema", **{
+        "model.use_ema": "true", "model.ema.decay": 0.5, "model.ema.device": "cpu",
+        "experiment.sample_from": "both", "experiment.num_examples_to_see": 12}))
+    run = Path(train(cfg)["run_dir"])
+    from diffusers import UNet2DConditionModel
+
+    raw = UNet2DConditionModel.from_pretrained(run / "current_pipeline" / "unet")
+    ema = UNet2DConditionModel.from_pretrained(run / "current_pipeline_ema" / "unet")
+    assert any(not torch.equal(a, b) for a, b in zip(raw.parameters(), ema.parameters()))
+    assert (run / "samples" / "step_00000003.png").exists() and (run / "samples" / "step_00000003_raw.png").exists()
+
+
+# ---------------------------------------------------------------- precision, attention, compile
+
+
+def test_vae_fp16_overflow_falls_back_to_fp32(tmp_path, tiny_pipeline, shapes_shards, caplog):
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.vae.dtype": "fp16"})
+    assert t.models.vae.dtype == torch.float16
+    pixels = torch.full((1, 3, 64, 64), 6.0e4)  # overflows fp16 activations
+    latents = t._encode(pixels)
+    assert t.models.vae.dtype == torch.float32 and "keeping the VAE in fp32" in caplog.text
+    assert latents.dtype == torch.float32
+
+
+def test_vae_dtype_auto_follows_bf16(tmp_path, tiny_pipeline, shapes_shards):
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.mixed_precision": "bf16"})
+    assert t.models.vae.dtype == torch.bfloat16
+    loss, _, _ = t._micro_step(fixed_batch(t), sync=True)
+    assert torch.isfinite(loss)
+
+
+def test_sliced_attention_and_channels_last(tmp_path, tiny_pipeline, shapes_shards):
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.attention": "sliced", "model.channels_last": "true"})
+    procs = {type(p).__name__ for p in t.unet.attn_processors.values()}
+    assert procs == {"SlicedAttnProcessor"}
+    conv = t.unet.conv_in.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    loss, _, _ = t._micro_step(fixed_batch(t), sync=True)
+    assert torch.isfinite(loss)
+
+
+def test_fp16_uses_a_grad_scaler(tmp_path, tiny_pipeline, shapes_shards):
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.mixed_precision": "fp16"})
+    assert t.scaler.is_enabled()
+    assert "grad_scaler" in t._resumable()
+
+
+def test_compile_wrapper_never_leaks_into_saved_keys(tmp_path, tiny_pipeline, shapes_shards, monkeypatch):
+    # The eager backend exercises the wrapper without minutes of compilation on CPU.
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend="eager"))
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.compile": "true"})
+    assert type(t.model).__name__ == "OptimizedModule"
+    t._micro_step(fixed_batch(t), sync=True)
+    t._optimizer_step()
+    assert not any("_orig_mod" in k for k in t._resumable()["unet"].state_dict())
+
+
+# ---------------------------------------------------------------- init modes and NaN guard
+
+
+@pytest.mark.slow
+def test_stage_two_init_from_run_dir(tmp_path, tiny_pipeline, shapes_shards):
+    first = train(load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="stage1", **{"model.use_ema": "true"})))
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="stage2", **{"model.init_from": first["run_dir"]})
+    from sd_training.checkpoint import Checkpointer
+
+    shared, _, _ = Checkpointer.load(Checkpointer(Path(first["run_dir"]) / "checkpoints").latest(), 0)
+    for k, v in t.unet.state_dict().items():
+        assert torch.equal(v, shared["ema"]["shadow"][k]), k  # init_weights=ema by default
+    assert t.state.step == 0  # a new run: fresh optimizer and schedule
+    t2 = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="stage2b", **{
+        "model.init_from": str(Path(first["run_dir"]) / "current_pipeline"), "model.init_weights": "raw"})
+    for k, v in t2.unet.state_dict().items():
+        assert torch.equal(v, shared["unet"][k]), k
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_saves_and_stops(tmp_path, tiny_pipeline, shapes_shards):
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="nan", **{"experiment.max_nonfinite_steps": 2})
+    before = {k: v.clone() for k, v in t.unet.state_dict().items()}
+    t._micro_step(fixed_batch(t, nan=True), sync=True)
+    t._optimizer_step()
+    assert t.nonfinite_streak == 1 and t.state.nonfinite_steps == 1
+    assert all(torch.equal(v, t.unet.state_dict()[k]) for k, v in before.items())  # no update
+    t._micro_step(fixed_batch(t), sync=True)
+    t._optimizer_step()
+    assert t.nonfinite_streak == 0  # a good step resets the streak
+    # Through the loop: every batch poisoned -> two skipped steps, a checkpoint, a clear error.
+    class PoisonedLoader(list):  # the loop needs iteration, state_dict and stats
+        def state_dict(self):
+            return {}
+
+        def stats(self):
+            return {}
+
+    t.loader = PoisonedLoader([fixed_batch(t, nan=True)] * 100)
+    t.trackers = __import__("sd_training.trackers", fromlist=["x"]).Trackers([])
+    from sd_training.preemption import StopFlag
+
+    with pytest.raises(NonFiniteLossError, match="learning_rate.*mixed_precision=bf16"):
+        t._loop(StopFlag())
+    assert (t.run_dir.checkpoints / "step_00000002" / "COMPLETE").exists()  # two skipped loop steps
