@@ -268,26 +268,27 @@ def _check_keys(node: Any, cls, prefix: str = "") -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def parse_argv(argv: list[str]) -> tuple[Optional[str], list[str]]:
-    """Split ``config=path`` from ``key=value`` overrides; anything else is an error."""
-    config_path, overrides = None, []
+def parse_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``config=path`` (repeatable: later files override earlier ones, e.g. a per-model base
+    config then a recipe) from ``key=value`` overrides; anything else is an error."""
+    config_paths, overrides = [], []
     for arg in argv:
         if "=" not in arg:
             raise ConfigError(f"argument '{arg}' is not key=value (use config=path.yaml and key.sub=value; --help lists keys)")
         key, value = arg.split("=", 1)
         if key in ("config", "--config"):
-            config_path = value
+            config_paths.append(value)
         else:
             overrides.append(f"{key.lstrip('-')}={value}")
-    return config_path, overrides
+    return config_paths, overrides
 
 
 def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
     """Build the resolved, validated ``TrainConfig`` from the command line (and/or YAML text)."""
     argv = sys.argv[1:] if argv is None else argv
-    config_path, overrides = parse_argv(argv)
+    config_paths, overrides = parse_argv(argv)
     layers = []
-    if config_path:
+    for config_path in config_paths:
         if not os.path.exists(config_path):
             raise ConfigError(f"config file '{config_path}' does not exist")
         try:
@@ -303,7 +304,7 @@ def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Trai
 
     user = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
     if not isinstance(user, DictConfig):
-        raise ConfigError(f"config file '{config_path}' must hold a mapping of sections")
+        raise ConfigError(f"config files {config_paths} must hold a mapping of sections")
     _check_keys(user, TrainConfig)
     # A ??? that no later layer filled. Checked before the schema merge, where OmegaConf would let a
     # ??? fall back to the schema default instead of stopping.
