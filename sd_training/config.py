@@ -25,6 +25,8 @@ from omegaconf.errors import (
 
 from .data.config import DatasetConfig
 from .fields import f
+from .objective import ObjectiveConfig, validate_objective_config
+from .text_encoders import TextEncoderConfig, validate_text_encoder_config
 
 
 class ConfigError(ValueError):
@@ -164,7 +166,7 @@ class ModelConfig:
     pretrained: Optional[str] = f(None, "diffusers pipeline: local folder or hub id (the default for every component)")
     revision: Optional[str] = f(None, "hub revision of the pretrained pipeline")
     vae: VAEConfig = f(VAEConfig, "the frozen autoencoder")
-    text_encoder: ComponentConfig = f(ComponentConfig, "the frozen text encoder")
+    text_encoder: TextEncoderConfig = f(TextEncoderConfig, "the text encoder (frozen unless train)")
     tokenizer: ComponentConfig = f(ComponentConfig, "the tokenizer")
     noise_scheduler_training: ComponentConfig = f(ComponentConfig, "scheduler config for training noise (built as DDPMScheduler)")
     noise_scheduler_inference: ComponentConfig = f(ComponentConfig, "scheduler of exported pipelines and samples (its own class)")
@@ -200,6 +202,7 @@ class TrainConfig:
     model: ModelConfig = f(ModelConfig, "models")
     dataset: DatasetConfig = f(DatasetConfig, "training data")
     lr_scheduler: LRSchedulerConfig = f(LRSchedulerConfig, "learning-rate schedule")
+    objective: ObjectiveConfig = f(ObjectiveConfig, "prediction type, loss weighting, noise and timestep sampling")
     quickstart: QuickstartConfig = f(QuickstartConfig, "generated model and data for runs with no downloads (configs/quickstart.yaml)")
 
 
@@ -426,6 +429,8 @@ def validate(cfg: TrainConfig) -> None:
         _check_unet_params(m.unet.target, m.unet.params)
     if not m.pretrained:
         for name in ("vae", "text_encoder", "tokenizer", "noise_scheduler_training", "noise_scheduler_inference"):
+            if name in ("text_encoder", "tokenizer") and m.text_encoder.type == "open_clip":
+                continue  # built from open_clip_model + open_clip_weights
             if getattr(m, name).pretrained is None:
                 raise ConfigError(
                     f"'model.{name}.pretrained' is not set and there is no 'model.pretrained' to take it from: "
@@ -437,6 +442,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("'experiment.num_eval_images' > 0 needs 'experiment.eval_caption_file' (the prompts)")
     if cfg.experiment.eval_caption_file and not os.path.exists(cfg.experiment.eval_caption_file):
         raise ConfigError(f"'experiment.eval_caption_file' {cfg.experiment.eval_caption_file} does not exist")
+    validate_objective_config(cfg.objective)
+    validate_text_encoder_config(cfg.model.text_encoder)
+    if cfg.model.text_encoder.train and cfg.distributed.strategy == "fsdp":
+        raise ConfigError("'model.text_encoder.train' is not supported with distributed.strategy=fsdp (use ddp)")
     validate_dataset_config(cfg.dataset)
 
 

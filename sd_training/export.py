@@ -24,12 +24,15 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
             return module
 
 
-def make_pipeline(models, unet: torch.nn.Module):
+def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = None):
+    """A StableDiffusionPipeline of the run's components with ``unet`` (and ``vae``, when the VAE is trained)."""
     from diffusers import StableDiffusionPipeline
 
+    from .text_encoders import text_encoder_for_pipeline
+
     return StableDiffusionPipeline(
-        vae=models.vae,
-        text_encoder=models.text_encoder,
+        vae=unwrap(vae) if vae is not None else models.vae,
+        text_encoder=text_encoder_for_pipeline(unwrap(models.text_encoder)),
         tokenizer=models.tokenizer,
         unet=unwrap(unet),
         scheduler=models.inference_scheduler,
@@ -72,8 +75,9 @@ def sample_grid(
     """
     pipe = make_pipeline(models, unet)
     pipe.set_progress_bar_config(disable=True)
-    was_training = pipe.unet.training
+    was_training = pipe.unet.training, pipe.text_encoder.training
     pipe.unet.eval()
+    pipe.text_encoder.eval()
     images = []
     try:
         for prompt in prompts:
@@ -84,7 +88,8 @@ def sample_grid(
             )
             images.extend(out.images)
     finally:
-        pipe.unet.train(was_training)
+        pipe.unet.train(was_training[0])
+        pipe.text_encoder.train(was_training[1])
     return _grid(images, per_prompt)
 
 
@@ -117,8 +122,9 @@ def generate_eval_images(
     out.mkdir(parents=True, exist_ok=True)
     pipe = make_pipeline(models, unet)
     pipe.set_progress_bar_config(disable=True)
-    was_training = pipe.unet.training
+    was_training = pipe.unet.training, pipe.text_encoder.training
     pipe.unet.eval()
+    pipe.text_encoder.eval()
     mine = list(range(rank, n, world_size))
     written = []
     try:
@@ -133,5 +139,6 @@ def generate_eval_images(
                 im.save(path)
                 written.append(path)
     finally:
-        pipe.unet.train(was_training)
+        pipe.unet.train(was_training[0])
+        pipe.text_encoder.train(was_training[1])
     return written

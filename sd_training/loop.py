@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -19,7 +20,8 @@ from .config import TrainConfig, to_yaml
 from .ema import EMA, decay_from_strength
 from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
 from .models import build_models
-from .objective import diffusion_loss, encode_images, encode_text
+from .objective import configure_schedulers, diffusion_loss, encode_images, encode_text
+from .text_encoders import text_encoder_param_groups
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
 from .preemption import StopFlag, requeue_job, under_slurm
@@ -107,6 +109,10 @@ class Trainer:
         seed_everything(cfg.system.seed + info.rank)
         quickstart.prepare(cfg.quickstart, info.is_main)
         self.models = build_models(cfg.model, self.device, seed=cfg.system.seed)
+        # Prediction type and zero terminal SNR go to both schedulers: exports sample as they trained.
+        self.models.noise_scheduler, self.models.inference_scheduler = configure_schedulers(
+            self.models.noise_scheduler, self.models.inference_scheduler, cfg.objective
+        )
         self.unet = unwrap(self.models.unet)
         if cfg.model.init_from:
             self._init_from(cfg.model.init_from)
@@ -141,6 +147,15 @@ class Trainer:
             log.info("optimizer.scale_lr: peak LR %.3g = %.3g x (global batch %d)^0.55",
                      self.peak_lr, o.params.learning_rate, self.plan.global_batch)
         groups = param_groups(self.unet, o.params.weight_decay, o.no_decay_norm_and_bias)
+        groups += text_encoder_param_groups(
+            self.models.text_encoder, cfg.model.text_encoder, self.peak_lr, o.params.weight_decay,
+            o.no_decay_norm_and_bias, lr_scale(o, self.plan.global_batch),
+        )
+        self.train_text_encoder = cfg.model.text_encoder.train
+        self.text_encoder_model = self.models.text_encoder
+        if self.train_text_encoder and info.is_distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.text_encoder_model = torch.nn.parallel.DistributedDataParallel(self.models.text_encoder, device_ids=ids)
         self.optimizer = build_optimizer(groups, o, self.device, self.peak_lr)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.plan.total_steps)
         self.nonfinite_streak = 0
@@ -194,6 +209,8 @@ class Trainer:
     def _resumable(self) -> dict:
         """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
         objs = {"lr_scheduler": self.lr_scheduler, "grad_scaler": self.scaler}
+        if self.train_text_encoder:
+            objs["text_encoder"] = self.models.text_encoder
         if not self.strategy.sharded:
             objs.update(unet=self.unet, optimizer=self.optimizer)
             if self.ema is not None:
@@ -242,7 +259,10 @@ class Trainer:
         """
         cfg = self.cfg
         ids = batch["input_ids"].to(self.device, non_blocking=True)
-        no_sync = self.strategy.sync_context(self.model, sync)
+        no_sync = contextlib.ExitStack()
+        no_sync.enter_context(self.strategy.sync_context(self.model, sync))
+        if self.train_text_encoder and self.info.is_distributed and not sync:
+            no_sync.enter_context(self.text_encoder_model.no_sync())
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
         fixed = {k: batch[k].to(self.device) for k in ("noise", "timesteps") if k in batch}
         if "latents" in batch:
@@ -253,9 +273,9 @@ class Trainer:
             latents = latents.contiguous(memory_format=torch.channels_last)
         with no_sync:
             with autocast:
-                hidden = encode_text(self.models.text_encoder, ids)
+                hidden = encode_text(self.text_encoder_model, ids)
                 loss, per_sample, timesteps = diffusion_loss(
-                    self.model, self.models.noise_scheduler, latents, hidden, **fixed
+                    self.model, self.models.noise_scheduler, latents, hidden, cfg.objective, **fixed
                 )
             self.scaler.scale(loss / cfg.system.gradient_accumulation).backward()
         return loss.detach(), per_sample, timesteps
@@ -276,7 +296,7 @@ class Trainer:
         """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted)."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optimizer.params.max_grad_norm
-        params = [p for p in self.unet.parameters() if p.grad is not None]
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
         # The gradients are already all-reduced, so every rank sees the same norm and takes the same
         # branch. Note: a sync point with the device (one scalar per optimizer step).

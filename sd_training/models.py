@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Models:
     tokenizer: Any
-    text_encoder: torch.nn.Module  # frozen, eval, no grad
+    text_encoder: torch.nn.Module  # frozen, eval, no grad (unless model.text_encoder.train)
     vae: torch.nn.Module  # frozen, eval, no grad
     unet: torch.nn.Module  # trained
     noise_scheduler: Any  # DDPMScheduler: adds training noise, defines the target
@@ -135,7 +135,6 @@ def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype = 
 
 def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Models:
     from diffusers import AutoencoderKL, DDPMScheduler
-    from transformers import CLIPTextModel, CLIPTokenizer
     import diffusers
 
     rev = dict(revision=cfg.revision) if cfg.revision else {}
@@ -143,9 +142,12 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Model
     def kw(component):  # the revision applies to the pipeline, not to a component's own source
         return rev if getattr(cfg, component).pretrained is None else {}
 
-    tokenizer = _load(CLIPTokenizer.from_pretrained, _source(cfg, "tokenizer"), "tokenizer", "model.tokenizer.pretrained", **kw("tokenizer"))
-    text_encoder = _load(
-        CLIPTextModel.from_pretrained, _source(cfg, "text_encoder"), "text_encoder", "model.text_encoder.pretrained", **kw("text_encoder")
+    from .text_encoders import build_text_encoder
+
+    # Frozen (eval, no grad, in model.text_encoder.dtype) unless model.text_encoder.train; clip skip built in.
+    text_encoder, tokenizer = build_text_encoder(
+        cfg.text_encoder, cfg.pretrained, device, tokenizer_src=cfg.tokenizer.pretrained, revision=cfg.revision,
+        gradient_checkpointing=cfg.gradient_checkpointing,
     )
     vae = _load(AutoencoderKL.from_pretrained, _source(cfg, "vae"), "vae", "model.vae.pretrained", **kw("vae"))
     noise_scheduler = _load(
@@ -181,7 +183,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Model
         )
     return Models(
         tokenizer=tokenizer,
-        text_encoder=_frozen(text_encoder, device),
+        text_encoder=text_encoder,
         vae=_frozen(vae, device, frozen_dtype(cfg.vae.dtype, cfg.mixed_precision)),
         unet=unet,
         noise_scheduler=noise_scheduler,

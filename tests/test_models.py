@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sd_training.config import ConfigError, ModelConfig, ComponentConfig, UNetConfig, VAEConfig
+from sd_training.text_encoders import TextEncoderConfig
 from sd_training.models import build_models
 from sd_training.tiny import TINY_UNET, build_clip_tokenizer
 
@@ -37,7 +38,7 @@ def test_latent_scale_comes_from_vae_config(tmp_path):
 def test_build_per_component_with_scratch_unet(tiny_pipeline):
     cfg = ModelConfig(
         vae=VAEConfig(str(tiny_pipeline / "vae")),  # a component folder itself
-        text_encoder=ComponentConfig(str(tiny_pipeline)),  # a pipeline root
+        text_encoder=TextEncoderConfig(pretrained=str(tiny_pipeline)),  # a pipeline root
         tokenizer=ComponentConfig(str(tiny_pipeline)),
         noise_scheduler_training=ComponentConfig(str(tiny_pipeline)),
         noise_scheduler_inference=ComponentConfig(str(tiny_pipeline)),
@@ -58,7 +59,7 @@ def test_mismatched_cross_attention_dim_is_explained(tiny_pipeline):
 
 
 def test_missing_local_folder_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="model.tokenizer.pretrained"):
+    with pytest.raises(ConfigError, match="model.text_encoder.pretrained.*not a directory"):
         build_models(ModelConfig(pretrained=str(tmp_path / "nope")), torch.device("cpu"))
 
 

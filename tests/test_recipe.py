@@ -244,3 +244,29 @@ def test_nonfinite_steps_are_skipped_then_the_run_saves_and_stops(tmp_path, tiny
     with pytest.raises(NonFiniteLossError, match="learning_rate.*mixed_precision=bf16"):
         t._loop(StopFlag())
     assert (t.run_dir.checkpoints / "step_00000002" / "COMPLETE").exists()  # two skipped loop steps
+
+
+# ---------------------------------------------------------------- objective and conditioning through the loop
+
+
+@pytest.mark.slow
+def test_text_encoder_training_and_v_prediction_reach_the_export(tmp_path, tiny_pipeline, shapes_shards):
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="te", **{
+        "model.text_encoder.train": "true", "model.text_encoder.learning_rate": 5e-4,
+        "objective.prediction_type": "v_prediction", "objective.zero_terminal_snr": "true",
+        "objective.loss_weighting": "min_snr", "experiment.num_examples_to_see": 12}))
+    run = Path(train(cfg)["run_dir"])
+    from diffusers import StableDiffusionPipeline
+    from transformers import CLIPTextModel
+
+    pipe = StableDiffusionPipeline.from_pretrained(run / "current_pipeline")
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+    assert pipe.scheduler.config.rescale_betas_zero_snr and pipe.scheduler.config.timestep_spacing == "trailing"
+    before = CLIPTextModel.from_pretrained(tiny_pipeline / "text_encoder")
+    assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), pipe.text_encoder.parameters()))
+    from sd_training.checkpoint import Checkpointer
+
+    shared, _, _ = Checkpointer.load(Checkpointer(run / "checkpoints").latest(), 0)
+    assert "text_encoder" in shared
+    lrs = {g["lr"] for g in shared["optimizer"]["param_groups"]}
+    assert len(lrs) == 2  # the text encoder's own learning rate
