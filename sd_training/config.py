@@ -171,6 +171,7 @@ class ModelConfig:
     noise_scheduler_training: ComponentConfig = f(ComponentConfig, "scheduler config for training noise (built as DDPMScheduler)")
     noise_scheduler_inference: ComponentConfig = f(ComponentConfig, "scheduler of exported pipelines and samples (its own class)")
     unet: UNetConfig = f(UNetConfig, "the trained UNet")
+    train_target: str = f("unet", "unet (the diffusion model) | vae (the autoencoder stage, see vae_training)")
     use_ema: bool = f(False, "keep an exponential moving average of the UNet weights; exported as pipelines/*_ema")
     ema: EMAConfig = f(EMAConfig, "EMA settings")
     mixed_precision: str = f("no", "no | bf16 | fp16 (fp16 uses a gradient scaler)")
@@ -369,6 +370,9 @@ def validate(cfg: TrainConfig) -> None:
     _choice("optimizer.implementation", cfg.optimizer.implementation, ("auto", "fused", "foreach", "for_loop"))
     _choice("lr_scheduler.scheduler", cfg.lr_scheduler.scheduler, ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup"))
     _choice("model.vae.dtype", cfg.model.vae.dtype, ("auto", "fp32", "bf16", "fp16"))
+    _choice("model.train_target", cfg.model.train_target, ("unet", "vae"))
+    if cfg.model.train_target == "vae":
+        _check_vae_stage(cfg)
     _choice("model.ema.device", cfg.model.ema.device, ("auto", "cpu"))
     _choice("model.init_weights", cfg.model.init_weights, ("ema", "raw"))
     _choice("experiment.export_weights", cfg.experiment.export_weights, ("auto", "raw", "ema", "both"))
@@ -447,6 +451,25 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.model.text_encoder.train and cfg.distributed.strategy == "fsdp":
         raise ConfigError("'model.text_encoder.train' is not supported with distributed.strategy=fsdp (use ddp)")
     validate_dataset_config(cfg.dataset)
+
+
+def _check_vae_stage(cfg: "TrainConfig") -> None:
+    from .vae_objective import check_vae_precision
+
+    try:
+        check_vae_precision(cfg.model.mixed_precision)
+    except ValueError as e:
+        raise ConfigError(f"'model.mixed_precision': {e}") from None
+    if cfg.distributed.strategy == "fsdp":
+        raise ConfigError("model.train_target=vae trains with distributed.strategy=ddp (autoencoders fit one device)")
+    if cfg.model.vae.dtype not in ("auto", "fp32"):
+        raise ConfigError("model.train_target=vae keeps the trained VAE in fp32: set model.vae.dtype=fp32 (or auto)")
+    for key in ("text_encoder.train", "compile", "channels_last"):
+        obj = cfg.model
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        if obj:
+            raise ConfigError(f"'model.{key}' applies to UNet training, not model.train_target=vae")
 
 
 # Keys of optimizer.params each optimizer reads (learning_rate, weight_decay, max_grad_norm: all).

@@ -42,7 +42,7 @@ def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = N
     )
 
 
-def export_pipeline(models, unet: torch.nn.Module, out: Path) -> Path:
+def export_pipeline(models, unet: torch.nn.Module, out: Path, vae: torch.nn.Module | None = None) -> Path:
     """Write a complete pipeline to ``out`` atomically: a crash mid-write leaves the previous one intact."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -50,7 +50,7 @@ def export_pipeline(models, unet: torch.nn.Module, out: Path) -> Path:
         import shutil
 
         shutil.rmtree(tmp)
-    make_pipeline(models, unet).save_pretrained(tmp, safe_serialization=True)
+    make_pipeline(models, unet, vae).save_pretrained(tmp, safe_serialization=True)
     replace_dir(tmp, out)
     return out
 
@@ -62,6 +62,21 @@ def _grid(images: list[Image.Image], cols: int) -> Image.Image:
     for i, im in enumerate(images):
         grid.paste(im, ((i % cols) * w, (i // cols) * h))
     return grid
+
+
+@torch.no_grad()
+def reconstruction_grid(vae, pixels: torch.Tensor) -> Image.Image:
+    """Top row: the images; bottom row: the VAE's reconstructions (posterior mean, decoded)."""
+    was_training = vae.training
+    vae.eval()
+    try:
+        x = pixels.to(vae.dtype)
+        rec = vae.decode(vae.encode(x).latent_dist.mode()).sample
+    finally:
+        vae.train(was_training)
+    to_img = lambda t: Image.fromarray(((t.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy())  # noqa: E731
+    images = [to_img(t) for t in pixels] + [to_img(t) for t in rec]
+    return _grid(images, len(pixels))
 
 
 @torch.no_grad()

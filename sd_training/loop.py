@@ -113,7 +113,16 @@ class Trainer:
         self.models.noise_scheduler, self.models.inference_scheduler = configure_schedulers(
             self.models.noise_scheduler, self.models.inference_scheduler, cfg.objective
         )
-        self.unet = unwrap(self.models.unet)
+        self.net_name = cfg.model.train_target  # "unet" | "vae": the trained module
+        if self.net_name == "vae":
+            # Autoencoder stage: the VAE trains (fp32 weights), the UNet and text encoder stay frozen.
+            self.models.unet.requires_grad_(False).eval()
+            self.net = self.models.vae.float().train().requires_grad_(True)
+            self.loss_module = VAELossModule(self.net, cfg.vae_training)
+            self.fixed_images = self._fixed_images() if info.is_main else None
+        else:
+            self.net = unwrap(self.models.unet)
+            self.loss_module = self.net
         if cfg.model.init_from:
             self._init_from(cfg.model.init_from)
         self.ema = None
@@ -124,11 +133,11 @@ class Trainer:
                 decay = decay_from_strength(e.strength_target, self.plan.total_steps, e.update_every)
                 log.info("EMA decay %.8f derived from model.ema.strength_target=%s", decay, e.strength_target)
             ema_device = torch.device("cpu") if e.device == "cpu" else self.device
-            self.ema = EMA(self.unet, decay, e.update_every, e.start_step, e.warmup, ema_device)
+            self.ema = EMA(self.net, decay, e.update_every, e.start_step, e.warmup, ema_device)
             if e.path:
-                from .models import _load, resolve_unet_class
+                from .models import _load
 
-                src = _load(resolve_unet_class(cfg.model.unet.target).from_pretrained, e.path, "unet", "model.ema.path")
+                src = _load(type(self.net).from_pretrained, e.path, self.net_name, "model.ema.path")
                 self.ema.load_weights(src)
         mp = cfg.model.mixed_precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(mp)
@@ -136,9 +145,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=(mp == "fp16"))
         # Only the trained UNet (and its EMA) is wrapped; the frozen VAE and text encoder never are.
         self.strategy = Strategy(cfg.distributed.strategy, info.is_distributed, self.device, self.autocast_dtype)
-        self.model = self.strategy.wrap(self.unet, self.ema.shadow if self.ema is not None else None)
+        self.model = self.strategy.wrap(self.loss_module, self.ema.shadow if self.ema is not None else None)
         if cfg.model.compile:
-            # The compiled wrapper is only called; weights are always read from self.unet (no _orig_mod keys).
+            # The compiled wrapper is only called; weights are always read from self.net (no _orig_mod keys).
             self.model = torch.compile(self.model)
         # After wrapping: FSDP2 replaces the parameters by sharded DTensors.
         o = cfg.optimizer
@@ -146,7 +155,7 @@ class Trainer:
         if o.scale_lr:
             log.info("optimizer.scale_lr: peak LR %.3g = %.3g x (global batch %d)^0.55",
                      self.peak_lr, o.params.learning_rate, self.plan.global_batch)
-        groups = param_groups(self.unet, o.params.weight_decay, o.no_decay_norm_and_bias)
+        groups = param_groups(self.net, o.params.weight_decay, o.no_decay_norm_and_bias)
         groups += text_encoder_param_groups(
             self.models.text_encoder, cfg.model.text_encoder, self.peak_lr, o.params.weight_decay,
             o.no_decay_norm_and_bias, lr_scale(o, self.plan.global_batch),
@@ -192,19 +201,19 @@ class Trainer:
         if ckpt is not None:
             if (ckpt / "sharded").is_dir():
                 raise ConfigError(f"'model.init_from': {ckpt} is an FSDP checkpoint; use the run's exported pipeline")
-            name = "ema" if want_ema and (ckpt / "ema.pt").exists() else "unet"
+            name = "ema" if want_ema and (ckpt / "ema.pt").exists() else self.net_name
             sd = torch.load(ckpt / f"{name}.pt", map_location="cpu", weights_only=True)
-            self.unet.load_state_dict(sd["shadow"] if name == "ema" else sd)
-            log.info("model.init_from: UNet %s weights from checkpoint %s", name, ckpt)
+            self.net.load_state_dict(sd["shadow"] if name == "ema" else sd)
+            log.info("model.init_from: %s (%s weights) from checkpoint %s", self.net_name, name, ckpt)
             return
         folder = path
         if want_ema and path.name == "current_pipeline" and (path.parent / "current_pipeline_ema").is_dir():
             folder = path.parent / "current_pipeline_ema"
         elif (path / "current_pipeline").is_dir():  # a run directory without checkpoints
             folder = path / ("current_pipeline_ema" if want_ema and (path / "current_pipeline_ema").is_dir() else "current_pipeline")
-        src_unet = _load(type(self.unet).from_pretrained, str(folder), "unet", "model.init_from")
-        self.unet.load_state_dict(src_unet.state_dict())
-        log.info("model.init_from: UNet weights from %s", folder)
+        src_net = _load(type(self.net).from_pretrained, str(folder), self.net_name, "model.init_from")
+        self.net.load_state_dict(src_net.state_dict())
+        log.info("model.init_from: %s weights from %s", self.net_name, folder)
 
     def _resumable(self) -> dict:
         """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
@@ -212,7 +221,7 @@ class Trainer:
         if self.train_text_encoder:
             objs["text_encoder"] = self.models.text_encoder
         if not self.strategy.sharded:
-            objs.update(unet=self.unet, optimizer=self.optimizer)
+            objs.update({self.net_name: self.net, "optimizer": self.optimizer})
             if self.ema is not None:
                 objs["ema"] = self.ema
         elif self.ema is not None:
@@ -234,7 +243,7 @@ class Trainer:
         if self.strategy.sharded:
             if not (latest / "sharded").is_dir():
                 raise RuntimeError(f"checkpoint {latest} was not written by distributed.strategy=fsdp (no sharded/)")
-            self.strategy.load_sharded(latest / "sharded", self.unet, self.optimizer, self.ema.shadow if self.ema else None)
+            self.strategy.load_sharded(latest / "sharded", self.net, self.optimizer, self.ema.shadow if self.ema else None)
         self.state.load_state_dict(train_state)
         self.loader.load_state_dict(per_rank["data"])
         set_rng_state(per_rank["rng"])
@@ -258,12 +267,19 @@ class Trainer:
         already scaled). ``noise`` / ``timesteps`` may be given (validation at fixed ones); else drawn.
         """
         cfg = self.cfg
-        ids = batch["input_ids"].to(self.device, non_blocking=True)
         no_sync = contextlib.ExitStack()
         no_sync.enter_context(self.strategy.sync_context(self.model, sync))
         if self.train_text_encoder and self.info.is_distributed and not sync:
             no_sync.enter_context(self.text_encoder_model.no_sync())
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        if self.net_name == "vae":
+            pixels = batch["pixel_values"].to(self.device, non_blocking=True)
+            with no_sync:
+                with autocast:
+                    loss, per_sample, parts = self.model(pixels)
+                self.scaler.scale(loss / cfg.system.gradient_accumulation).backward()
+            self._parts = parts
+            return loss.detach(), per_sample.detach(), None
         fixed = {k: batch[k].to(self.device) for k in ("noise", "timesteps") if k in batch}
         if "latents" in batch:
             latents = batch["latents"].to(self.device, non_blocking=True).float()
@@ -273,7 +289,10 @@ class Trainer:
             latents = latents.contiguous(memory_format=torch.channels_last)
         with no_sync:
             with autocast:
-                hidden = encode_text(self.text_encoder_model, ids)
+                if "encoder_hidden_states" in batch:  # precomputed text-encoder outputs (latent shards)
+                    hidden = batch["encoder_hidden_states"].to(self.device, non_blocking=True).float()
+                else:
+                    hidden = encode_text(self.text_encoder_model, batch["input_ids"].to(self.device, non_blocking=True))
                 loss, per_sample, timesteps = diffusion_loss(
                     self.model, self.models.noise_scheduler, latents, hidden, cfg.objective, **fixed
                 )
@@ -310,7 +329,7 @@ class Trainer:
         if finite:
             self.nonfinite_streak = 0
             if self.ema is not None:
-                self.ema.update(self.unet, self.state.step + 1)
+                self.ema.update(self.net, self.state.step + 1)
         else:
             self.nonfinite_streak += 1
             self.state.nonfinite_steps += 1
@@ -333,6 +352,8 @@ class Trainer:
                 window.data_time += time.perf_counter() - t_data
                 loss, per_sample, timesteps = self._micro_step(batch, sync=(micro == accum - 1))
                 window.add_loss(loss, per_sample, timesteps, self.models.noise_scheduler.config.num_train_timesteps)
+                if self.net_name == "vae":
+                    window.add_parts(self._parts)
             grad_norm = self._optimizer_step()
             state.step += 1
             if self.nonfinite_streak >= cfg.experiment.max_nonfinite_steps:
@@ -392,11 +413,14 @@ class Trainer:
     # ------------------------------------------------------------------ side effects
     def _log(self, w: "_Window") -> None:
         loss = distributed.all_reduce_mean(w.loss_sum / max(w.loss_count, 1)).item()
-        q = distributed.all_reduce_mean(w.q_sum / w.q_count.clamp(min=1)).tolist()
         n_images = w.steps * self.plan.global_batch
-        metrics = {
-            "loss": loss,
-            **{f"loss_q{i}": q[i] for i in range(4)},
+        metrics = {"loss": loss}
+        if self.net_name == "unet":
+            q = distributed.all_reduce_mean(w.q_sum / w.q_count.clamp(min=1)).tolist()
+            metrics.update({f"loss_q{i}": q[i] for i in range(4)})
+        for k, v in w.parts.items():  # this rank's mean (the total loss above is the all-rank one)
+            metrics[f"vae/{k}"] = v / max(w.parts_count, 1)
+        metrics.update({
             "lr": self.lr_scheduler.get_last_lr()[0],
             "grad_norm": float(w.grad_norm),
             "images_seen": self.state.images_seen,
@@ -405,7 +429,7 @@ class Trainer:
             "step_time": w.step_time / max(w.steps, 1),
             "data_wait_fraction": w.data_time / max(w.step_time, 1e-9),
             "nonfinite_steps": self.state.nonfinite_steps,
-        }
+        })
         if self.ema is not None:
             metrics["ema_decay"] = self.ema.current_decay()
         if self.device.type == "cuda":
@@ -427,7 +451,7 @@ class Trainer:
         per_rank = {"rng": rng_state(), "data": self.loader.state_dict()}
         write_sharded = None
         if self.strategy.sharded:
-            state = self.strategy.sharded_state(self.unet, self.optimizer, self.ema.shadow if self.ema else None)
+            state = self.strategy.sharded_state(self.net, self.optimizer, self.ema.shadow if self.ema else None)
             write_sharded = lambda folder: self.strategy.save_sharded(state, folder)  # noqa: E731
         self.checkpointer.save(
             self.state.step, shared, per_rank, self.state.state_dict(), self.config_yaml, self.info.rank, write_sharded
@@ -443,14 +467,18 @@ class Trainer:
         needed = set(weights) | set(samples_from)
         plain = {}
         if "raw" in needed:
-            plain["raw"] = self.strategy.plain_copy(self.unet, self.device)
+            plain["raw"] = self.strategy.plain_copy(self.net, self.device)
         if "ema" in needed:
             plain["ema"] = self.strategy.plain_copy(self.ema.shadow, self.device)
         targets = [(w == "ema", plain[w]) for w in weights]
         if self.info.is_main:
             cfg = self.cfg.experiment
-            for is_ema, unet in targets:
-                out = export_pipeline(self.models, unet, self.run_dir.pipeline(None, ema=is_ema))
+            for is_ema, net in targets:
+                if self.net_name == "vae":
+                    net = self._with_measured_scale(net)
+                    out = export_pipeline(self.models, self.models.unet, self.run_dir.pipeline(None, ema=is_ema), vae=net)
+                else:
+                    out = export_pipeline(self.models, net, self.run_dir.pipeline(None, ema=is_ema))
                 if not cfg.save_only_most_recent:
                     import shutil
 
@@ -462,7 +490,8 @@ class Trainer:
                 self._write_samples(plain[w], suffix="" if w == samples_from[0] else f"_{w}")
         self.state.last_export_step = self.state.step
         distributed.barrier()
-        self._write_eval_images(plain[samples_from[0]])
+        if self.net_name == "unet":
+            self._write_eval_images(plain[samples_from[0]])
 
     def _weights(self, choice: str, default_both: bool) -> list[str]:
         """'auto' | 'raw' | 'ema' | 'both' -> the weights to use, first = the main one."""
@@ -472,7 +501,45 @@ class Trainer:
             return ["raw", "ema"] if default_both else ["ema"]
         return {"raw": ["raw"], "ema": ["ema"], "both": ["ema", "raw"]}[choice]
 
+    def _fixed_images(self) -> torch.Tensor:
+        """The first images of the data (seed fixed, no workers): the autoencoder's reconstruction grid
+        and scaling-factor sample, the same across steps and restarts."""
+        import dataclasses
+
+        from .data import build_train_loader
+
+        d = self.cfg.dataset
+        params = dataclasses.replace(d.params, workers=0, batch_size=max(self.cfg.experiment.sample_per_prompt * 2, 8))
+        loader = build_train_loader(dataclasses.replace(d, params=params), tokenizer=self.models.tokenizer, rank=0,
+                                    world_size=1, seed=self.cfg.system.seed)
+        return next(iter(loader))["pixel_values"]
+
+    def _with_measured_scale(self, vae):
+        """A copy of the trained VAE whose config carries the latent scaling factor measured on data
+        (1 / std of the latents, the convention behind SD's 0.18215)."""
+        import copy
+
+        from .vae_objective import measure_scaling_factor
+
+        vae = copy.deepcopy(vae).to(self.device).eval()
+        scale = measure_scaling_factor(vae, [self.fixed_images.to(self.device)])
+        vae.register_to_config(scaling_factor=float(scale))
+        self.trackers.log({"vae/scaling_factor": float(scale)}, self.state.step)
+        log.info("measured latent scaling factor %.5f on %d images", scale, len(self.fixed_images))
+        return vae
+
+    def _write_reconstructions(self, vae, suffix: str) -> None:
+        from .export import reconstruction_grid
+
+        net = vae if next(vae.parameters()).device == self.device else vae.to(self.device)
+        grid = reconstruction_grid(net, self.fixed_images.to(self.device))
+        path = self.run_dir.samples / f"step_{self.state.step:08d}{suffix}.png"
+        grid.save(path)
+        self.trackers.log_image(f"reconstructions{suffix}", path, self.state.step)
+
     def _write_samples(self, unet, suffix: str = "") -> None:
+        if self.net_name == "vae":
+            return self._write_reconstructions(unet, suffix)
         cfg = self.cfg.experiment
         if not cfg.sample_prompts or cfg.sample_per_prompt < 1:
             return
@@ -511,6 +578,21 @@ class Trainer:
         distributed.barrier()
 
 
+class VAELossModule(torch.nn.Module):
+    """The autoencoder stage's forward: what DDP wraps, so its gradient hooks see every VAE call."""
+
+    def __init__(self, vae: torch.nn.Module, cfg):
+        super().__init__()
+        self.vae = vae
+        self.cfg = cfg
+
+    def forward(self, pixels: torch.Tensor):
+        from .vae_objective import vae_loss
+
+        loss, per_sample, parts = vae_loss(self.vae, pixels, self.cfg)
+        return loss, per_sample, parts
+
+
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive non-finite steps: the run saved and stopped."""
 
@@ -538,9 +620,17 @@ class _Window:
         self.q_count = torch.zeros(4)
         self.grad_norm = 0.0
         self.last_loss = float("nan")
+        self.parts: dict = {}
+        self.parts_count = 0
         self.data_time = 0.0
         self.step_time = 0.0
         self.steps = 0
+
+    def add_parts(self, parts: dict) -> None:
+        """Named loss terms (e.g. the VAE's reconstruction and KL), averaged over the interval."""
+        for k, v in parts.items():
+            self.parts[k] = self.parts.get(k, 0.0) + float(v)
+        self.parts_count += 1
 
     def add_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, timesteps: torch.Tensor, num_timesteps: int) -> None:
         if not isinstance(self.loss_sum, torch.Tensor):
@@ -550,6 +640,8 @@ class _Window:
         self.loss_sum = self.loss_sum + loss.float()
         self.last_loss = loss
         self.loss_count += 1
+        if timesteps is None:  # autoencoder stage: no timesteps
+            return
         # Loss by timestep quartile (as guided-diffusion logs): where in the noise range the model struggles.
         q = (timesteps * 4 // num_timesteps).clamp(max=3)
         self.q_sum.index_add_(0, q, per_sample.float())

@@ -44,7 +44,7 @@ def main(out: str, argv: list[str]) -> None:
                 lo = (m * info.world_size + info.rank) * b
                 t._micro_step({k: v[lo : lo + b] for k, v in full.items()}, sync=(m == accum - 1))
             t._optimizer_step()
-        full = t.strategy.full_state_dict(t.unet)  # collective under FSDP
+        full = t.strategy.full_state_dict(t.net)  # collective under FSDP
         if info.is_main:
             torch.save(full, out)
         distributed.barrier()

@@ -175,9 +175,9 @@ def test_vae_dtype_auto_follows_bf16(tmp_path, tiny_pipeline, shapes_shards):
 
 def test_sliced_attention_and_channels_last(tmp_path, tiny_pipeline, shapes_shards):
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.attention": "sliced", "model.channels_last": "true"})
-    procs = {type(p).__name__ for p in t.unet.attn_processors.values()}
+    procs = {type(p).__name__ for p in t.net.attn_processors.values()}
     assert procs == {"SlicedAttnProcessor"}
-    conv = t.unet.conv_in.weight
+    conv = t.net.conv_in.weight
     assert conv.is_contiguous(memory_format=torch.channels_last)
     loss, _, _ = t._micro_step(fixed_batch(t), sync=True)
     assert torch.isfinite(loss)
@@ -210,22 +210,22 @@ def test_stage_two_init_from_run_dir(tmp_path, tiny_pipeline, shapes_shards):
     from sd_training.checkpoint import Checkpointer
 
     shared, _, _ = Checkpointer.load(Checkpointer(Path(first["run_dir"]) / "checkpoints").latest(), 0)
-    for k, v in t.unet.state_dict().items():
+    for k, v in t.net.state_dict().items():
         assert torch.equal(v, shared["ema"]["shadow"][k]), k  # init_weights=ema by default
     assert t.state.step == 0  # a new run: fresh optimizer and schedule
     t2 = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="stage2b", **{
         "model.init_from": str(Path(first["run_dir"]) / "current_pipeline"), "model.init_weights": "raw"})
-    for k, v in t2.unet.state_dict().items():
+    for k, v in t2.net.state_dict().items():
         assert torch.equal(v, shared["unet"][k]), k
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_saves_and_stops(tmp_path, tiny_pipeline, shapes_shards):
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="nan", **{"experiment.max_nonfinite_steps": 2})
-    before = {k: v.clone() for k, v in t.unet.state_dict().items()}
+    before = {k: v.clone() for k, v in t.net.state_dict().items()}
     t._micro_step(fixed_batch(t, nan=True), sync=True)
     t._optimizer_step()
     assert t.nonfinite_streak == 1 and t.state.nonfinite_steps == 1
-    assert all(torch.equal(v, t.unet.state_dict()[k]) for k, v in before.items())  # no update
+    assert all(torch.equal(v, t.net.state_dict()[k]) for k, v in before.items())  # no update
     t._micro_step(fixed_batch(t), sync=True)
     t._optimizer_step()
     assert t.nonfinite_streak == 0  # a good step resets the streak

@@ -37,8 +37,8 @@ class DatasetParams:
     # --- where the data is -------------------------------------------------------------------------
     path: str = f(
         MISSING,
-        "WebDataset: shards in brace notation or a folder of .tar, several joined with '::' (local, http(s)://,"
-        " pipe:); parquet: files/folders; CSV: files; folder: the dataset root",
+        "WebDataset/latents: shards in brace notation or a folder of .tar, several joined with '::' (local,"
+        " http(s)://, pipe:); parquet: files/folders; CSV: files; folder: the dataset root",
     )
     batch_size: int = f("${system.batch_size}", "images per device per micro-batch")
     workers: int = f("${system.workers}", "data-loading worker processes per device (0: load in the main process)")
@@ -47,7 +47,7 @@ class DatasetParams:
         "images to train on, all devices together (sets loader.steps_total; more than one epoch is logged)",
     )
     # --- images ------------------------------------------------------------------------------------
-    resolution: int = f(512, "pixels: short side resized then cropped to resolution x resolution (bucket area)")
+    resolution: int = f(512, "pixels: short side resized then cropped to resolution x resolution (bucket area; latents: must match the shards)")
     center_crop: bool = f(True, "center crop after resizing (False: random crop)")
     random_flip: float = f(0.0, "probability of a horizontal flip per sample")
     min_size: int = f(0, "pixels: skip samples whose source short side is smaller (0: keep all)")
@@ -68,6 +68,9 @@ class DatasetParams:
     caption_key: str = f("txt", "WebDataset: sample member holding the caption")
     image_keys: str = f("jpg;png;webp;jpeg", "WebDataset: sample members tried in order for the image, ';'-separated")
     metadata_key: str = f("json", "WebDataset: sample member holding the json metadata")
+    # --- precomputed latent shards (scripts/precompute_latents.py) --------------------------------
+    latent_sampling: str = f("sample", "latents: sample (mean + std * eps, fresh eps per sample and epoch) | mean (the posterior mean)")
+    text_embeddings: bool = f(False, "latents: batches carry the stored text-encoder outputs (encoder_hidden_states) too")
     # --- table sources (parquet, CSV) --------------------------------------------------------------
     image_column: str = f("", "parquet/CSV: column with image bytes, a path or a URL ('': first of image, jpg, ...)")
     caption_column: str = f("", "parquet/CSV: column with the caption ('': first of caption, text, txt, title)")
@@ -85,7 +88,7 @@ class DatasetParams:
 
 @dataclass
 class DatasetConfig:
-    type: str = f("WebDataset", "the source: WebDataset | parquet | CSV | folder")
+    type: str = f("WebDataset", "the source: WebDataset | parquet | CSV | folder | latents (shards of precomputed VAE latents)")
     params: DatasetParams = f(DatasetParams, "parameters of the source")
 
 
@@ -98,13 +101,17 @@ TYPE_ALIASES = {
     "tsv": "CSV",
     "folder": "folder",
     "local": "folder",
+    "latents": "latents",
+    "latent": "latents",
 }
+
+_IMAGE_TYPES = {"WebDataset", "parquet", "CSV", "folder"}
 
 # Keys that only mean something for some types (every other key applies to all types).
 _ONLY_FOR = {
-    "caption_key": {"WebDataset"},
+    "caption_key": {"WebDataset", "latents"},
     "image_keys": {"WebDataset"},
-    "metadata_key": {"WebDataset"},
+    "metadata_key": {"WebDataset", "latents"},
     "image_column": {"parquet", "CSV"},
     "caption_column": {"parquet", "CSV"},
     "image_root": {"parquet", "CSV"},
@@ -112,9 +119,21 @@ _ONLY_FOR = {
     "layout": {"folder"},
     "consider_every_nth": {"folder"},
     "samples_per_shard": {"folder", "CSV"},
-    "cls_key": {"WebDataset", "parquet", "CSV"},
-    "idx_to_prompt": {"WebDataset", "parquet", "CSV"},
+    "cls_key": {"WebDataset", "parquet", "CSV", "latents"},
+    "idx_to_prompt": {"WebDataset", "parquet", "CSV", "latents"},
+    # Pixel work: latent shards were decoded, resized and cropped once, by the precompute script.
+    "center_crop": _IMAGE_TYPES,
+    "random_flip": _IMAGE_TYPES,
+    "min_size": _IMAGE_TYPES,
+    "fast_decode": _IMAGE_TYPES,
+    "aspect_buckets": _IMAGE_TYPES,
+    "bucket_step": _IMAGE_TYPES,
+    "max_aspect_ratio": _IMAGE_TYPES,
+    "latent_sampling": {"latents"},
+    "text_embeddings": {"latents"},
 }
+
+LATENT_SAMPLINGS = ("sample", "mean")
 
 
 class DatasetConfigError(ValueError):
@@ -125,7 +144,7 @@ def canonical_type(name: str) -> str:
     key = str(name).strip().lower()
     if key not in TYPE_ALIASES:
         raise DatasetConfigError(
-            f"dataset.type: unknown source {name!r}; choose one of WebDataset, parquet, CSV, folder"
+            f"dataset.type: unknown source {name!r}; choose one of WebDataset, parquet, CSV, folder, latents"
         )
     return TYPE_ALIASES[key]
 
@@ -172,7 +191,8 @@ def validate_dataset_config(cfg: DatasetConfig) -> None:
 
     Checks: the type is known; no key is set (to a non-default value) for a type it does not apply to;
     ranges of probabilities and sizes; filters parse (never ``eval``); ``idx_to_prompt`` loads;
-    tag controls only with ``tags.use_tags`` or the folder ``metadata`` layout.
+    tag controls only with ``tags.use_tags`` or the folder ``metadata`` layout; precomputed text
+    embeddings only with captions used as stored (caption dropout is fine).
     """
     from .captions import load_idx_to_prompt
     from .filters import parse_filters
@@ -212,6 +232,16 @@ def validate_dataset_config(cfg: DatasetConfig) -> None:
     need(str(p.layout) in ("auto", "flat", "metadata"), "layout", "choose auto, flat or metadata")
     need(len([k for k in str(p.image_keys).split(";") if k.strip()]) > 0, "image_keys", "name at least one member")
     need(len(str(p.csv_separator)) == 1, "csv_separator", "must be one character")
+    need(str(p.latent_sampling) in LATENT_SAMPLINGS, "latent_sampling", "choose sample or mean")
+    if p.text_embeddings:
+        # A stored embedding is that of the caption as written; only dropout (to '') can be replayed on it.
+        for key, on in (("shuffle_tags", float(p.shuffle_tags) > 0), ("tags.use_tags", bool(p.tags.use_tags)),
+                        ("idx_to_prompt", _value(p.idx_to_prompt) is not None)):
+            if on:
+                raise DatasetConfigError(
+                    f"dataset.params.{key} changes the caption, but dataset.params.text_embeddings=true uses the "
+                    "embedding precomputed from the caption as stored: turn one of them off"
+                )
     if int(p.resolution) % int(p.bucket_step) and p.aspect_buckets:
         raise DatasetConfigError(
             f"dataset.params.resolution={p.resolution} is not a multiple of bucket_step={p.bucket_step}"

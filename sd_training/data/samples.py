@@ -71,8 +71,9 @@ class SampleProcessor:
             if failed is not None:
                 stats.add(f"skipped/filter:{failed.key}")  # expected and frequent: counted, not logged
                 return None
-        if raw.get("image") is None and not raw.get("image_path"):
-            stats.skip("missing_image", f"{where}: no image member/column")
+        payload = self.payload(raw, meta)
+        if payload is None:
+            stats.skip(self.missing_payload, f"{where}: no {self.missing_payload[len('missing_'):]} member/column")
             return None
         tags = None
         caption = ""
@@ -106,14 +107,15 @@ class SampleProcessor:
             except UnicodeError as exn:
                 stats.skip("bad_caption_encoding", f"{where}: caption is not UTF-8 ({exn})")
                 return None
-        return {
-            "key": raw["key"],
-            "url": raw["url"],
-            "image": raw.get("image"),
-            "image_path": raw.get("image_path"),
-            "caption": caption,
-            "tags": tags,
-        }
+        return {"key": raw["key"], "url": raw["url"], **payload, "caption": caption, "tags": tags}
+
+    # What select() carries to process(), None when the sample lacks it (counted as ``missing_payload``).
+    missing_payload = "missing_image"
+
+    def payload(self, raw: Dict[str, Any], meta: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        if raw.get("image") is None and not raw.get("image_path"):
+            return None
+        return {"image": raw.get("image"), "image_path": raw.get("image_path")}
 
     # -- stage 2: image work ------------------------------------------------------------------------
     def process(self, s: Dict[str, Any], rng: np.random.Generator, stats: Stats) -> Optional[Dict[str, Any]]:
