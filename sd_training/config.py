@@ -27,6 +27,7 @@ from .data.config import DatasetConfig
 from .fields import f
 from .objective import ObjectiveConfig, validate_objective_config
 from .text_encoders import TextEncoderConfig, validate_text_encoder_config
+from .vae_objective import VAEObjectiveConfig, validate_vae_objective_config
 
 
 class ConfigError(ValueError):
@@ -194,6 +195,14 @@ class QuickstartConfig:
 
 
 @dataclass
+class ValidationConfig:
+    path: Optional[str] = f(None, "held-out shards (same format as dataset.params.path); None: no validation")
+    num_batches: int = f(4, "batches per rank, read once and kept: every validation scores the same images")
+    every: Optional[int] = f(None, "optimizer steps between validations (None: experiment.save_every); also at step 0")
+    seed: int = f(1234, "seed of the fixed noise and timesteps, so the loss compares across steps and restarts")
+
+
+@dataclass
 class TrainConfig:
     wandb: WandbConfig = f(WandbConfig, "Weights & Biases tracking")
     system: SystemConfig = f(SystemConfig, "per-device batch, accumulation, workers, device")
@@ -204,6 +213,8 @@ class TrainConfig:
     dataset: DatasetConfig = f(DatasetConfig, "training data")
     lr_scheduler: LRSchedulerConfig = f(LRSchedulerConfig, "learning-rate schedule")
     objective: ObjectiveConfig = f(ObjectiveConfig, "prediction type, loss weighting, noise and timestep sampling")
+    validation: ValidationConfig = f(ValidationConfig, "held-out loss at fixed timesteps and noise")
+    vae_training: VAEObjectiveConfig = f(VAEObjectiveConfig, "autoencoder-stage losses (model.train_target=vae)")
     quickstart: QuickstartConfig = f(QuickstartConfig, "generated model and data for runs with no downloads (configs/quickstart.yaml)")
 
 
@@ -373,6 +384,8 @@ def validate(cfg: TrainConfig) -> None:
     _choice("model.train_target", cfg.model.train_target, ("unet", "vae"))
     if cfg.model.train_target == "vae":
         _check_vae_stage(cfg)
+    elif cfg.vae_training != VAEObjectiveConfig():
+        raise ConfigError("the 'vae_training' section applies to model.train_target=vae only")
     _choice("model.ema.device", cfg.model.ema.device, ("auto", "cpu"))
     _choice("model.init_weights", cfg.model.init_weights, ("ema", "raw"))
     _choice("experiment.export_weights", cfg.experiment.export_weights, ("auto", "raw", "ema", "both"))
@@ -454,8 +467,12 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def _check_vae_stage(cfg: "TrainConfig") -> None:
+    from .objective import ObjectiveConfig
     from .vae_objective import check_vae_precision
 
+    validate_vae_objective_config(cfg.vae_training)
+    if cfg.objective != ObjectiveConfig():
+        raise ConfigError("the 'objective' section applies to UNet training; remove it for model.train_target=vae")
     try:
         check_vae_precision(cfg.model.mixed_precision)
     except ValueError as e:

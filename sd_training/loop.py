@@ -176,6 +176,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run_dir.checkpoints, cfg.experiment.keep_last_checkpoints, cfg.experiment.keep_checkpoint_every
         )
+        self.val_batches = self._validation_batches() if cfg.validation.path else None
         if cfg.experiment.resume:
             self._maybe_resume()
         self.trackers = None
@@ -214,6 +215,67 @@ class Trainer:
         src_net = _load(type(self.net).from_pretrained, str(folder), self.net_name, "model.init_from")
         self.net.load_state_dict(src_net.state_dict())
         log.info("model.init_from: %s weights from %s", self.net_name, folder)
+
+    def _validation_batches(self) -> list[dict]:
+        """The first ``validation.num_batches`` batches of this rank's part of the held-out shards, with
+        fixed noise and evenly spread timesteps attached (no augmentation, no caption dropout)."""
+        import dataclasses
+
+        from .data import build_train_loader
+
+        v, d = self.cfg.validation, self.cfg.dataset
+        params = dataclasses.replace(d.params, path=v.path, workers=0, resampled=False, caption_dropout=0.0,
+                                     random_flip=0.0, center_crop=True)
+        loader = build_train_loader(dataclasses.replace(d, params=params), tokenizer=self.models.tokenizer,
+                                    rank=self.info.rank, world_size=self.info.world_size, seed=v.seed)
+        it = iter(loader)
+        g = torch.Generator().manual_seed(v.seed + self.info.rank)
+        T = self.models.noise_scheduler.config.num_train_timesteps
+        batches = []
+        for _ in range(v.num_batches):
+            b = {k: x for k, x in next(it).items() if isinstance(x, torch.Tensor)}
+            n = len(b["input_ids"])
+            b["timesteps"] = torch.linspace(0, T - 1, n).round().long()
+            if "latents" not in b and self.net_name == "unet":
+                # The posterior mean, not a sample: the same latents at every validation and restart.
+                vae = self.models.vae
+                with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+                    px = b.pop("pixel_values").to(self.device, vae.dtype)
+                    b["latents"] = (vae.encode(px).latent_dist.mode() * self.models.latent_scale).float().cpu()
+            if self.net_name == "unet":
+                b["noise"] = torch.randn(b["latents"].shape, generator=g)
+            batches.append(b)
+        return batches
+
+    @torch.no_grad()
+    def _validate(self) -> None:
+        """Held-out loss at fixed noise and timesteps (all ranks; the mean over ranks is logged)."""
+        cfg = self.cfg
+        self.loss_module.eval()
+        total = torch.zeros((), device=self.device)
+        try:
+            for i, b in enumerate(self.val_batches):
+                if self.net_name == "vae":
+                    from .vae_objective import vae_loss
+
+                    g = torch.Generator(self.device).manual_seed(cfg.validation.seed + i)
+                    loss, _, _ = vae_loss(self.net, b["pixel_values"].to(self.device), cfg.vae_training, generator=g)
+                else:
+                    dev = {k: v.to(self.device) for k, v in b.items()}
+                    hidden = dev.get("encoder_hidden_states")
+                    if hidden is None:
+                        hidden = encode_text(self.models.text_encoder, dev["input_ids"])
+                    autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+                    with autocast:
+                        loss, _, _ = diffusion_loss(self.model, self.models.noise_scheduler, dev["latents"].float(), hidden,
+                                                    cfg.objective, noise=dev["noise"], timesteps=dev["timesteps"])
+                total += loss.float()
+        finally:
+            self.loss_module.train()
+        val = distributed.all_reduce_mean(total / len(self.val_batches)).item()
+        if self.info.is_main:
+            self.trackers.log({"val/loss": val}, self.state.step)
+            log.info("step %d validation loss %.5f", self.state.step, val)
 
     def _resumable(self) -> dict:
         """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
@@ -341,6 +403,9 @@ class Trainer:
         cfg, plan, state = self.cfg, self.plan, self.state
         accum = cfg.system.gradient_accumulation
         data_iter = iter(self.loader)
+        val_every = cfg.validation.every or cfg.experiment.save_every
+        if self.val_batches is not None and state.step == 0:
+            self._validate()  # the untrained model's figure, to compare with
         window = _Window()
         last_ckpt_time = time.time()
         stopped_by = None
@@ -375,6 +440,8 @@ class Trainer:
             if stop_now or timed or last or state.step % plan.checkpoint_every == 0:
                 self._save_checkpoint()
                 last_ckpt_time = time.time()
+            if self.val_batches is not None and (last or state.step % val_every == 0):
+                self._validate()
             if last or state.step % cfg.experiment.save_every == 0:
                 self._export()
             if stop_now:

@@ -270,3 +270,42 @@ def test_text_encoder_training_and_v_prediction_reach_the_export(tmp_path, tiny_
     assert "text_encoder" in shared
     lrs = {g["lr"] for g in shared["optimizer"]["param_groups"]}
     assert len(lrs) == 2  # the text encoder's own learning rate
+
+
+# ---------------------------------------------------------------- validation and the autoencoder stage
+
+
+@pytest.mark.slow
+def test_validation_loss_is_fixed_and_logged_from_step_zero(tmp_path, tiny_pipeline, shapes_shards):
+    args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="val", **{
+        "validation.path": shapes_shards, "validation.num_batches": 2, "validation.every": 2,
+        "experiment.sample_per_prompt": 0, "optimizer.params.learning_rate": 0.0})
+    run = Path(train(load(args))["run_dir"])
+    vals = [(r["step"], r["val/loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val/loss" in r]
+    assert [s for s, _ in vals] == [0, 2, 4, 6, 8]
+    # Learning rate 0: the weights never change, so a fixed-noise validation gives the same number every time.
+    assert len({round(v, 7) for _, v in vals}) == 1
+
+
+@pytest.mark.slow
+def test_autoencoder_stage_trains_exports_and_measures_scale(tmp_path, tiny_pipeline, shapes_shards):
+    args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="vae", **{
+        "model.train_target": "vae", "experiment.num_examples_to_see": 40, "experiment.save_every": 5,
+        "validation.path": shapes_shards, "validation.num_batches": 1, "model.use_ema": "true"})
+    out = train(load(args))
+    run = Path(out["run_dir"])
+    from diffusers import AutoencoderKL, StableDiffusionPipeline
+
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("vae/rec" in r and "vae/kl" in r for r in rows)
+    scales = [r["vae/scaling_factor"] for r in rows if "vae/scaling_factor" in r]
+    trained = AutoencoderKL.from_pretrained(run / "current_pipeline" / "vae")
+    # Measured per exported weights (raw, then EMA) and recorded in each exported config.
+    assert trained.config.scaling_factor == pytest.approx(scales[-2])
+    before = AutoencoderKL.from_pretrained(tiny_pipeline / "vae")
+    assert any(not torch.equal(a, b) for a, b in zip(before.parameters(), trained.parameters()))
+    pipe = StableDiffusionPipeline.from_pretrained(run / "current_pipeline_ema")  # a whole pipeline, EMA VAE
+    assert pipe.vae.config.scaling_factor > 0
+    assert (run / "samples" / "step_00000010.png").exists()  # reconstruction grid
+    with pytest.raises(ConfigError, match="fp16"):
+        load(args + ["model.mixed_precision=fp16"])

@@ -3,6 +3,8 @@
     loader = build_train_loader(cfg.dataset, tokenizer=tok, rank=r, world_size=n, seed=cfg.seed)
     for batch in loader:            # forever
         batch["pixel_values"], batch["input_ids"], batch["captions"]
+        # dataset.type=latents: batch["latents"] (scaled) instead of pixel_values, and with
+        # dataset.params.text_embeddings batch["encoder_hidden_states"]; see data/latents.py
     ckpt["data"] = loader.state_dict()      # ... later: loader.load_state_dict(ckpt["data"])
     log(loader.stats())
 """
@@ -47,7 +49,7 @@ def _as_int(value: Any, key: str) -> int:
 
 def _check_local_units(kind: str, sources: List[Source]) -> None:
     """Missing local shards: all missing in a source is an error naming it; some missing is a warning."""
-    if kind != "WebDataset":
+    if kind not in ("WebDataset", "latents"):
         return
     for src in sources:
         local = [u for u in src.units if not REMOTE.match(u)]
@@ -88,7 +90,7 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
     slots = world_size * max(1, workers)
     if len(units) < slots:
         msg = (
-            f"dataset: {len(units)} units of work ({'shards' if kind == 'WebDataset' else 'row groups/chunks'}) "
+            f"dataset: {len(units)} units of work ({'shards' if kind in ('WebDataset', 'latents') else 'row groups/chunks'}) "
             f"for {world_size} rank(s) x {max(1, workers)} worker(s) = {slots} readers"
         )
         if not p.resampled:
@@ -99,7 +101,14 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
         log.warning("%s: fewer units than readers; resampled mode draws with replacement so this works, "
                     "but readers often read the same shard at the same time", msg)
 
-    proc = SampleProcessor(p, kind, tokenizer)
+    latent_scale = None
+    if kind == "latents":
+        from .latents import LatentSampleProcessor, check_latent_sources
+
+        latent_scale = check_latent_sources(sources, p)
+        proc = LatentSampleProcessor(p, kind, tokenizer, sources)
+    else:
+        proc = SampleProcessor(p, kind, tokenizer)
     plan = Plan(
         sources=sources,
         units=units,
@@ -112,6 +121,7 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
         shuffle_buffer=_as_int(p.shuffle_buffer, "shuffle_buffer"),
     )
     loader = TrainLoader(plan, proc, num_examples_to_see=num_examples, kind=kind)
+    loader.latent_scaling_factor = latent_scale
     for line in describe(loader):
         log.info(line)
     if p.aspect_buckets:

@@ -51,6 +51,11 @@ class TrainLoader:
     * ``captions``: the captions after dropout/shuffling ('' when dropped); ``keys``: sample names;
       ``epochs``: the data epoch each sample was read in.
 
+    ``dataset.type=latents`` (see :mod:`.latents`): ``latents`` float32 [B, C, h, w], already multiplied
+    by the VAE scaling factor, replaces ``pixel_values``; with ``text_embeddings`` the batch also holds
+    ``encoder_hidden_states`` float32 [B, L, D]. ``latent_scaling_factor`` is the shards' factor (None
+    for image data or when the shards' info is unreadable): check it against the VAE's.
+
     Resume (``state_dict`` / ``load_state_dict``): with the same world size and ``workers``, the batches
     after a restore are identical to those of an uninterrupted run, in finite *and* resampled mode (the
     resampled shard draws are a function of ``(seed, global index)``, not of a process-local RNG). With a
@@ -70,6 +75,7 @@ class TrainLoader:
         per_step = plan.world_size * plan.batch_size
         self.steps_total = math.ceil(num_examples_to_see / per_step) if num_examples_to_see else None
         self.num_samples = _known_samples(plan)
+        self.latent_scaling_factor: Optional[float] = None  # set by build_train_loader for latent shards
 
     @property
     def epoch(self) -> int:
@@ -198,6 +204,13 @@ def describe(loader: TrainLoader) -> List[str]:
         f"{'resampled (with replacement)' if p.resampled else 'finite epochs'}; rank {p.rank}/{p.world_size}, "
         f"{p.workers} worker(s), batch {p.batch_size}, shuffle buffer {p.shuffle_buffer}"
     ]
+    if loader.kind == "latents":
+        proc = loader.proc
+        lines.append(
+            f"data: latent shards ({'/'.join(sorted({str(s) for s in proc.stores}))}), latent_sampling "
+            f"{proc.sampling}, scaling factor {loader.latent_scaling_factor}, text embeddings "
+            f"{'from the shards' if proc.text_embeddings else 'computed by the loop'}"
+        )
     if loader.proc.filters:
         lines.append("data: metadata filters: " + ", ".join(f"{f.key} {f.text}" for f in loader.proc.filters))
     if loader.num_samples:

@@ -221,6 +221,10 @@ def build_sources(kind: str, params) -> List[Source]:
         raise DatasetConfigError("dataset.params.path is empty")
     if kind == "WebDataset":
         return [WebDatasetSource(s, params) for s in specs]
+    if kind == "latents":
+        from .latents import LatentShardSource
+
+        return [LatentShardSource(s, params) for s in specs]
     if kind in ("parquet", "CSV"):
         from .tables import CSVSource, ParquetSource
 

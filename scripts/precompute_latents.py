@@ -1,0 +1,474 @@
+#!/usr/bin/env python
+"""WebDataset shards -> shards of VAE latents (and, when asked, text-encoder outputs), for training
+with ``dataset.type=latents`` (no VAE encode, optionally no text encoder, in the training loop).
+
+    python scripts/precompute_latents.py --input "shards/{00000..00009}.tar" --pipeline PIPE_DIR --output OUT_DIR
+        [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings] [--clip-skip N] [--resolution 256]
+        [--batch-size 32] [--workers 4] [--device auto|cpu|cuda] [--vae-dtype fp32|bf16] [--seed 0] [--no-progress]
+    torchrun --nproc_per_node 8 scripts/precompute_latents.py ...       (the shards are split across ranks)
+
+Images go through the training data path's own stages (``sd_training.data``: metadata checks, header
+probe, reduced-scale decode, resize of the short side to ``--resolution``, center crop; no flip, no
+caption changes), so a latent is exactly the encoding of what ``dataset.type=WebDataset`` would feed
+the VAE. Unreadable samples are skipped and counted, as in training.
+
+Output (format: ``sd_training/data/latents.py``): one tar per input shard with the same basename,
+``KEY.latents.npy`` (scaled by the VAE's ``scaling_factor``; ``mean_std``: [2C, h, w] posterior mean then
+std, the default, so training can draw a fresh posterior sample every epoch or use the mean;
+``sample``: [C, h, w], one sample drawn here, half the bytes), ``KEY.txt``, ``KEY.json`` (the original
+metadata + ``latent_scaling_factor``, ``latent_store``), ``KEY.cls`` when present, and with
+``--text-embeddings`` ``KEY.text.npy`` (the text encoder's last hidden state [77, D]) plus
+``OUT_DIR/empty.text.npy`` (the empty caption's, substituted on caption dropout). ``OUT_DIR/latents_info.json``
+records the settings, the scaling factor and the counts; ``OUT_DIR/sizes.json`` the samples per shard.
+
+Distribution and resume: shard ``i`` (in brace order) belongs to rank ``i % WORLD_SIZE`` (torchrun or
+srun variables; no process group is needed, so ranks never wait for each other). A shard is written
+to ``NAME.tar.tmp`` and renamed when complete, so an existing ``NAME.tar`` is never redone and a killed
+run's ``.tmp`` is simply rewritten: rerun the same command to finish an interrupted job. Rerunning with
+different settings into the same folder is refused. Whichever rank finishes the last shard writes the
+final ``latents_info.json`` (``"complete": true``) and ``sizes.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import tarfile
+import time
+import types
+import zlib
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+log = logging.getLogger("precompute_latents")
+
+DTYPES = {"fp16": np.float16, "fp32": np.float32}
+VAE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DONE_DIR = ".done"  # per-shard records (samples, skips), written before the shard is renamed into place
+
+
+def parse(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="WebDataset shards: brace pattern, folder of .tar, or several joined with '::'")
+    p.add_argument("--pipeline", required=True, help="diffusers pipeline folder (vae/, and text_encoder/ + tokenizer/ for --text-embeddings) or a vae folder")
+    p.add_argument("--output", required=True, help="output folder (one tar per input shard, same basename)")
+    p.add_argument("--store", default="mean_std", choices=("mean_std", "sample"), help="posterior mean and std (default) or one sample")
+    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="storage dtype of latents and text embeddings")
+    p.add_argument("--text-embeddings", action="store_true", help="also store the text encoder's outputs of each caption")
+    p.add_argument("--clip-skip", type=int, default=0, help="with --text-embeddings: layers counted back from the last (0/1: last, 2: penultimate)")
+    p.add_argument("--resolution", type=int, default=256, help="pixels: short side resized then center-cropped to this square")
+    p.add_argument("--batch-size", type=int, default=32, help="images per VAE call, per rank")
+    p.add_argument("--workers", type=int, default=4, help="image-decoding processes per rank (0: in the main process)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--vae-dtype", default="fp32", choices=sorted(VAE_DTYPES), help="precision of the VAE encode (fp16 overflows; see vae_objective)")
+    p.add_argument("--seed", type=int, default=0, help="--store sample: seed of the posterior draws (per shard and sample)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.resolution < 8 or args.resolution % 8:
+        p.error(f"--resolution {args.resolution} must be a multiple of 8 (VAE downsampling)")
+    if args.clip_skip and not args.text_embeddings:
+        p.error("--clip-skip applies to --text-embeddings only")
+    if args.batch_size < 1 or args.workers < 0:
+        p.error("--batch-size must be >= 1 and --workers >= 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+
+
+def _folder(path: str, sub: str) -> Tuple[str, Dict[str, str]]:
+    """``from_pretrained`` arguments for a pipeline root (through ``sub``) or the component folder itself."""
+    if os.path.isdir(os.path.join(path, sub)):
+        return path, {"subfolder": sub}
+    return path, {}
+
+
+def load_models(args, device: torch.device):
+    from diffusers import AutoencoderKL
+
+    if not os.path.isdir(args.pipeline):
+        raise SystemExit(f"precompute_latents: --pipeline {args.pipeline} is not a local folder (nothing is downloaded)")
+    src, kw = _folder(args.pipeline, "vae")
+    vae = AutoencoderKL.from_pretrained(src, torch_dtype=VAE_DTYPES[args.vae_dtype], **kw)
+    fingerprint = hashlib.sha1()
+    for name, tensor in sorted(vae.state_dict().items()):  # which weights made these latents (~1 s for SD's VAE)
+        fingerprint.update(name.encode())
+        fingerprint.update(tensor.detach().float().contiguous().numpy().tobytes())
+    vae = vae.to(device).eval().requires_grad_(False)
+    tokenizer = text_encoder = None
+    if args.text_embeddings:
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        from sd_training.text_encoders import apply_clip_skip
+
+        if not os.path.isdir(os.path.join(args.pipeline, "text_encoder")):
+            raise SystemExit(f"precompute_latents: --text-embeddings needs {args.pipeline}/text_encoder and tokenizer/")
+        tokenizer = CLIPTokenizer.from_pretrained(args.pipeline, subfolder="tokenizer")
+        text_encoder = CLIPTextModel.from_pretrained(args.pipeline, subfolder="text_encoder")
+        apply_clip_skip(text_encoder, args.clip_skip)
+        limit = text_encoder.config.max_position_embeddings
+        if tokenizer.model_max_length > limit:  # a tokenizer saved without it reports a huge sentinel
+            tokenizer.model_max_length = limit
+        text_encoder = text_encoder.to(device).eval().requires_grad_(False)
+    return vae, fingerprint.hexdigest(), tokenizer, text_encoder
+
+
+@torch.no_grad()
+def encode_images(vae, pixels: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Scaled posterior mean and std, float32 on the CPU."""
+    param = next(vae.parameters())
+    dist = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist
+    return (dist.mean.float() * scale).cpu(), (dist.std.float() * scale).cpu()
+
+
+@torch.no_grad()
+def encode_captions(tokenizer, text_encoder, captions: List[str]) -> np.ndarray:
+    """The text encoder's last hidden state [B, L, D] (float32), tokenized as the training loader does."""
+    from sd_training.objective import encode_text
+
+    ids = tokenizer(captions, padding="max_length", truncation=True, max_length=tokenizer.model_max_length,
+                    return_tensors="pt").input_ids
+    device = next(text_encoder.parameters()).device
+    return encode_text(text_encoder, ids.to(device)).cpu().numpy()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading: the training data path's stages, one shard at a time
+# ----------------------------------------------------------------------------------------------
+
+
+def input_params(args):
+    from sd_training.data.config import DatasetConfig, validate_dataset_config
+
+    cfg = DatasetConfig()
+    p = cfg.params
+    p.path, p.resolution = args.input, args.resolution
+    p.batch_size, p.workers, p.num_examples_to_see = 1, 0, 0
+    p.center_crop, p.random_flip, p.caption_dropout, p.shuffle_tags = True, 0.0, 0.0, 0.0
+    validate_dataset_config(cfg)
+    return p
+
+
+def output_name(unit: str) -> str:
+    """'.../shard-0001.tar' (or .tar.gz, or a URL) -> 'shard-0001.tar'."""
+    base = os.path.basename(unit.split("?", 1)[0])
+    stem = base.split(".tar", 1)[0] if ".tar" in base else os.path.splitext(base)[0]
+    return stem + ".tar"
+
+
+class ShardSamples(torch.utils.data.IterableDataset):
+    """Decoded samples of the given shards: ``("sample", name, dict)`` items then ``("end", name, stats)``.
+
+    With DataLoader workers, worker ``w`` reads shards ``w, w + W, ...`` of the list whole, so the
+    samples of one shard arrive in order (interleaved with other shards' samples)."""
+
+    def __init__(self, source, params, shards: List[Tuple[str, str]], tokenizer_len: int):
+        self.source, self.params, self.shards, self.tokenizer_len = source, params, shards, tokenizer_len
+
+    def __iter__(self) -> Iterator[tuple]:
+        from sd_training.data.samples import SampleProcessor
+        from sd_training.data.sources import ShardError
+        from sd_training.data.stats import Stats
+
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            torch.set_num_threads(1)
+        # process() never tokenizes: the processor only reads model_max_length.
+        proc = SampleProcessor(self.params, "WebDataset", types.SimpleNamespace(model_max_length=self.tokenizer_len))
+        for unit, name in self.shards[wid::nw]:
+            stats = Stats()
+            error = None
+            try:
+                for j, raw in enumerate(self.source.read(unit, stats)):
+                    s = proc.select(raw, stats)
+                    if s is None:
+                        continue
+                    # Center crop and no flip: the generator is drawn from but changes nothing.
+                    out = proc.process(s, np.random.default_rng(j), stats)
+                    if out is None:
+                        continue
+                    meta = json.loads(bytes(raw["meta_raw"]).decode("utf-8")) if raw.get("meta_raw") is not None else {}
+                    cls = raw.get("cls")
+                    yield ("sample", name, {"key": out["key"], "caption": out["caption"], "meta": meta,
+                                            "cls": bytes(cls) if isinstance(cls, (bytes, bytearray)) else cls,
+                                            "pixels": out["pixels"]})
+            except ShardError as exn:
+                error = str(exn)
+            yield ("end", name, {"counts": dict(stats.counts), "error": error})
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_is(item):
+    return item
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), mtime, 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+class ShardWriter:
+    """One output shard being written: batches its samples through the VAE (and text encoder)."""
+
+    def __init__(self, out: Path, name: str, args, models, scale: float):
+        from sd_training.data.stats import Stats
+
+        self.out, self.name, self.args, self.scale = out, name, args, scale
+        self.vae, self.tokenizer, self.text_encoder = models
+        self.tmp = out / f"{name}.tmp"
+        self.tar = tarfile.open(self.tmp, "w")
+        self.pending: List[Dict[str, Any]] = []
+        self.written = 0
+        self.encoded = 0  # samples through the VAE so far: a sample's position, seeding its posterior draw
+        self.stats = Stats()
+        self.mtime = time.time()
+        self.shard_seed = zlib.crc32(name.encode())
+
+    def add(self, sample: Dict[str, Any]) -> int:
+        self.pending.append(sample)
+        return self.flush() if len(self.pending) >= self.args.batch_size else 0
+
+    def flush(self) -> int:
+        from sd_training.data.latents import npy_bytes
+        from sd_training.data.transforms import to_pixel_values
+
+        batch, self.pending = self.pending, []
+        if not batch:
+            return 0
+        dtype = DTYPES[self.args.dtype]
+        mean, std = encode_images(self.vae, to_pixel_values(np.stack([s["pixels"] for s in batch])), self.scale)
+        texts = encode_captions(self.tokenizer, self.text_encoder, [s["caption"] for s in batch]) if self.text_encoder else None
+        n = 0
+        for i, s in enumerate(batch):
+            index, self.encoded = self.encoded, self.encoded + 1
+            if self.args.store == "mean_std":
+                arr = torch.cat([mean[i], std[i]]).numpy()
+            else:
+                rng = np.random.default_rng([self.args.seed, self.shard_seed, index])
+                arr = mean[i].numpy() + std[i].numpy() * rng.standard_normal(mean[i].shape, dtype=np.float32)
+            arr = arr.astype(dtype)
+            if not np.isfinite(arr).all():  # an overflowing VAE, or values beyond fp16's range
+                self.stats.skip("latents_nonfinite", f"{self.name} sample {s['key']!r}: non-finite latents in {self.args.dtype}")
+                continue
+            key = s["key"]
+            meta = dict(s["meta"])
+            meta.update(latent_scaling_factor=self.scale, latent_store=self.args.store)
+            _add(self.tar, f"{key}.latents.npy", npy_bytes(arr), self.mtime)
+            _add(self.tar, f"{key}.txt", s["caption"].encode("utf-8"), self.mtime)
+            _add(self.tar, f"{key}.json", json.dumps(meta).encode("utf-8"), self.mtime)
+            if s["cls"] is not None:
+                _add(self.tar, f"{key}.cls", s["cls"] if isinstance(s["cls"], bytes) else str(s["cls"]).encode(), self.mtime)
+            if texts is not None:
+                _add(self.tar, f"{key}.text.npy", npy_bytes(texts[i].astype(dtype)), self.mtime)
+            self.written += 1
+            n += 1
+        return n
+
+    def close(self, read: Dict[str, Any]) -> Dict[str, Any]:
+        """Flush, then make the shard visible: its record first, the tar last (the completion mark)."""
+        self.flush()
+        self.tar.close()
+        counts = {**read["counts"], **{k: v for k, v in self.stats.counts.items()}}
+        record = {
+            "samples": self.written,
+            "skipped": {k[len("skipped/"):]: v for k, v in counts.items() if k.startswith("skipped/")},
+        }
+        (self.out / DONE_DIR).mkdir(exist_ok=True)
+        _atomic_write(self.out / DONE_DIR / f"{self.name}.json", json.dumps(record).encode())
+        os.replace(self.tmp, self.out / self.name)
+        return record
+
+
+# ----------------------------------------------------------------------------------------------
+# latents_info.json
+# ----------------------------------------------------------------------------------------------
+
+# Recorded for provenance only: a rerun may change them (moved folders, another batch size).
+PROVENANCE = ("input", "vae_source", "text_encoder_source", "batch_size", "workers", "device")
+
+
+def make_info(args, vae, fingerprint: str, names: List[str], text_shape) -> Dict[str, Any]:
+    from sd_training.data.latents import EMPTY_TEXT_FILE, FORMAT, FORMAT_VERSION
+
+    cfg = vae.config
+    channels = int(cfg.latent_channels)
+    down = 2 ** (len(cfg.block_out_channels) - 1)
+    side = args.resolution // down
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "latent_scaling_factor": float(cfg.scaling_factor),
+        "latent_store": args.store,
+        "latent_dtype": np.dtype(DTYPES[args.dtype]).name,
+        "latent_channels": channels,
+        "latent_shape": [2 * channels if args.store == "mean_std" else channels, side, side],
+        "downsample_factor": down,
+        "resolution": args.resolution,
+        "center_crop": True,
+        "vae_fingerprint": fingerprint,
+        "vae_dtype": args.vae_dtype,
+        "seed": args.seed if args.store == "sample" else None,
+        "text_embeddings": bool(args.text_embeddings),
+        "text_shape": list(text_shape) if text_shape else None,
+        "clip_skip": args.clip_skip if args.text_embeddings else None,
+        "empty_text_file": EMPTY_TEXT_FILE if args.text_embeddings else None,
+        "shards": names,
+        # provenance
+        "input": args.input,
+        "vae_source": os.path.abspath(args.pipeline),
+        "text_encoder_source": os.path.abspath(args.pipeline) if args.text_embeddings else None,
+        "batch_size": args.batch_size,
+        "workers": args.workers,
+        "device": args.device,
+    }
+
+
+def check_settings(path: Path, info: Dict[str, Any]) -> None:
+    """An existing latents_info.json must describe the same settings (the shards would mix otherwise)."""
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    skip = set(PROVENANCE) | {"count", "complete", "skipped", "sizes"}
+    diff = [k for k in sorted(set(old) | set(info)) if k not in skip and old.get(k) != info.get(k)]
+    if diff:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {info.get(k)!r}" for k in diff if k not in ("shards", "vae_fingerprint"))
+        raise SystemExit(
+            f"precompute_latents: {path.parent} holds latents made with other settings ({', '.join(diff)}"
+            f"{'; ' + shown if shown else ''}). Use another --output folder, or the same settings to resume"
+        )
+
+
+def finish_if_complete(out: Path, info: Dict[str, Any]) -> bool:
+    """When every shard is in place, write sizes.json and the final latents_info.json (idempotent)."""
+    records = {}
+    for name in info["shards"]:
+        rec = out / DONE_DIR / f"{name}.json"
+        if not (out / name).exists() or not rec.exists():
+            return False
+        records[name] = json.loads(rec.read_text())
+    if info["text_embeddings"] and not (out / info["empty_text_file"]).exists():
+        return False
+    skipped: Dict[str, int] = {}
+    for r in records.values():
+        for k, v in r["skipped"].items():
+            skipped[k] = skipped.get(k, 0) + v
+    sizes = {name: r["samples"] for name, r in records.items()}
+    _atomic_write(out / "sizes.json", json.dumps(sizes, indent=1).encode())
+    final = {**info, "count": sum(sizes.values()), "skipped": skipped, "complete": True}
+    _atomic_write(out / "latents_info.json", json.dumps(final, indent=1).encode())
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Precompute this rank's shards; returns a summary (also logged)."""
+    args = parse(sys.argv[1:] if argv is None else argv)
+    from tqdm import tqdm
+
+    from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
+    from sd_training.data.sources import build_sources
+    from sd_training.distributed import pick_device, probe_env
+
+    layout = probe_env()
+    rank, world = layout["rank"], layout["world_size"]
+    device = pick_device(args.device, layout["local_rank"])
+    params = input_params(args)
+    sources = build_sources("WebDataset", params)
+    units = [(i, u) for i, src in enumerate(sources) for u in src.units]
+    names = [output_name(u) for _, u in units]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise SystemExit(f"precompute_latents: two input shards would both be written as {dup}; give the sources distinct names")
+
+    vae, fingerprint, tokenizer, text_encoder = load_models(args, device)
+    scale = float(vae.config.scaling_factor)
+    empty = encode_captions(tokenizer, text_encoder, [""])[0] if text_encoder is not None else None
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    info = make_info(args, vae, fingerprint, names, empty.shape if empty is not None else None)
+    check_settings(out / INFO_FILE, info)
+    if rank == 0:
+        if not (out / INFO_FILE).exists():
+            _atomic_write(out / INFO_FILE, json.dumps({**info, "complete": False}, indent=1).encode())
+        if empty is not None and not (out / EMPTY_TEXT_FILE).exists():
+            _atomic_write(out / EMPTY_TEXT_FILE, npy_bytes(empty.astype(DTYPES[args.dtype])))
+
+    mine = [k for k in range(len(units)) if k % world == rank]
+    todo = [k for k in mine if not (out / names[k]).exists()]
+    log.info("rank %d/%d: %d of %d shards are mine, %d already done, %d to write (device %s)",
+             rank, world, len(mine), len(units), len(mine) - len(todo), len(todo), device)
+    summary = {"rank": rank, "world_size": world, "shards_mine": len(mine), "shards_written": [], "shards_failed": [],
+               "samples": 0, "skipped": {}}
+    by_source: Dict[int, List[Tuple[str, str]]] = {}
+    for k in todo:
+        by_source.setdefault(units[k][0], []).append((units[k][1], names[k]))
+    models = (vae, tokenizer, text_encoder)
+    max_len = tokenizer.model_max_length if tokenizer is not None else 77
+    with tqdm(total=len(todo), unit="shard", desc=f"latents rank {rank}", disable=args.no_progress) as bar:
+        for src, shards in by_source.items():
+            data = ShardSamples(sources[src], params, shards, max_len)
+            workers = min(args.workers, len(shards))
+            items = iter(data)
+            if workers:  # collate_fn: hand the items over as they are (no numpy -> tensor conversion)
+                items = iter(torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, collate_fn=_as_is))
+            writers: Dict[str, ShardWriter] = {}
+            for kind, name, payload in items:
+                if name not in writers:
+                    writers[name] = ShardWriter(out, name, args, models, scale)
+                if kind == "sample":
+                    summary["samples"] += writers[name].add(payload)
+                    continue
+                writer = writers.pop(name)
+                if payload["error"]:  # missing or unreadable input shard: not marked done, so a rerun retries it
+                    writer.tar.close()
+                    writer.tmp.unlink(missing_ok=True)
+                    log.error("rank %d: %s", rank, payload["error"])
+                    summary["shards_failed"].append(name)
+                    bar.update(1)
+                    continue
+                before = writer.written
+                record = writer.close(payload)
+                summary["samples"] += writer.written - before
+                summary["shards_written"].append(name)
+                for k, v in record["skipped"].items():
+                    summary["skipped"][k] = summary["skipped"].get(k, 0) + v
+                bar.update(1)
+                bar.set_postfix(samples=summary["samples"])
+    summary["complete"] = finish_if_complete(out, info)
+    log.info("rank %d: wrote %d shards (%d samples; skipped %s)%s%s", rank, len(summary["shards_written"]),
+             summary["samples"], summary["skipped"] or "none",
+             f"; FAILED {summary['shards_failed']}" if summary["shards_failed"] else "",
+             f"; all {len(names)} shards complete: {out / INFO_FILE}" if summary["complete"] else "")
+    return summary
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    result = main()
+    sys.exit(1 if result["shards_failed"] else 0)

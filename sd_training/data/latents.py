@@ -1,0 +1,300 @@
+"""Shards of precomputed VAE latents: the format, its reader (``dataset.type: latents``) and the checks.
+
+``scripts/precompute_latents.py`` writes one tar per input shard, with the input's basename, members
+named as WebDataset expects (the key ends at the first dot):
+
+  ``KEY.latents.npy``  float16 or float32, ALREADY multiplied by the VAE's scaling factor (the UNet's units):
+                       ``mean_std``: [2C, h, w], the posterior mean (channels 0..C-1) then its std (C..2C-1);
+                       ``sample``: [C, h, w], one posterior sample drawn at precompute time
+  ``KEY.txt``          the caption as the image path reads it (stripped), otherwise unmodified
+  ``KEY.json``         the sample's original metadata + ``latent_scaling_factor`` and ``latent_store``
+  ``KEY.cls``          the class index, when the input had one (``idx_to_prompt`` datasets)
+  ``KEY.text.npy``     with ``--text-embeddings``: the text encoder's last hidden state [L, D] of KEY.txt
+
+and next to the shards: ``latents_info.json`` (the settings, the scaling factor, counts; see the
+script), ``sizes.json`` ({shard: samples}) and, with text embeddings, ``empty.text.npy``: the embedding
+of the empty caption. Storing scaled values costs nothing (a scale is exact to the dtype's precision)
+and means the reader never needs the VAE: s * (mean + std * eps) = s * mean + (s * std) * eps.
+
+Reading: the same sources, stream, shuffle buffer, resume position and counters as the image path;
+only the per-sample work differs (:class:`LatentSampleProcessor`). A sample's random numbers come
+from its own generator, drawn in the image path's order first (so caption dropout hits the same
+samples whether a run reads images or their latents), then the latent noise ``eps``: a resumed run
+and an uninterrupted one draw the same posterior samples, and every epoch draws new ones.
+
+Caption dropout with precomputed text embeddings: the embedding of a dropped caption must be that of
+'' (what the text encoder would give the tokenized empty caption), so the precompute script stores
+``empty.text.npy`` once and the reader substitutes it whenever the caption ends up empty. Caption
+changes other than dropout (tag shuffling, tags from metadata, ``idx_to_prompt``) cannot be replayed
+on a stored embedding: the config validation refuses them with ``text_embeddings: true``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .config import DatasetConfigError
+from .samples import SampleProcessor
+from .sources import REMOTE, ShardError, WebDatasetSource, iter_tar_samples, open_stream
+from .stats import Stats, log
+
+FORMAT = "sd-training latent shards"
+FORMAT_VERSION = 1
+LATENTS_MEMBER = "latents.npy"
+TEXT_MEMBER = "text.npy"
+INFO_FILE = "latents_info.json"
+EMPTY_TEXT_FILE = "empty.text.npy"
+STORES = ("mean_std", "sample")
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """``.npy`` file bytes of ``array`` (no pickle)."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def load_npy(data: bytes) -> np.ndarray:
+    """The array of ``.npy`` bytes; raises ValueError on anything else (never unpickles)."""
+    try:
+        return np.load(io.BytesIO(bytes(data)), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exn:
+        raise ValueError(f"not a .npy array ({exn})") from exn
+
+
+def sibling(unit: str, name: str) -> Optional[str]:
+    """Where file ``name`` next to shard ``unit`` is: a local path or an http(s) URL (None for pipe: etc.)."""
+    if unit.startswith(("http://", "https://")):
+        return unit.split("?", 1)[0].rsplit("/", 1)[0] + "/" + name
+    if REMOTE.match(unit):
+        return None
+    return os.path.join(os.path.dirname(unit.removeprefix("file:")), name)
+
+
+def _read_sibling(unit: str, name: str, timeout: float) -> Optional[bytes]:
+    where = sibling(unit, name)
+    if where is None:
+        return None
+    try:
+        stream = open_stream(where, timeout)
+    except ShardError:
+        return None
+    try:
+        return stream.read()
+    finally:
+        stream.close()
+
+
+class LatentShardSource(WebDatasetSource):
+    """Latent shards of one '::'-separated path element, with its ``latents_info.json`` (when readable)."""
+
+    def __init__(self, spec: str, params):
+        super().__init__(spec, params)
+        self.info: Optional[Dict[str, Any]] = None
+        self.empty_text: Optional[np.ndarray] = None
+        raw = _read_sibling(self.units[0], INFO_FILE, self.timeout) if self.units else None
+        if raw is not None:
+            try:
+                self.info = json.loads(raw)
+            except ValueError as exn:
+                raise DatasetConfigError(f"dataset.params.path: {sibling(self.units[0], INFO_FILE)} is not json ({exn})") from exn
+            if self.info.get("format") != FORMAT or int(self.info.get("version", -1)) != FORMAT_VERSION:
+                raise DatasetConfigError(
+                    f"dataset.params.path: {sibling(self.units[0], INFO_FILE)} is not version {FORMAT_VERSION} of the "
+                    "latent-shard format (re-run scripts/precompute_latents.py)"
+                )
+
+    def read(self, unit: str, stats: Stats):
+        for members in iter_tar_samples(unit, self.timeout, stats):
+            yield {
+                "key": members["__key__"],
+                "url": unit,
+                "latents": members.get(LATENTS_MEMBER),
+                "text": members.get(TEXT_MEMBER),
+                "caption": members.get(self.caption_key),
+                "meta_raw": members.get(self.metadata_key),
+                "cls": members.get(self.cls_key),
+            }
+
+
+def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[float]:
+    """Start-up checks of latent shards against the config; loads the empty-caption embeddings.
+
+    Returns the shards' latent scaling factor (None when no ``latents_info.json`` could be read).
+    """
+    factors = {}
+    for src in sources:
+        info = src.info
+        if info is None:
+            log.warning(
+                "data: no readable %s next to %s: the store mode comes from each sample's json and the resolution "
+                "cannot be checked", INFO_FILE, src.name,
+            )
+            if params.text_embeddings and float(params.caption_dropout) > 0:
+                raise DatasetConfigError(
+                    f"dataset.params.caption_dropout with text_embeddings needs {EMPTY_TEXT_FILE} and {INFO_FILE} "
+                    f"next to the shards of {src.name} (local or http(s)); they are not readable there"
+                )
+            continue
+        where = sibling(src.units[0], INFO_FILE)
+        if int(info["resolution"]) != int(params.resolution):
+            raise DatasetConfigError(
+                f"dataset.params.resolution={params.resolution} but the latent shards of {src.name} were made at "
+                f"{info['resolution']} px ({where}): set dataset.params.resolution={info['resolution']}"
+            )
+        if params.latent_sampling == "mean" and info["latent_store"] != "mean_std":
+            raise DatasetConfigError(
+                f"dataset.params.latent_sampling=mean but the shards of {src.name} hold one posterior sample "
+                f"(latent_store={info['latent_store']}): re-run scripts/precompute_latents.py with --store mean_std"
+            )
+        if params.text_embeddings:
+            if not info.get("text_embeddings"):
+                raise DatasetConfigError(
+                    f"dataset.params.text_embeddings=true but the shards of {src.name} hold none: re-run "
+                    "scripts/precompute_latents.py with --text-embeddings"
+                )
+            raw = _read_sibling(src.units[0], EMPTY_TEXT_FILE, src.timeout)
+            if raw is None:
+                if float(params.caption_dropout) > 0:
+                    raise DatasetConfigError(
+                        f"dataset.params.caption_dropout with text_embeddings needs {sibling(src.units[0], EMPTY_TEXT_FILE)} "
+                        "(the empty caption's embedding, written by scripts/precompute_latents.py --text-embeddings)"
+                    )
+            else:
+                try:
+                    src.empty_text = load_npy(raw).astype(np.float32)
+                except ValueError as exn:
+                    raise DatasetConfigError(f"{sibling(src.units[0], EMPTY_TEXT_FILE)}: {exn}") from exn
+        if not info.get("complete", False):
+            log.warning("data: %s says the precompute of %s has not finished: training on the shards written so far",
+                        where, src.name)
+        factors[src.name] = float(info["latent_scaling_factor"])
+    if len(set(factors.values())) > 1:
+        raise DatasetConfigError(
+            "dataset.params.path: the latent sources were made with different scaling factors "
+            f"({', '.join(f'{k}: {v}' for k, v in factors.items())}); precompute them with the same VAE"
+        )
+    return next(iter(factors.values())) if factors else None
+
+
+class LatentSampleProcessor(SampleProcessor):
+    """Latent samples: ``select`` as for images (metadata, filters, captions), then ``process`` decodes the
+    stored arrays instead of an image, and ``collate`` stacks ``latents`` (and ``encoder_hidden_states``)."""
+
+    missing_payload = "missing_latents"
+
+    def __init__(self, params, kind: str, tokenizer, sources: List[LatentShardSource]) -> None:
+        super().__init__(params, kind, tokenizer)
+        self.sampling = str(params.latent_sampling)
+        self.text_embeddings = bool(params.text_embeddings)
+        infos = [s.info or {} for s in sources]
+        self.stores = [i.get("latent_store") for i in infos]
+        self.channels = [i.get("latent_channels") for i in infos]
+        self.down = [int(i.get("downsample_factor", 8)) for i in infos]
+        self.text_shapes = [tuple(i["text_shape"]) if i.get("text_shape") else None for i in infos]
+        self.empty_text = [s.empty_text for s in sources]
+
+    def payload(self, raw: Dict[str, Any], meta: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        if raw.get("latents") is None:
+            return None
+        store = meta.get("latent_store") if isinstance(meta, dict) else None
+        return {"latents": raw["latents"], "text": raw.get("text"), "store": store}
+
+    def process(self, s: Dict[str, Any], rng: np.random.Generator, stats: Stats) -> Optional[Dict[str, Any]]:
+        where = f"{s['url']} sample {s['key']!r}"
+        # The image path's draws first, in its order (flip, crop, caption): the same samples get their
+        # caption dropped whether a run reads images or latents. Then this path's own: the latent noise.
+        rng.random()
+        rng.integers(2**63)
+        caption_rng = np.random.default_rng(rng.integers(2**63))
+        eps_rng = np.random.default_rng(rng.integers(2**63))
+        src = s["src"]
+        store = s.get("store") or self.stores[src]
+        try:
+            arr = load_npy(s["latents"])
+        except ValueError as exn:
+            stats.skip("bad_latents", f"{where}: {exn}")
+            return None
+        problem = None
+        if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
+            problem = f"expected a float [C, h, w] array, got {arr.dtype} {arr.shape}"
+        elif store not in STORES:
+            problem = f"unknown latent_store {store!r} (json and {INFO_FILE} say nothing usable)"
+        elif store == "mean_std" and arr.shape[0] % 2:
+            problem = f"mean_std latents need an even channel count, got {arr.shape}"
+        if problem is None:
+            arr = arr.astype(np.float32)
+            channels = arr.shape[0] // 2 if store == "mean_std" else arr.shape[0]
+            if self.channels[src] is not None and channels != int(self.channels[src]):
+                problem = f"{channels} latent channels, the shards' info says {self.channels[src]}"
+            elif not np.isfinite(arr).all():
+                problem = "non-finite values"
+        if problem is not None:
+            stats.skip("bad_latents", f"{where}: {problem}")
+            return None
+        if store == "mean_std":
+            c = arr.shape[0] // 2
+            mean, std = arr[:c], arr[c:]
+            latents = mean if self.sampling == "mean" else mean + std * eps_rng.standard_normal(mean.shape, dtype=np.float32)
+        elif self.sampling == "mean":
+            stats.skip("latent_store_mismatch", f"{where}: latent_sampling=mean but the sample stores no mean (sample)")
+            return None
+        else:
+            latents = arr
+
+        caption = s["caption"]
+        if isinstance(caption, int):  # a class index
+            prompts = self.idx_to_prompt[caption]
+            caption = prompts[int(caption_rng.integers(len(prompts)))] if len(prompts) > 1 else prompts[0]
+        caption = self.captions(caption, s["tags"], caption_rng)
+        text = None
+        if self.text_embeddings:
+            text = self._text(s, caption, src, where, stats)
+            if text is None:
+                return None
+        h, w = latents.shape[1:]
+        down = self.down[src]
+        return {
+            "latents": np.ascontiguousarray(latents),
+            "text": text,
+            "caption": caption,
+            "key": s["key"],
+            "bucket": (w * down, h * down),  # pixels, (width, height) as image buckets
+        }
+
+    def _text(self, s, caption: str, src: int, where: str, stats: Stats) -> Optional[np.ndarray]:
+        if caption == "" and self.empty_text[src] is not None:
+            return self.empty_text[src]  # a dropped caption (or a stored empty one: the same embedding)
+        if s.get("text") is None:
+            stats.skip("missing_text_embedding", f"{where}: no {TEXT_MEMBER} member")
+            return None
+        try:
+            text = load_npy(s["text"])
+        except ValueError as exn:
+            stats.skip("bad_text_embedding", f"{where}: {exn}")
+            return None
+        expected = self.text_shapes[src]
+        if text.ndim != 2 or (expected is not None and tuple(text.shape) != expected) or not np.isfinite(text).all():
+            stats.skip("bad_text_embedding", f"{where}: shape {text.shape} (expected {expected}) or non-finite values")
+            return None
+        return text.astype(np.float32)
+
+    def collate(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+        import torch
+
+        captions = [s["caption"] for s in samples]
+        batch = {
+            "latents": torch.from_numpy(np.stack([s["latents"] for s in samples])),
+            "input_ids": self.tokenize(captions),
+            "captions": captions,
+            "keys": [s["key"] for s in samples],
+            "epochs": [s["epoch"] for s in samples],
+        }
+        if self.text_embeddings:
+            batch["encoder_hidden_states"] = torch.from_numpy(np.stack([s["text"] for s in samples]))
+        return batch
