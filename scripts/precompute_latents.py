@@ -456,6 +456,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 record = writer.close(payload)
                 summary["samples"] += writer.written - before
                 summary["shards_written"].append(name)
+                log.info("rank %d wrote %s (%d samples)", rank, name, record["samples"])
                 for k, v in record["skipped"].items():
                     summary["skipped"][k] = summary["skipped"].get(k, 0) + v
                 bar.update(1)

@@ -85,6 +85,7 @@ class ExperimentConfig:
     sample_from: str = f("auto", "weights of the sample grids: auto (ema with model.use_ema, else raw) | raw | ema | both")
     requeue: bool = f(True, "on SIGUSR1/SIGTERM under SLURM: save, then `scontrol requeue` the job")
     log_every: int = f(10, "optimizer steps between metric lines")
+    tensorboard: bool = f(False, "also write tensorboard event files to <run>/tensorboard")
     sample_prompts: List[str] = f(
         ["a photo of a cat", "a red circle on a blue background", "a painting of a lighthouse at sunset"],
         "prompts of the sample grid written with each exported pipeline",

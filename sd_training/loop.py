@@ -507,10 +507,12 @@ class Trainer:
                 metrics[f"data/{k}"] = v
         if self.info.is_main:
             self.trackers.log(metrics, self.state.step)
+            eta = (self.plan.total_steps - self.state.step) * metrics["step_time"]
             log.info(
-                "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f img/s data_wait %.0f%%",
+                "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f img/s (%.1f/device) data_wait %.0f%% ETA %s",
                 self.state.step, self.plan.total_steps, loss, metrics["lr"], metrics["grad_norm"],
-                metrics["images_per_sec"], 100 * metrics["data_wait_fraction"],
+                metrics["images_per_sec"], metrics["images_per_sec_per_device"], 100 * metrics["data_wait_fraction"],
+                _hms(eta),
             )
 
     def _save_checkpoint(self) -> None:
@@ -643,6 +645,11 @@ class Trainer:
                 cfg.sample_steps, cfg.sample_guidance_scale, self._sample_resolution(), self.device, rank, world,
             )
         distributed.barrier()
+
+
+def _hms(seconds: float) -> str:
+    s = int(max(seconds, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 class VAELossModule(torch.nn.Module):

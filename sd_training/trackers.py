@@ -1,6 +1,7 @@
 """Metric sinks behind one small protocol: ``log(metrics, step)``, ``log_image(key, path, step)``, ``close()``.
 
-``metrics.jsonl`` is always written; wandb follows ``wandb.mode``. Only rank 0 builds trackers.
+``metrics.jsonl`` is always written; wandb follows ``wandb.mode``; tensorboard with
+``experiment.tensorboard``. Only rank 0 builds trackers.
 """
 
 from __future__ import annotations
@@ -79,6 +80,27 @@ class WandbTracker:
         self.run.finish()
 
 
+class TensorboardTracker:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(k, v, step)
+
+    def log_image(self, key: str, path: Path, step: int) -> None:
+        import numpy as np
+        from PIL import Image
+
+        self.writer.add_image(key, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class Trackers:
     """Fan-out to every tracker; the wandb id is kept so a resumed run logs into the same wandb run."""
 
@@ -106,4 +128,6 @@ def build_trackers(cfg, run_root: Path, metrics_path: Path, wandb_id: str | None
     items: list = [JsonlTracker(metrics_path)]
     if wandb_mode(cfg.wandb.mode) != "disabled":
         items.append(WandbTracker(cfg.wandb, run_root, wandb_id, config_dict))
+    if cfg.experiment.tensorboard:
+        items.append(TensorboardTracker(run_root / "tensorboard"))
     return Trackers(items)

@@ -26,6 +26,7 @@ def test_wandb_offline_run_is_continued_after_restart(tmp_path, tiny_pipeline, s
     monkeypatch.delenv("WANDB_MODE", raising=False)
     args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="wb", **{
         "wandb.mode": "offline", "experiment.num_examples_to_see": 16, "experiment.checkpoint_every": 2,
+        "experiment.tensorboard": "true",
         "experiment.sample_per_prompt": 1})
     train(load(args))
     run = tmp_path / "runs" / "wb"
@@ -41,3 +42,9 @@ def test_wandb_offline_run_is_continued_after_restart(tmp_path, tiny_pipeline, s
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 7))
     assert any("samples" in r for r in rows)
+    # tensorboard event files hold the same loss values.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")][:4] == [1, 2, 3, 4]

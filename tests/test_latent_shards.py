@@ -1,0 +1,238 @@
+"""Training from latent shards (``dataset.type=latents``): batches equal the online encoding of the same
+images, a training step on them equals one on online latents, text embeddings and caption dropout,
+posterior sampling that replays on resume, bad members counted, and the config checks."""
+
+import importlib.util
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import train_args
+from data_fixtures import make_cfg, take, tokenizer, write_tar
+from sd_training.data import DatasetConfigError, build_train_loader, validate_dataset_config
+from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+RES = 32  # 4x4 latents: the tiny models run fast and every block still runs
+
+
+def precompute(argv):
+    spec = importlib.util.spec_from_file_location("precompute_latents", ROOT / "scripts" / "precompute_latents.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+@pytest.fixture(scope="module")
+def latent_dir(tmp_path_factory, tiny_pipeline, shapes_shards):
+    """The shapes shards (4 x 32 real JPEGs) precomputed in fp32, mean and std, with text embeddings."""
+    out = tmp_path_factory.mktemp("latents") / "out"
+    precompute(["--input", shapes_shards, "--pipeline", str(tiny_pipeline), "--output", str(out), "--resolution", str(RES),
+                "--dtype", "fp32", "--text-embeddings", "--batch-size", "16", "--workers", "0", "--no-progress"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pipeline):
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel
+
+    vae = AutoencoderKL.from_pretrained(tiny_pipeline, subfolder="vae").eval()
+    te = CLIPTextModel.from_pretrained(tiny_pipeline, subfolder="text_encoder").eval()
+    return vae, te
+
+
+def image_loader(shards, **params):
+    return build_train_loader(make_cfg(shards, resolution=RES, **params), tokenizer=tokenizer(), rank=0, world_size=1, seed=3)
+
+
+def latent_loader(path, **params):
+    cfg = make_cfg(str(path), type="latents", resolution=RES, **params)
+    return build_train_loader(cfg, tokenizer=tokenizer(), rank=0, world_size=1, seed=3)
+
+
+@torch.no_grad()
+def online_mean(vae, pixel_values):
+    return vae.encode(pixel_values).latent_dist.mean * vae.config.scaling_factor
+
+
+def test_mean_latents_equal_the_online_encoding_of_the_same_images(latent_dir, shapes_shards, models):
+    vae, _ = models
+    lat = latent_loader(latent_dir, latent_sampling="mean")
+    assert lat.latent_scaling_factor == vae.config.scaling_factor
+    for a, b in zip(take(lat, 6), take(image_loader(shapes_shards), 6)):  # finite mode, same seed: same order
+        assert a["keys"] == b["keys"] and a["captions"] == b["captions"]
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        assert "pixel_values" not in a and a["latents"].dtype == torch.float32
+        torch.testing.assert_close(a["latents"], online_mean(vae, b["pixel_values"]), rtol=0, atol=2e-6)
+    stats = lat.stats()
+    assert stats["samples_seen"] == 24 and stats["skipped_total"] == 0
+
+
+def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_dir, shapes_shards, tiny_pipeline, tmp_path):
+    """The issue's check: the loss and gradients of Trainer._micro_step from shard latents (and stored text
+    embeddings) equal those from latents encoded online from the same images (posterior mean)."""
+    from sd_training import distributed
+    from sd_training.config import load
+    from sd_training.loop import Trainer
+
+    # The same config loads with the latent source: the schema and validation know dataset.type=latents.
+    load(train_args(tmp_path, tiny_pipeline, str(latent_dir), name="l", **{
+        "dataset.type": "latents", "dataset.params.resolution": RES, "dataset.params.latent_sampling": "mean",
+        "dataset.params.text_embeddings": "true"}))
+    t = Trainer(load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{"dataset.params.resolution": RES})),
+                distributed.setup("cpu"))
+    t._setup()
+    shard = next(iter(latent_loader(latent_dir, latent_sampling="mean", text_embeddings=True)))
+    image = next(iter(image_loader(shapes_shards)))
+    assert shard["keys"] == image["keys"]
+    g = torch.Generator().manual_seed(0)
+    fixed = {"noise": torch.randn(shard["latents"].shape, generator=g), "timesteps": torch.randint(0, 1000, (4,), generator=g)}
+    online = {"latents": online_mean(t.models.vae, image["pixel_values"]), "input_ids": image["input_ids"], **fixed}
+
+    def step(batch):
+        t.optimizer.zero_grad(set_to_none=True)
+        loss, _, _ = t._micro_step(batch, sync=True)
+        return loss, {n: p.grad.clone() for n, p in t.net.named_parameters() if p.grad is not None}
+
+    loss_online, grads_online = step(online)
+    for extra in ({}, {"encoder_hidden_states": shard["encoder_hidden_states"]}):
+        loss, grads = step({"latents": shard["latents"], "input_ids": shard["input_ids"], **fixed, **extra})
+        torch.testing.assert_close(loss, loss_online, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == grads_online.keys()
+        for n in grads:
+            torch.testing.assert_close(grads[n], grads_online[n], rtol=1e-4, atol=1e-6)
+
+
+def test_text_embeddings_and_caption_dropout(latent_dir, shapes_shards, models):
+    _, te = models
+    from sd_training.objective import encode_text
+
+    empty = np.load(latent_dir / EMPTY_TEXT_FILE)
+    lat = take(latent_loader(latent_dir, text_embeddings=True, caption_dropout=0.5), 4)
+    img = take(image_loader(shapes_shards, caption_dropout=0.5), 4)
+    captions = [c for b in lat for c in b["captions"]]
+    assert 0 < captions.count("") < len(captions)
+    for a, b in zip(lat, img):
+        assert a["captions"] == b["captions"]  # dropout hits the same samples as on the image path
+        with torch.no_grad():
+            online = encode_text(te, a["input_ids"])
+        torch.testing.assert_close(a["encoder_hidden_states"], online, rtol=0, atol=1e-5)
+        for i, c in enumerate(a["captions"]):
+            if c == "":
+                assert torch.equal(a["encoder_hidden_states"][i], torch.from_numpy(empty))
+
+
+def test_posterior_samples_are_per_sample_per_epoch_and_replay_on_resume(latent_dir):
+    mean = {k: v for b in take(latent_loader(latent_dir, latent_sampling="mean"), 40) for k, v in zip(b["keys"], b["latents"])}
+    from sd_training.data.sources import iter_tar_samples
+    from sd_training.data.stats import Stats
+
+    std = {}
+    for name in sorted(os.listdir(latent_dir)):
+        if name.endswith(".tar"):
+            for m in iter_tar_samples(str(latent_dir / name), 10, Stats()):
+                std[m["__key__"]] = torch.from_numpy(np.load(io.BytesIO(m["latents.npy"]))[4:])
+    batches = take(latent_loader(latent_dir), 64)  # two epochs of 128 samples (epochs overlap in the shuffle buffer)
+    eps = {}
+    for b in batches:
+        for k, z, e in zip(b["keys"], b["latents"], b["epochs"]):
+            eps[(k, e)] = (z - mean[k]) / std[k]
+    assert len(eps) == 256
+    all_eps = torch.stack(list(eps.values()))
+    assert abs(all_eps.mean().item()) < 0.05 and abs(all_eps.std().item() - 1) < 0.05  # N(0, 1) noise
+    assert not torch.allclose(eps[("00000000", 0)], eps[("00000000", 1)])  # a new draw each epoch
+    # Resume: the same draws after a restore as without one.
+    first = latent_loader(latent_dir)
+    head = take(first, 5)
+    state = first.state_dict()
+    second = latent_loader(latent_dir)
+    second.load_state_dict(state)
+    for a, b in zip(take(second, 3), batches[5:8]):
+        assert a["keys"] == b["keys"] and torch.equal(a["latents"], b["latents"])
+    assert all(torch.equal(a["latents"], b["latents"]) for a, b in zip(head, batches[:5]))
+
+
+def _good(key, store="mean_std", caption="a caption", text=True):
+    arr = np.ones((8, 4, 4), np.float16) if store == "mean_std" else np.ones((4, 4, 4), np.float16)
+    s = {"__key__": key, "latents.npy": npy_bytes(arr), "txt": caption,
+         "json": {"latent_store": store, "latent_scaling_factor": 0.18215}}
+    if text:
+        s["text.npy"] = npy_bytes(np.zeros((77, 64), np.float16))
+    return s
+
+
+def test_bad_members_are_skipped_and_counted(tmp_path):
+    bad = [
+        {**_good("a0"), "latents.npy": b"not an npy file"},
+        {**_good("a1"), "latents.npy": npy_bytes(np.ones((8, 4), np.float16))},  # wrong rank
+        {**_good("a2"), "latents.npy": npy_bytes(np.full((8, 4, 4), np.nan, np.float32))},
+        {**_good("a3"), "latents.npy": npy_bytes(np.ones((7, 4, 4), np.float32))},  # odd channels for mean_std
+        {**_good("a4"), "json": {"latent_store": "nonsense"}},
+        {k: v for k, v in _good("a5").items() if k != "latents.npy"},
+        {**_good("a6"), "text.npy": b"garbage"},
+        {k: v for k, v in _good("a7").items() if k != "text.npy"},
+    ]
+    write_tar(str(tmp_path / "bad.tar"), bad + [_good(f"g{i}") for i in range(8)])
+    lat = build_train_loader(make_cfg(str(tmp_path / "bad.tar"), type="latents", resolution=32, text_embeddings=True,
+                                      shuffle_buffer=1), tokenizer=tokenizer(), rank=0, world_size=1, seed=0)
+    batches = take(lat, 2)
+    assert sorted(k for b in batches for k in b["keys"]) == [f"g{i}" for i in range(8)]
+    s = lat.stats()
+    assert s["skipped/bad_latents"] == 5 and s["skipped/missing_latents"] == 1
+    assert s["skipped/bad_text_embedding"] == 1 and s["skipped/missing_text_embedding"] == 1
+    assert s["skipped_total"] == 8
+    assert lat.latent_scaling_factor is None  # no latents_info.json next to this shard
+
+
+def test_sample_stores_and_aspect_shapes_make_their_own_batches(tmp_path):
+    # One posterior sample per image (store=sample), two latent sizes: batches never mix shapes.
+    samples = [_good(f"s{i}", store="sample", text=False) for i in range(8)]
+    for i in range(4):
+        samples.append({**_good(f"w{i}", store="sample", text=False),
+                        "latents.npy": npy_bytes(np.full((4, 4, 6), 2.0, np.float32))})
+    write_tar(str(tmp_path / "s.tar"), samples)
+    batches = take(build_train_loader(make_cfg(str(tmp_path / "s.tar"), type="latents", resolution=32, shuffle_buffer=1),
+                                      tokenizer=tokenizer(), rank=0, world_size=1, seed=0), 3)
+    shapes = sorted(tuple(b["latents"].shape) for b in batches)
+    assert shapes == [(4, 4, 4, 4), (4, 4, 4, 4), (4, 4, 4, 6)]
+    wide = next(b for b in batches if b["latents"].shape[-1] == 6)
+    assert torch.equal(wide["latents"], torch.full((4, 4, 4, 6), 2.0))  # stored samples are used as they are
+
+
+def test_config_checks(latent_dir, tmp_path):
+    def bad(match, **params):
+        with pytest.raises(DatasetConfigError, match=match):
+            cfg = make_cfg(str(latent_dir), **{"type": "latents", "resolution": RES, **params})
+            validate_dataset_config(cfg)
+            build_train_loader(cfg, tokenizer=tokenizer(), rank=0, world_size=1, seed=0)
+
+    bad(r"random_flip=0.5 does not apply to dataset.type=latents", random_flip=0.5)
+    bad(r"aspect_buckets=True does not apply", aspect_buckets=True)
+    bad(r"latent_sampling='median'.*sample or mean", latent_sampling="median")
+    bad(r"shuffle_tags changes the caption", text_embeddings=True, shuffle_tags=0.5)
+    bad(r"idx_to_prompt changes the caption", text_embeddings=True, idx_to_prompt={0: "a cat"})
+    bad(r"resolution=64 but the latent shards .* were made at 32", resolution=64)
+    with pytest.raises(DatasetConfigError, match="latent_sampling='mean' does not apply to dataset.type=WebDataset"):
+        validate_dataset_config(make_cfg(str(latent_dir), latent_sampling="mean"))
+    # Settings the shards cannot serve.
+    info = json.loads((latent_dir / INFO_FILE).read_text())
+    other = tmp_path / "copy"
+    other.mkdir()
+    for name in info["shards"]:
+        (other / name).write_bytes((latent_dir / name).read_bytes())
+    (other / INFO_FILE).write_text(json.dumps({**info, "latent_store": "sample", "text_embeddings": False}))
+    for match, params in [("hold one posterior sample.*--store mean_std", {"latent_sampling": "mean"}),
+                          ("hold none: re-run .* --text-embeddings", {"text_embeddings": True})]:
+        with pytest.raises(DatasetConfigError, match=match):
+            build_train_loader(make_cfg(str(other), type="latents", resolution=RES, **params), tokenizer=tokenizer(),
+                               rank=0, world_size=1, seed=0)
+    (other / INFO_FILE).unlink()
+    with pytest.raises(DatasetConfigError, match="caption_dropout with text_embeddings needs"):
+        build_train_loader(make_cfg(str(other), type="latents", resolution=RES, text_embeddings=True, caption_dropout=0.1),
+                           tokenizer=tokenizer(), rank=0, world_size=1, seed=0)
