@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 
 from .config import ConfigError, help_text, load
-from .data import DatasetConfigError
 
-# Problems found while building models or data from the config: one clear line, no traceback.
-USER_ERRORS = (ConfigError, DatasetConfigError)
+# Problems found while building models or data from the config (DatasetConfigError included): one
+# clear line, no traceback.
+USER_ERRORS = (ConfigError,)
 
 
 def main(argv: list[str]) -> int:

@@ -24,14 +24,10 @@ from omegaconf.errors import (
 )
 
 from .data.config import DatasetConfig
-from .fields import f
+from .fields import ConfigError, f
 from .objective import ObjectiveConfig, validate_objective_config
 from .text_encoders import TextEncoderConfig, validate_text_encoder_config
 from .vae_objective import VAEObjectiveConfig, validate_vae_objective_config
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before anything is built."""
 
 
 # ----------------------------------------------------------------------------------------------

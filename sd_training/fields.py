@@ -1,9 +1,14 @@
-"""``f(default, help)``: the dataclass field every config schema uses (its help shows in ``--help``)."""
+"""``f(default, help)``: the dataclass field every config schema uses (its help shows in ``--help``),
+and ``ConfigError``, the error every config check raises."""
 
 from __future__ import annotations
 
 from dataclasses import field
 from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before (or while) anything is built from it."""
 
 
 def f(default: Any, help: str):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, ModelConfig
+from .loading import load_component as _load
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +57,6 @@ def resolve_unet_class(target: str):
 def _source(cfg: ModelConfig, component: str) -> str | None:
     own = getattr(cfg, component).pretrained if component != "unet" else cfg.unet.pretrained
     return own or cfg.pretrained
-
-
-def _load(loader, src: str, subfolder: str, what: str, **kwargs):
-    """``loader.from_pretrained`` on a pipeline root (via its subfolder) or on a component folder."""
-    if os.path.isdir(src):
-        args = dict(subfolder=subfolder) if os.path.isdir(os.path.join(src, subfolder)) else {}
-    elif os.path.exists(src) or src.startswith((".", "/", "~")):
-        raise ConfigError(f"'{what}': '{src}' is not a directory (expected a diffusers pipeline or component folder)")
-    else:  # a hub id: the component lives in its subfolder
-        args = dict(subfolder=subfolder)
-    try:
-        return loader(src, **args, **kwargs)
-    except OSError as e:
-        raise ConfigError(
-            f"cannot load '{what}' from '{src}'{'/' + args['subfolder'] if args else ''}: {str(e).splitlines()[0]} "
-            "(for a hub id without network, download it first: python scripts/download_diffusers.py -o DIR -m ID)"
-        ) from None
 
 
 def build_unet(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:

@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from .fields import f
+from .fields import ConfigError, f
+from .loading import load_component as _load
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,6 @@ class TextEncoderConfig:
 
 
 def _error(message: str) -> ValueError:
-    # ConfigError lives in config.py, which imports this module for the schema: import it late.
-    from .config import ConfigError
-
     return ConfigError(message)
 
 
@@ -112,20 +110,6 @@ def validate_text_encoder_config(cfg: TextEncoderConfig, path: str = "model.text
 # ----------------------------------------------------------------------------------------------
 # Building
 # ----------------------------------------------------------------------------------------------
-
-
-def _load(loader, src: str, subfolder: str, what: str, **kwargs):
-    """``loader(src)`` on a pipeline root (through ``subfolder``), a component folder, or a hub id."""
-    if os.path.isdir(src):
-        args = dict(subfolder=subfolder) if os.path.isdir(os.path.join(src, subfolder)) else {}
-    elif os.path.exists(src) or src.startswith((".", "/", "~")):
-        raise _error(f"'{what}': '{src}' is not a directory (expected a diffusers pipeline or component folder)")
-    else:  # a hub id: the component lives in its subfolder
-        args = dict(subfolder=subfolder)
-    try:
-        return loader(src, **args, **kwargs)
-    except OSError as e:
-        raise _error(f"cannot load '{what}' from '{src}': {str(e).splitlines()[0]}") from None
 
 
 def build_text_encoder(

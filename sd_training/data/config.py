@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from ..fields import f
+from ..fields import ConfigError, f
 
 
 @dataclass
@@ -136,7 +136,7 @@ _ONLY_FOR = {
 LATENT_SAMPLINGS = ("sample", "mean")
 
 
-class DatasetConfigError(ValueError):
+class DatasetConfigError(ConfigError):
     """A dataset configuration that cannot work; the message names the key and what to do."""
 
 

@@ -1,0 +1,149 @@
+"""scripts/precompute_latents.py on real tar shards: readable output, resume (a rerun does no work, a
+killed run's .tmp is ignored), refused setting changes, failed input shards, and a 2-rank split that
+writes every shard exactly once with the same bytes as one rank."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sd_training.data.synthetic import write_shapes_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "precompute_latents.py"
+FAST = ["--resolution", "32", "--batch-size", "8", "--workers", "0", "--no-progress"]
+
+
+def precompute(argv):
+    spec = importlib.util.spec_from_file_location("precompute_latents", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def members(path):
+    """{member name: bytes} of a tar (tar headers, e.g. mtimes, left out)."""
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+
+
+def tars(folder):
+    return sorted(p.name for p in Path(folder).glob("*.tar"))
+
+
+@pytest.fixture
+def small(tmp_path):
+    """4 real shards x 4 generated JPEGs."""
+    return write_shapes_shards(str(tmp_path / "in"), n_samples=16, n_shards=4, size=48, seed=1)
+
+
+def test_shapes_shards_become_readable_latent_shards(tmp_path, tiny_pipeline, shapes_shards):
+    out = tmp_path / "out"
+    # Defaults: fp16 storage; here one posterior sample per image, decoded by 2 worker processes.
+    summary = precompute(["--input", shapes_shards, "--pipeline", str(tiny_pipeline), "--output", str(out),
+                          "--store", "sample", "--resolution", "32", "--batch-size", "16", "--workers", "2", "--no-progress"])
+    assert summary["complete"] and summary["samples"] == 128 and not summary["shards_failed"]
+    src_dir = Path(shapes_shards).parent
+    assert tars(out) == tars(src_dir)  # one output shard per input shard, same basename
+    info = json.loads((out / "latents_info.json").read_text())
+    assert info["count"] == 128 and info["complete"] and info["latent_store"] == "sample"
+    assert info["latent_scaling_factor"] == 0.18215 and info["resolution"] == 32 and info["latent_shape"] == [4, 4, 4]
+    assert json.loads((out / "sizes.json").read_text()) == json.loads((src_dir / "sizes.json").read_text())
+    for name in tars(out):
+        src, dst = members(src_dir / name), members(out / name)
+        keys = sorted({n.split(".")[0] for n in src})
+        assert sorted({n.split(".")[0] for n in dst}) == keys
+        for k in keys:
+            assert dst[f"{k}.txt"] == src[f"{k}.txt"]  # the caption, unmodified
+            meta = json.loads(dst[f"{k}.json"])
+            assert meta == {**json.loads(src[f"{k}.json"]), "latent_scaling_factor": 0.18215, "latent_store": "sample"}
+            z = np.load(__import__("io").BytesIO(dst[f"{k}.latents.npy"]))
+            assert z.dtype == np.float16 and z.shape == (4, 4, 4) and np.isfinite(z).all()
+            assert f"{k}.text.npy" not in dst
+    assert not list(out.glob("*.tmp*"))
+
+
+def test_rerun_does_no_work_and_a_killed_runs_tmp_is_ignored(tmp_path, tiny_pipeline, small):
+    out = tmp_path / "out"
+    args = ["--input", small, "--pipeline", str(tiny_pipeline), "--output", str(out), "--text-embeddings", *FAST]
+    first = precompute(args)
+    assert len(first["shards_written"]) == 4 and first["complete"]
+    before = {n: (os.stat(out / n).st_mtime_ns, members(out / n)) for n in tars(out)}
+    again = precompute(args)
+    assert again["shards_written"] == [] and again["samples"] == 0 and again["complete"]
+    assert {n: (os.stat(out / n).st_mtime_ns, members(out / n)) for n in tars(out)} == before
+
+    # A run killed mid-shard: shard 2 missing with a half-written .tmp, a stray .tmp of a finished shard.
+    (out / "shapes-000002.tar").unlink()
+    (out / "shapes-000002.tar.tmp").write_bytes(b"half a tar")
+    (out / "shapes-000001.tar.tmp").write_bytes(b"junk")
+    info = json.loads((out / "latents_info.json").read_text())
+    (out / "latents_info.json").write_text(json.dumps({**info, "complete": False}))
+    third = precompute(args)
+    assert third["shards_written"] == ["shapes-000002.tar"] and third["samples"] == 4 and third["complete"]
+    assert members(out / "shapes-000002.tar") == before["shapes-000002.tar"][1]  # deterministic output
+    assert json.loads((out / "latents_info.json").read_text())["complete"]
+    assert not (out / "shapes-000002.tar.tmp").exists()
+    # The stray .tmp is not a shard: readers glob *.tar, and training reads the folder.
+    from data_fixtures import make_cfg, take, tokenizer
+    from sd_training.data import build_train_loader
+
+    cfg = make_cfg(str(out), type="latents", resolution=32, batch_size=4, text_embeddings=True)
+    batches = take(build_train_loader(cfg, tokenizer=tokenizer(), rank=0, world_size=1, seed=0), 4)
+    assert sorted(k for b in batches for k in b["keys"]) == [f"{i:08d}" for i in range(16)]
+
+
+def test_other_settings_into_the_same_folder_are_refused(tmp_path, tiny_pipeline, small):
+    out = tmp_path / "out"
+    base = ["--input", small, "--pipeline", str(tiny_pipeline), "--output", str(out), *FAST]
+    precompute(base)
+    with pytest.raises(SystemExit, match="other settings.*latent_store"):
+        precompute([*base, "--store", "sample"])
+    with pytest.raises(SystemExit, match="other settings.*resolution"):
+        precompute([*base[:-8], "--resolution", "48", "--batch-size", "8", "--workers", "0", "--no-progress"])
+    assert precompute([*base[:-6], "--batch-size", "3", "--workers", "0", "--no-progress"])["shards_written"] == []
+
+
+def test_a_missing_input_shard_fails_alone_and_is_retried(tmp_path, tiny_pipeline, small):
+    out = tmp_path / "out"
+    moved = Path(small).parent / "shapes-000003.tar"
+    moved.rename(moved.with_suffix(".bak"))
+    args = ["--input", small, "--pipeline", str(tiny_pipeline), "--output", str(out), *FAST]
+    summary = precompute(args)
+    assert summary["shards_failed"] == ["shapes-000003.tar"] and len(summary["shards_written"]) == 3
+    assert not summary["complete"] and not json.loads((out / "latents_info.json").read_text())["complete"]
+    moved.with_suffix(".bak").rename(moved)
+    assert precompute(args)["shards_written"] == ["shapes-000003.tar"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_write_every_shard_once_with_the_same_bytes_as_one(tmp_path, tiny_pipeline, small):
+    common = ["--input", small, "--pipeline", str(tiny_pipeline), "--store", "sample", *FAST]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(SCRIPT), "--output", str(tmp_path / "two"), *common]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    wrote = [line.split(" wrote ")[1].split()[0] for line in res.stderr.splitlines() if " wrote shapes-" in line]
+    by_rank = {r: [line for line in res.stderr.splitlines() if f"rank {r} wrote shapes-" in line] for r in (0, 1)}
+    assert sorted(wrote) == [f"shapes-{i:06d}.tar" for i in range(4)]  # every shard exactly once
+    assert len(by_rank[0]) == len(by_rank[1]) == 2  # shard i on rank i % 2
+    info = json.loads((tmp_path / "two" / "latents_info.json").read_text())
+    assert info["complete"] and info["count"] == 16
+    one = precompute(["--output", str(tmp_path / "one"), *common])
+    assert one["complete"]
+    for name in tars(tmp_path / "one"):  # posterior draws are seeded per shard and sample, not per rank
+        assert members(tmp_path / "two" / name) == members(tmp_path / "one" / name)
