@@ -3,7 +3,7 @@
 with ``dataset.type=latents`` (no VAE encode, optionally no text encoder, in the training loop).
 
     python scripts/precompute_latents.py --input "shards/{00000..00009}.tar" --pipeline PIPE_DIR --output OUT_DIR
-        [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings] [--clip-skip N] [--resolution 256]
+        [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings [--clip-skip N] [--max-length 77]] [--resolution 256]
         [--batch-size 32] [--workers 4] [--device auto|cpu|cuda] [--vae-dtype fp32|bf16] [--seed 0] [--no-progress]
     torchrun --nproc_per_node 8 scripts/precompute_latents.py ...       (the shards are split across ranks)
 
@@ -64,6 +64,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="storage dtype of latents and text embeddings")
     p.add_argument("--text-embeddings", action="store_true", help="also store the text encoder's outputs of each caption")
     p.add_argument("--clip-skip", type=int, default=0, help="with --text-embeddings: layers counted back from the last (0/1: last, 2: penultimate)")
+    p.add_argument("--max-length", type=int, default=None, help="with --text-embeddings: tokens per caption (default: the tokenizer's, 77)")
     p.add_argument("--resolution", type=int, default=256, help="pixels: short side resized then center-cropped to this square")
     p.add_argument("--batch-size", type=int, default=32, help="images per VAE call, per rank")
     p.add_argument("--workers", type=int, default=4, help="image-decoding processes per rank (0: in the main process)")
@@ -74,8 +75,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resolution < 8 or args.resolution % 8:
         p.error(f"--resolution {args.resolution} must be a multiple of 8 (VAE downsampling)")
-    if args.clip_skip and not args.text_embeddings:
-        p.error("--clip-skip applies to --text-embeddings only")
+    if (args.clip_skip or args.max_length) and not args.text_embeddings:
+        p.error("--clip-skip and --max-length apply to --text-embeddings only")
     if args.batch_size < 1 or args.workers < 0:
         p.error("--batch-size must be >= 1 and --workers >= 0")
     return args
@@ -86,20 +87,14 @@ def parse(argv: List[str]) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------
 
 
-def _folder(path: str, sub: str) -> Tuple[str, Dict[str, str]]:
-    """``from_pretrained`` arguments for a pipeline root (through ``sub``) or the component folder itself."""
-    if os.path.isdir(os.path.join(path, sub)):
-        return path, {"subfolder": sub}
-    return path, {}
-
-
 def load_models(args, device: torch.device):
+    """The VAE (and text encoder + tokenizer), frozen, and a fingerprint of the VAE's weights."""
     from diffusers import AutoencoderKL
 
-    if not os.path.isdir(args.pipeline):
-        raise SystemExit(f"precompute_latents: --pipeline {args.pipeline} is not a local folder (nothing is downloaded)")
-    src, kw = _folder(args.pipeline, "vae")
-    vae = AutoencoderKL.from_pretrained(src, torch_dtype=VAE_DTYPES[args.vae_dtype], **kw)
+    from sd_training.loading import load_component
+
+    vae = load_component(AutoencoderKL.from_pretrained, args.pipeline, "vae", "--pipeline",
+                         torch_dtype=VAE_DTYPES[args.vae_dtype])
     fingerprint = hashlib.sha1()
     for name, tensor in sorted(vae.state_dict().items()):  # which weights made these latents (~1 s for SD's VAE)
         fingerprint.update(name.encode())
@@ -111,13 +106,16 @@ def load_models(args, device: torch.device):
 
         from sd_training.text_encoders import apply_clip_skip
 
-        if not os.path.isdir(os.path.join(args.pipeline, "text_encoder")):
-            raise SystemExit(f"precompute_latents: --text-embeddings needs {args.pipeline}/text_encoder and tokenizer/")
-        tokenizer = CLIPTokenizer.from_pretrained(args.pipeline, subfolder="tokenizer")
-        text_encoder = CLIPTextModel.from_pretrained(args.pipeline, subfolder="text_encoder")
+        tokenizer = load_component(CLIPTokenizer.from_pretrained, args.pipeline, "tokenizer", "--pipeline (tokenizer/)")
+        text_encoder = load_component(CLIPTextModel.from_pretrained, args.pipeline, "text_encoder", "--pipeline (text_encoder/)")
         apply_clip_skip(text_encoder, args.clip_skip)
+        # As the training's text encoder (model.text_encoder.clip_skip / max_length) would see the caption.
         limit = text_encoder.config.max_position_embeddings
-        if tokenizer.model_max_length > limit:  # a tokenizer saved without it reports a huge sentinel
+        if args.max_length is not None:
+            if args.max_length > limit:
+                raise SystemExit(f"precompute_latents: --max-length {args.max_length} exceeds the text encoder's {limit} positions")
+            tokenizer.model_max_length = args.max_length
+        elif tokenizer.model_max_length > limit:  # a tokenizer saved without it reports a huge sentinel
             tokenizer.model_max_length = limit
         text_encoder = text_encoder.to(device).eval().requires_grad_(False)
     return vae, fingerprint.hexdigest(), tokenizer, text_encoder
@@ -272,6 +270,10 @@ class ShardWriter:
             if not np.isfinite(arr).all():  # an overflowing VAE, or values beyond fp16's range
                 self.stats.skip("latents_nonfinite", f"{self.name} sample {s['key']!r}: non-finite latents in {self.args.dtype}")
                 continue
+            text = texts[i].astype(dtype) if texts is not None else None
+            if text is not None and not np.isfinite(text).all():
+                self.stats.skip("text_nonfinite", f"{self.name} sample {s['key']!r}: non-finite text embedding in {self.args.dtype}")
+                continue
             key = s["key"]
             meta = dict(s["meta"])
             meta.update(latent_scaling_factor=self.scale, latent_store=self.args.store)
@@ -281,7 +283,7 @@ class ShardWriter:
             if s["cls"] is not None:
                 _add(self.tar, f"{key}.cls", s["cls"] if isinstance(s["cls"], bytes) else str(s["cls"]).encode(), self.mtime)
             if texts is not None:
-                _add(self.tar, f"{key}.text.npy", npy_bytes(texts[i].astype(dtype)), self.mtime)
+                _add(self.tar, f"{key}.text.npy", npy_bytes(text), self.mtime)
             self.written += 1
             n += 1
         return n

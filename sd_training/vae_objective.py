@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
-from .fields import f
+from .fields import ConfigError, f
 
 log = logging.getLogger(__name__)
 
@@ -60,32 +59,25 @@ class VAEPrecisionError(ValueError):
     """A precision the VAE must not be trained in (see the module docstring)."""
 
 
-def _error(message: str) -> ValueError:
-    # ConfigError lives in config.py, which will import this module for the schema: import it late.
-    from .config import ConfigError
-
-    return ConfigError(message)
-
-
 def validate_vae_objective_config(cfg: VAEObjectiveConfig, path: str = "vae_training") -> None:
-    """Checks before anything is built; raises ConfigError naming the key."""
+    """Checks before anything is built; raises ``ConfigError`` naming the key."""
     if cfg.reconstruction not in RECONSTRUCTIONS:
-        raise _error(f"'{path}.reconstruction' is '{cfg.reconstruction}', expected one of {', '.join(RECONSTRUCTIONS)}")
+        raise ConfigError(f"'{path}.reconstruction' is '{cfg.reconstruction}', expected one of {', '.join(RECONSTRUCTIONS)}")
     if cfg.kl_weight < 0:
-        raise _error(f"'{path}.kl_weight' must be >= 0, got {cfg.kl_weight}")
+        raise ConfigError(f"'{path}.kl_weight' must be >= 0, got {cfg.kl_weight}")
     if cfg.perceptual_weight < 0:
-        raise _error(f"'{path}.perceptual_weight' must be >= 0, got {cfg.perceptual_weight}")
+        raise ConfigError(f"'{path}.perceptual_weight' must be >= 0, got {cfg.perceptual_weight}")
     if cfg.perceptual_weight > 0:
         if not cfg.perceptual_weights:
-            raise _error(
+            raise ConfigError(
                 f"'{path}.perceptual_weight' is {cfg.perceptual_weight} but '{path}.perceptual_weights' is not set: "
                 "give the local path of a torchvision VGG16 state_dict (nothing is downloaded at run time), "
                 f"or set {path}.perceptual_weight=0"
             )
         if not os.path.isfile(cfg.perceptual_weights):
-            raise _error(f"'{path}.perceptual_weights': {cfg.perceptual_weights} does not exist (a local VGG16 state_dict file)")
+            raise ConfigError(f"'{path}.perceptual_weights': {cfg.perceptual_weights} does not exist (a local VGG16 state_dict file)")
     elif cfg.perceptual_weights:
-        raise _error(f"'{path}.perceptual_weights' is set but '{path}.perceptual_weight' is 0 (the loss is off): remove one")
+        raise ConfigError(f"'{path}.perceptual_weights' is set but '{path}.perceptual_weight' is 0 (the loss is off): remove one")
 
 
 def check_vae_precision(mixed_precision: str) -> None:
@@ -266,12 +258,15 @@ def vae_loss(
 
 
 @torch.no_grad()
-def latent_statistics(vae, pixel_batches: Iterable[Any], generator: Optional[torch.Generator] = None) -> Dict[str, float]:
+def latent_statistics(
+    vae, pixel_batches: Iterable[Any], generator: Optional[torch.Generator] = None, all_ranks: bool = False
+) -> Dict[str, float]:
     """Mean and std over every element of posterior samples of ``pixel_batches``, and the image count.
 
     A batch is a pixel tensor in [-1, 1] or a dict holding ``pixel_values`` (a data loader batch; bound
-    it, e.g. with ``itertools.islice``). Sums are kept in float64; under torch.distributed they are
-    all-reduced once at the end (a collective: every rank must call this; batch counts may differ).
+    it, e.g. with ``itertools.islice``). Sums are kept in float64. ``all_ranks``: sum them over the
+    ranks of torch.distributed (a collective: every rank must call it, with any number of batches);
+    off by default, so rank 0 alone may measure.
     """
     param = next(vae.parameters())
     s = torch.zeros(3, dtype=torch.float64, device=param.device)  # sum, sum of squares, element count
@@ -284,7 +279,7 @@ def latent_statistics(vae, pixel_batches: Iterable[Any], generator: Optional[tor
         images += pixels.shape[0]
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if all_ranks and dist.is_available() and dist.is_initialized():
         n = torch.tensor([float(images)], dtype=torch.float64, device=s.device)
         both = torch.cat([s, n])
         dist.all_reduce(both)
@@ -297,10 +292,13 @@ def latent_statistics(vae, pixel_batches: Iterable[Any], generator: Optional[tor
     return {"mean": mean, "std": var ** 0.5, "num_images": images, "num_elements": int(count)}
 
 
-def measure_scaling_factor(vae, pixel_batches: Iterable[Any], generator: Optional[torch.Generator] = None) -> float:
+def measure_scaling_factor(
+    vae, pixel_batches: Iterable[Any], generator: Optional[torch.Generator] = None, all_ranks: bool = False
+) -> float:
     """1 / std of posterior samples over ``pixel_batches`` (LDM's convention, which gave SD's 0.18215):
-    scaled latents then have unit variance, as the diffusion model's noise schedule assumes."""
-    std = latent_statistics(vae, pixel_batches, generator)["std"]
+    scaled latents then have unit variance, as the diffusion model's noise schedule assumes.
+    ``all_ranks`` as in :func:`latent_statistics`."""
+    std = latent_statistics(vae, pixel_batches, generator, all_ranks)["std"]
     if not std > 0:
         raise ValueError(f"latent std is {std}: cannot derive a scaling factor")
     return 1.0 / std

@@ -21,6 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RES = 32  # 4x4 latents: the tiny models run fast and every block still runs
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: a second intra-op thread saves nothing, and on a shared 2-core machine it can make
+    every op wait for a busy core (measured: 40x slower). Restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def precompute(argv):
     spec = importlib.util.spec_from_file_location("precompute_latents", ROOT / "scripts" / "precompute_latents.py")
     module = importlib.util.module_from_spec(spec)
@@ -158,6 +168,18 @@ def test_posterior_samples_are_per_sample_per_epoch_and_replay_on_resume(latent_
     assert all(torch.equal(a["latents"], b["latents"]) for a, b in zip(head, batches[:5]))
 
 
+def test_worker_processes_and_exact_resume(latent_dir):
+    straight = take(latent_loader(latent_dir, workers=2, text_embeddings=True, caption_dropout=0.3), 6)
+    first = latent_loader(latent_dir, workers=2, text_embeddings=True, caption_dropout=0.3)
+    take(first, 3)
+    resumed = latent_loader(latent_dir, workers=2, text_embeddings=True, caption_dropout=0.3)
+    resumed.load_state_dict(first.state_dict())
+    for a, b in zip(take(resumed, 3), straight[3:]):
+        assert a["keys"] == b["keys"] and a["captions"] == b["captions"]
+        assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["encoder_hidden_states"], b["encoder_hidden_states"])
+    assert resumed.stats()["samples_seen"] == 24
+
+
 def _good(key, store="mean_std", caption="a caption", text=True):
     arr = np.ones((8, 4, 4), np.float16) if store == "mean_std" else np.ones((4, 4, 4), np.float16)
     s = {"__key__": key, "latents.npy": npy_bytes(arr), "txt": caption,
@@ -236,3 +258,26 @@ def test_config_checks(latent_dir, tmp_path):
     with pytest.raises(DatasetConfigError, match="caption_dropout with text_embeddings needs"):
         build_train_loader(make_cfg(str(other), type="latents", resolution=RES, text_embeddings=True, caption_dropout=0.1),
                            tokenizer=tokenizer(), rank=0, world_size=1, seed=0)
+
+
+def test_shards_made_for_other_models_are_refused(latent_dir, shapes_shards, models):
+    import copy
+
+    from sd_training.data.latents import check_latents_match
+    from sd_training.text_encoders import apply_clip_skip
+
+    vae, te = models
+    lat = latent_loader(latent_dir, text_embeddings=True)
+    assert lat.latents_info["count"] == 128
+    check_latents_match(lat, vae, te, tokenizer())  # the models that made them
+    check_latents_match(image_loader(shapes_shards), None)  # image data: nothing to check
+    other = copy.deepcopy(vae)
+    other.register_to_config(scaling_factor=0.13025)
+    with pytest.raises(DatasetConfigError, match=r"scaling factor 0.18215 \(the run's VAE: 0.13025\)"):
+        check_latents_match(lat, other)
+    with pytest.raises(DatasetConfigError, match="clip_skip 1 .*: 2"):
+        check_latents_match(lat, vae, apply_clip_skip(copy.deepcopy(te), 2), tokenizer())
+    short = copy.deepcopy(tokenizer())
+    short.model_max_length = 64
+    with pytest.raises(DatasetConfigError, match=r"shape \[77, 64\] .*\[64, 64\]"):
+        check_latents_match(lat, vae, te, short)

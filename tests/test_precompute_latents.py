@@ -3,6 +3,7 @@ killed run's .tmp is ignored), refused setting changes, failed input shards, and
 writes every shard exactly once with the same bytes as one rank."""
 
 import importlib.util
+import io
 import json
 import os
 import socket
@@ -13,12 +14,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from sd_training.data.synthetic import write_shapes_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "precompute_latents.py"
 FAST = ["--resolution", "32", "--batch-size", "8", "--workers", "0", "--no-progress"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: a second intra-op thread saves nothing, and on a shared 2-core machine it can make
+    every op wait for a busy core (measured: 40x slower). Restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def precompute(argv):
@@ -64,7 +76,7 @@ def test_shapes_shards_become_readable_latent_shards(tmp_path, tiny_pipeline, sh
             assert dst[f"{k}.txt"] == src[f"{k}.txt"]  # the caption, unmodified
             meta = json.loads(dst[f"{k}.json"])
             assert meta == {**json.loads(src[f"{k}.json"]), "latent_scaling_factor": 0.18215, "latent_store": "sample"}
-            z = np.load(__import__("io").BytesIO(dst[f"{k}.latents.npy"]))
+            z = np.load(io.BytesIO(dst[f"{k}.latents.npy"]))
             assert z.dtype == np.float16 and z.shape == (4, 4, 4) and np.isfinite(z).all()
             assert f"{k}.text.npy" not in dst
     assert not list(out.glob("*.tmp*"))
@@ -95,20 +107,22 @@ def test_rerun_does_no_work_and_a_killed_runs_tmp_is_ignored(tmp_path, tiny_pipe
     from data_fixtures import make_cfg, take, tokenizer
     from sd_training.data import build_train_loader
 
-    cfg = make_cfg(str(out), type="latents", resolution=32, batch_size=4, text_embeddings=True)
+    cfg = make_cfg(str(out), type="latents", resolution=32, batch_size=4, text_embeddings=True, shuffle_buffer=1)
     batches = take(build_train_loader(cfg, tokenizer=tokenizer(), rank=0, world_size=1, seed=0), 4)
     assert sorted(k for b in batches for k in b["keys"]) == [f"{i:08d}" for i in range(16)]
 
 
 def test_other_settings_into_the_same_folder_are_refused(tmp_path, tiny_pipeline, small):
-    out = tmp_path / "out"
-    base = ["--input", small, "--pipeline", str(tiny_pipeline), "--output", str(out), *FAST]
-    precompute(base)
+    def run(*extra):
+        return precompute(["--input", small, "--pipeline", str(tiny_pipeline), "--output", str(tmp_path / "out"),
+                           "--workers", "0", "--no-progress", *extra])
+
+    run("--resolution", "32")
     with pytest.raises(SystemExit, match="other settings.*latent_store"):
-        precompute([*base, "--store", "sample"])
+        run("--resolution", "32", "--store", "sample")
     with pytest.raises(SystemExit, match="other settings.*resolution"):
-        precompute([*base[:-8], "--resolution", "48", "--batch-size", "8", "--workers", "0", "--no-progress"])
-    assert precompute([*base[:-6], "--batch-size", "3", "--workers", "0", "--no-progress"])["shards_written"] == []
+        run("--resolution", "48")
+    assert run("--resolution", "32", "--batch-size", "3")["shards_written"] == []  # provenance only: allowed
 
 
 def test_a_missing_input_shard_fails_alone_and_is_retried(tmp_path, tiny_pipeline, small):

@@ -25,6 +25,16 @@ from sd_training.vae_objective import (
 RES = 32  # 4x4 latents with the 8x-downsampling tiny VAE: fast, and every block still runs
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: a second intra-op thread saves nothing, and on a shared 2-core machine it can make
+    every op wait for a busy core (measured: 40x slower). Restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def vae():
     from diffusers import AutoencoderKL
@@ -156,6 +166,36 @@ def test_measure_scaling_factor_is_one_over_the_std_of_posterior_samples(vae):
     stats = latent_statistics(vae, [{"pixel_values": b} for b in batches], generator=torch.Generator().manual_seed(0))
     assert stats["num_images"] == 12 and stats["num_elements"] == z.numel()
     assert stats["std"] == pytest.approx(1.0 / scale, rel=1e-6)
+
+
+def _stats_on_rank(rank, vae, batches, port, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        stats = latent_statistics(vae, batches[rank], torch.Generator().manual_seed(rank), all_ranks=True)
+        (out / f"{rank}.json").write_text(json.dumps(stats))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_latent_statistics_sum_over_ranks_when_asked(vae, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    batches = [[pixels(2, seed=0)], [pixels(2, seed=1), pixels(2, seed=2)]]  # ranks may hold different counts
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_stats_on_rank, args=(vae, batches, port, tmp_path), nprocs=2, start_method="fork")
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    with torch.no_grad():
+        z = torch.cat([vae.encode(b).latent_dist.sample(generator=g) for r, g in
+                       ((0, torch.Generator().manual_seed(0)), (1, torch.Generator().manual_seed(1))) for b in batches[r]])
+    for res in results:  # every rank gets the statistics of all ranks' samples
+        assert res["num_images"] == 6 and res["num_elements"] == z.numel()
+        assert res["std"] == pytest.approx(z.std().item(), rel=1e-5)
 
 
 def test_export_vae_into_a_loadable_pipeline(vae, tiny_pipeline, tmp_path):

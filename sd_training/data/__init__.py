@@ -101,12 +101,13 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
         log.warning("%s: fewer units than readers; resampled mode draws with replacement so this works, "
                     "but readers often read the same shard at the same time", msg)
 
-    latent_scale = None
+    latent_scale, latents_info = None, None
     if kind == "latents":
         from .latents import LatentSampleProcessor, check_latent_sources
 
         latent_scale = check_latent_sources(sources, p)
         proc = LatentSampleProcessor(p, kind, tokenizer, sources)
+        latents_info = next((s.info for s in sources if s.info is not None), None)
     else:
         proc = SampleProcessor(p, kind, tokenizer)
     plan = Plan(
@@ -122,6 +123,7 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
     )
     loader = TrainLoader(plan, proc, num_examples_to_see=num_examples, kind=kind)
     loader.latent_scaling_factor = latent_scale
+    loader.latents_info = latents_info
     for line in describe(loader):
         log.info(line)
     if p.aspect_buckets:

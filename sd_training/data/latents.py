@@ -182,6 +182,37 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
     return next(iter(factors.values())) if factors else None
 
 
+def check_latents_match(loader, vae, text_encoder=None, tokenizer=None) -> None:
+    """Refuse latent shards made for other models than the run's: the VAE's scaling factor and latent
+    channels, and (when the batches carry stored text embeddings) the text encoder's width, the token
+    count and the clip skip. Raises :class:`DatasetConfigError`; a no-op for image data."""
+    info = getattr(loader, "latents_info", None)
+    if loader.kind != "latents" or info is None:
+        return
+    problems = []
+    scale = float(vae.config.scaling_factor)
+    if abs(float(info["latent_scaling_factor"]) - scale) > 1e-6 * scale:
+        problems.append(f"scaling factor {info['latent_scaling_factor']} (the run's VAE: {scale})")
+    if int(info["latent_channels"]) != int(vae.config.latent_channels):
+        problems.append(f"{info['latent_channels']} latent channels (the run's VAE: {vae.config.latent_channels})")
+    if loader.proc.text_embeddings and text_encoder is not None:
+        want = [int(tokenizer.model_max_length) if tokenizer is not None else int(info["text_shape"][0]),
+                int(text_encoder.config.hidden_size)]
+        if list(info["text_shape"]) != want:
+            problems.append(f"text embeddings of shape {info['text_shape']} (the run's text encoder: {want})")
+        from ..text_encoders import CLIP_SKIP_KEY
+
+        have = max(int(info.get("clip_skip") or 0), 1)
+        run = max(int(getattr(text_encoder.config, CLIP_SKIP_KEY, 0) or 0), 1)
+        if have != run:
+            problems.append(f"text embeddings with clip_skip {have} (the run's text encoder: {run})")
+    if problems:
+        raise DatasetConfigError(
+            f"dataset.params.path: these latent shards were made for other models: {'; '.join(problems)}. "
+            "Re-run scripts/precompute_latents.py with the run's pipeline (and --clip-skip / --max-length)"
+        )
+
+
 class LatentSampleProcessor(SampleProcessor):
     """Latent samples: ``select`` as for images (metadata, filters, captions), then ``process`` decodes the
     stored arrays instead of an image, and ``collate`` stacks ``latents`` (and ``encoder_hidden_states``)."""

@@ -53,8 +53,9 @@ class TrainLoader:
 
     ``dataset.type=latents`` (see :mod:`.latents`): ``latents`` float32 [B, C, h, w], already multiplied
     by the VAE scaling factor, replaces ``pixel_values``; with ``text_embeddings`` the batch also holds
-    ``encoder_hidden_states`` float32 [B, L, D]. ``latent_scaling_factor`` is the shards' factor (None
-    for image data or when the shards' info is unreadable): check it against the VAE's.
+    ``encoder_hidden_states`` float32 [B, L, D]. ``latent_scaling_factor`` is the shards' factor and
+    ``latents_info`` their ``latents_info.json`` (None for image data or when unreadable): check them
+    against the VAE and text encoder the run uses.
 
     Resume (``state_dict`` / ``load_state_dict``): with the same world size and ``workers``, the batches
     after a restore are identical to those of an uninterrupted run, in finite *and* resampled mode (the
@@ -75,7 +76,9 @@ class TrainLoader:
         per_step = plan.world_size * plan.batch_size
         self.steps_total = math.ceil(num_examples_to_see / per_step) if num_examples_to_see else None
         self.num_samples = _known_samples(plan)
-        self.latent_scaling_factor: Optional[float] = None  # set by build_train_loader for latent shards
+        # Set by build_train_loader for latent shards: the shards' scaling factor and latents_info.json.
+        self.latent_scaling_factor: Optional[float] = None
+        self.latents_info: Optional[Dict[str, Any]] = None
 
     @property
     def epoch(self) -> int:
