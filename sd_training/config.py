@@ -139,6 +139,7 @@ class ComponentConfig:
 class VAEConfig:
     pretrained: Optional[str] = f(None, "pipeline root or vae folder (None: from model.pretrained)")
     dtype: str = f("auto", "frozen VAE weights: auto (bf16 under bf16, else fp32) | fp32 | bf16 | fp16 (upcast to fp32 on overflow)")
+    latent_sampling: str = f("sample", "latents of online encoding: sample (of the posterior, as SD trains) | mean")
 
 
 @dataclass
@@ -379,6 +380,12 @@ def validate(cfg: TrainConfig) -> None:
     _choice("lr_scheduler.scheduler", cfg.lr_scheduler.scheduler, ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup"))
     _choice("model.vae.dtype", cfg.model.vae.dtype, ("auto", "fp32", "bf16", "fp16"))
     _choice("model.train_target", cfg.model.train_target, ("unet", "vae"))
+    _choice("model.vae.latent_sampling", cfg.model.vae.latent_sampling, ("sample", "mean"))
+    latents = cfg.dataset.type.lower() in ("latents", "latent")
+    if latents and cfg.model.train_target == "vae":
+        raise ConfigError("model.train_target=vae needs images: dataset.type=latents holds no pixels")
+    if latents and getattr(cfg.dataset.params, "text_embeddings", False) and cfg.model.text_encoder.train:
+        raise ConfigError("dataset.params.text_embeddings=true cannot train the text encoder (model.text_encoder.train)")
     if cfg.model.train_target == "vae":
         _check_vae_stage(cfg)
     elif cfg.vae_training != VAEObjectiveConfig():

@@ -176,6 +176,11 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run_dir.checkpoints, cfg.experiment.keep_last_checkpoints, cfg.experiment.keep_checkpoint_every
         )
+        if self.net_name == "unet" and cfg.dataset.type.lower() in ("latents", "latent"):
+            from .data.latents import check_latents_match
+
+            # Shards made with another VAE, scaling factor or text encoder would train silently wrong.
+            check_latents_match(self.loader, self.models.vae, self.models.text_encoder, self.models.tokenizer)
         self.val_batches = self._validation_batches() if cfg.validation.path else None
         if cfg.experiment.resume:
             self._maybe_resume()
@@ -239,9 +244,9 @@ class Trainer:
             if "latents" not in b and self.net_name == "unet":
                 # The posterior mean, not a sample: the same latents at every validation and restart.
                 vae = self.models.vae
-                with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-                    px = b.pop("pixel_values").to(self.device, vae.dtype)
-                    b["latents"] = (vae.encode(px).latent_dist.mode() * self.models.latent_scale).float().cpu()
+                with torch.autocast(self.device.type, enabled=False):
+                    px = b.pop("pixel_values").to(self.device)
+                    b["latents"] = encode_images(vae, px, self.models.latent_scale, mean=True).float().cpu()
             if self.net_name == "unet":
                 b["noise"] = torch.randn(b["latents"].shape, generator=g)
             batches.append(b)
@@ -364,13 +369,14 @@ class Trainer:
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """VAE-encode in the VAE's own dtype, outside autocast (autocast would recast an fp32 VAE)."""
         vae = self.models.vae
+        mean = self.cfg.model.vae.latent_sampling == "mean"
         with torch.autocast(self.device.type, enabled=False):
-            latents = encode_images(vae, pixels, self.models.latent_scale)
+            latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean)
             if vae.dtype == torch.float16 and not bool(torch.isfinite(latents).all()):
                 # The SD VAE overflows in fp16 on some images (seed 000's NaNs): keep it in fp32 from now on.
                 log.warning("the fp16 VAE overflowed (non-finite latents): keeping the VAE in fp32 from now on")
                 vae.to(torch.float32)
-                latents = encode_images(vae, pixels, self.models.latent_scale)
+                latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean)
         return latents.float()
 
     def _optimizer_step(self) -> torch.Tensor:

@@ -162,10 +162,11 @@ def configure_schedulers(noise_scheduler, inference_scheduler, cfg: ObjectiveCon
 
 
 @torch.no_grad()
-def encode_images(vae, pixel_values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Pixels in [-1, 1] -> scaled latents (a sample of the VAE posterior, as Stable Diffusion trains)."""
-    latents = vae.encode(pixel_values.to(vae.dtype)).latent_dist.sample()
-    return latents * scale
+def encode_images(vae, pixel_values: torch.Tensor, scale: float, mean: bool = False) -> torch.Tensor:
+    """Pixels in [-1, 1] -> scaled latents: a sample of the VAE posterior (as Stable Diffusion trains),
+    or its mean (deterministic: validation, and ``model.vae.latent_sampling=mean``)."""
+    dist = vae.encode(pixel_values.to(vae.dtype)).latent_dist
+    return (dist.mean if mean else dist.sample()) * scale
 
 
 def _core(text_encoder):
