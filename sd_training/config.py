@@ -82,6 +82,7 @@ class ExperimentConfig:
     requeue: bool = f(True, "on SIGUSR1/SIGTERM under SLURM: save, then `scontrol requeue` the job")
     log_every: int = f(10, "optimizer steps between metric lines")
     tensorboard: bool = f(False, "also write tensorboard event files to <run>/tensorboard")
+    peak_tflops: Optional[float] = f(None, "peak dense TFLOP/s of one device for MFU (None: the A100/H100/H200 table; CPU: no MFU)")
     sample_prompts: List[str] = f(
         ["a photo of a cat", "a red circle on a blue background", "a painting of a lighthouse at sunset"],
         "prompts of the sample grid written with each exported pipeline",
@@ -201,6 +202,18 @@ class ValidationConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    ref_stats: Optional[str] = f(None, ".npz FID reference statistics: read if present, else written from ref_images")
+    ref_images: Optional[str] = f(None, "FID reference set: image folder or WebDataset shards (held-out data)")
+    ref_max_images: Optional[int] = f(None, "images of the reference set used (None: all)")
+    clip_model: Optional[str] = f(None, "open_clip model name for CLIP score (e.g. ViT-L-14), or local-dir:PATH")
+    clip_pretrained: Optional[str] = f(None, "local weights file of clip_model (nothing is downloaded)")
+    asynchronous: bool = f(True, "score in a background process so training does not wait (results logged with their step)")
+    threads: Optional[int] = f(None, "CPU threads of the background evaluation (None: torch's default)")
+    device: str = f("cpu", "device of Inception / CLIP: cpu | cuda | auto")
+
+
+@dataclass
 class TrainConfig:
     wandb: WandbConfig = f(WandbConfig, "Weights & Biases tracking")
     system: SystemConfig = f(SystemConfig, "per-device batch, accumulation, workers, device")
@@ -212,6 +225,7 @@ class TrainConfig:
     lr_scheduler: LRSchedulerConfig = f(LRSchedulerConfig, "learning-rate schedule")
     objective: ObjectiveConfig = f(ObjectiveConfig, "prediction type, loss weighting, noise and timestep sampling")
     validation: ValidationConfig = f(ValidationConfig, "held-out loss at fixed timesteps and noise")
+    evaluation: EvaluationConfig = f(EvaluationConfig, "FID / CLIP score of the eval images (experiment.num_eval_images)")
     vae_training: VAEObjectiveConfig = f(VAEObjectiveConfig, "autoencoder-stage losses (model.train_target=vae)")
     quickstart: QuickstartConfig = f(QuickstartConfig, "generated model and data for runs with no downloads (configs/quickstart.yaml)")
 
@@ -459,6 +473,13 @@ def validate(cfg: TrainConfig) -> None:
                 )
         if m.unet.pretrained is None and not m.unet.params:
             raise ConfigError("the UNet has no source: set model.pretrained, model.unet.pretrained, or model.unet.params")
+    ev = cfg.evaluation
+    if (ev.ref_stats or ev.ref_images or ev.clip_model) and cfg.experiment.num_eval_images < 1:
+        raise ConfigError("'evaluation' scores the eval images: set experiment.num_eval_images (and eval_caption_file)")
+    if ev.clip_model and not ev.clip_pretrained:
+        raise ConfigError("'evaluation.clip_model' needs 'evaluation.clip_pretrained' (a local weights file)")
+    if ev.ref_stats and not ev.ref_images and not os.path.exists(ev.ref_stats):
+        raise ConfigError(f"'evaluation.ref_stats' {ev.ref_stats} does not exist and there are no ref_images to compute it from")
     if cfg.experiment.num_eval_images > 0 and not cfg.experiment.eval_caption_file:
         raise ConfigError("'experiment.num_eval_images' > 0 needs 'experiment.eval_caption_file' (the prompts)")
     if cfg.experiment.eval_caption_file and not os.path.exists(cfg.experiment.eval_caption_file):

@@ -182,6 +182,21 @@ class Trainer:
             # Shards made with another VAE, scaling factor or text encoder would train silently wrong.
             check_latents_match(self.loader, self.models.vae, self.models.text_encoder, self.models.tokenizer)
         self.val_batches = self._validation_batches() if cfg.validation.path else None
+        self.step_flops, self.peak = None, None
+        if self.net_name == "unet":
+            from .flops import count_step_flops, peak_flops
+
+            # Counted once, on the meta device (no compute): model FLOPs = 3 x UNet forward per image;
+            # hardware FLOPs add the frozen encoders and the recomputation of gradient checkpointing.
+            self.step_flops = count_step_flops(
+                self.models, cfg.dataset.params.resolution, cfg.model.gradient_checkpointing,
+                encode_images=cfg.dataset.type.lower() not in ("latents", "latent"),
+            )
+            dtype = self.autocast_dtype or torch.float32
+            self.peak = peak_flops(self.device, dtype, cfg.experiment.peak_tflops * 1e12 if cfg.experiment.peak_tflops else None)
+            log.info("FLOPs per training image: model %.3g, hardware %.3g; device peak %s",
+                     self.step_flops.model, self.step_flops.hardware, f"{self.peak:.3g}" if self.peak else "unknown (no MFU)")
+        self.evaluator = None
         if cfg.experiment.resume:
             self._maybe_resume()
         self.trackers = None
@@ -282,6 +297,50 @@ class Trainer:
             self.trackers.log({"val/loss": val}, self.state.step)
             log.info("step %d validation loss %.5f", self.state.step, val)
 
+    def _eval_settings(self):
+        from .evaluation.evaluate import EvalSettings
+
+        ev = self.cfg.evaluation
+        if not (ev.ref_stats or ev.ref_images or ev.clip_model):
+            return None
+        return EvalSettings(prompts=self.cfg.experiment.eval_caption_file, ref_stats=ev.ref_stats, ref_images=ev.ref_images,
+                            ref_max_images=ev.ref_max_images, clip_model=ev.clip_model, clip_pretrained=ev.clip_pretrained,
+                            device=ev.device)
+
+    def _score_eval_images(self, folder: Path) -> None:
+        """FID / CLIP score of the eval images: in a background process on rank 0 (asynchronous), or
+        here, split across ranks (every rank passes the same file list)."""
+        settings = self._eval_settings()
+        if settings is None:
+            return
+        if self.cfg.evaluation.asynchronous:
+            if self.info.is_main:
+                from .evaluation.async_eval import AsyncEvaluator
+
+                if self.evaluator is None:
+                    self.evaluator = AsyncEvaluator(self.run_dir.root / "eval" / "results", settings, threads=self.cfg.evaluation.threads)
+                self.evaluator.submit(self.state.step, images=folder)
+            return
+        from .evaluation.evaluate import evaluate_images
+        from .evaluation.fid import image_files
+
+        result = evaluate_images(image_files(folder), settings)
+        if self.info.is_main:
+            self.trackers.log(result, self.state.step)
+            log.info("step %d evaluation %s", self.state.step, result)
+
+    def _log_eval_results(self, wait: bool = False) -> None:
+        """Results of background evaluations, logged with the step they belong to."""
+        if self.evaluator is None:
+            return
+        for r in (self.evaluator.wait() if wait else self.evaluator.poll()):
+            step = r.pop("step", self.state.step)
+            if "error" in r:
+                log.error("evaluation of step %s failed: %s", step, r["error"])
+                continue
+            self.trackers.log({k: v for k, v in r.items() if k.startswith("eval/")}, step)
+            log.info("step %s evaluation %s", step, r)
+
     def _resumable(self) -> dict:
         """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
         objs = {"lr_scheduler": self.lr_scheduler, "grad_scaler": self.scaler}
@@ -324,6 +383,11 @@ class Trainer:
             return self._loop(stop)
         finally:
             stop.uninstall()
+            if self.evaluator is not None:
+                if stop.requested:
+                    self.evaluator.close()  # preempted: do not hold the job for an evaluation
+                else:
+                    self._log_eval_results(wait=True)
             if self.trackers:
                 self.trackers.close()
 
@@ -505,6 +569,14 @@ class Trainer:
         })
         if self.ema is not None:
             metrics["ema_decay"] = self.ema.current_decay()
+        if self.step_flops is not None:
+            from .flops import mfu
+
+            per_device = metrics["images_per_sec_per_device"]
+            metrics["model_tflops_per_image"] = self.step_flops.model / 1e12
+            if self.peak:
+                metrics["mfu"] = mfu(per_device, self.step_flops.model, self.peak)
+                metrics["hfu"] = mfu(per_device, self.step_flops.hardware, self.peak)
         if self.device.type == "cuda":
             metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         stats = self.loader.stats() if hasattr(self.loader, "stats") else {}
@@ -513,6 +585,7 @@ class Trainer:
                 metrics[f"data/{k}"] = v
         if self.info.is_main:
             self.trackers.log(metrics, self.state.step)
+            self._log_eval_results()
             eta = (self.plan.total_steps - self.state.step) * metrics["step_time"]
             log.info(
                 "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f img/s (%.1f/device) data_wait %.0f%% ETA %s",
@@ -651,6 +724,7 @@ class Trainer:
                 cfg.sample_steps, cfg.sample_guidance_scale, self._sample_resolution(), self.device, rank, world,
             )
         distributed.barrier()
+        self._score_eval_images(out)
 
 
 def _hms(seconds: float) -> str:
