@@ -309,3 +309,20 @@ def test_autoencoder_stage_trains_exports_and_measures_scale(tmp_path, tiny_pipe
     assert (run / "samples" / "step_00000010.png").exists()  # reconstruction grid
     with pytest.raises(ConfigError, match="fp16"):
         load(args + ["model.mixed_precision=fp16"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_schedule_ends_at_min_lr_with_accumulation_on_two_ranks(tmp_path, tiny_pipeline, shapes_shards):
+    """2 ranks x batch 1 x accumulation 2: 40 images are 10 optimizer steps, and the LR of the last step
+    is the schedule's floor (a schedule counted in micro-steps or per rank would end elsewhere)."""
+    from test_resume import finish, launch
+
+    args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="sched2", **{
+        "system.gradient_accumulation": 2, "system.batch_size": 1, "experiment.num_examples_to_see": 40,
+        "lr_scheduler.scheduler": "CosineWithWarmup", "lr_scheduler.params.warmup_length": 2,
+        "lr_scheduler.params.min_lr_ratio": 0.1, "experiment.sample_per_prompt": 0})
+    finish(launch(tmp_path, args, nproc=2))
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "runs" / "sched2" / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    assert max(lrs) == 10
+    assert lrs[1] == pytest.approx(1e-3) and lrs[10] == pytest.approx(1e-4)
