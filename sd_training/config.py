@@ -111,7 +111,7 @@ class OptimizerParams:
 class OptimizerConfig:
     name: str = f("adamw", "adamw | adamw8bit (bitsandbytes) | adafactor | sgd")
     params: OptimizerParams = f(OptimizerParams, "optimizer hyper-parameters")
-    implementation: str = f("auto", "adamw kernels: auto (fused on CUDA, foreach elsewhere) | fused | foreach | for_loop")
+    implementation: str = f("auto", "adamw kernels: auto (fused on CUDA, for_loop on CPU) | fused | foreach | for_loop")
     nesterov: bool = f(False, "sgd: Nesterov momentum")
     scale_lr: bool = f(False, "multiply the peak LR by (global batch)^0.55 (EveryDream2's rule; the result is logged)")
     no_decay_norm_and_bias: bool = f(True, "no weight decay on normalisation weights and biases")

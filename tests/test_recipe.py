@@ -57,9 +57,11 @@ def test_optimizers_build_and_step(name, cls):
     assert not torch.equal(before, m.weight)
 
 
-def test_adamw_uses_foreach_on_cpu():
-    opt = build_optimizer(param_groups(torch.nn.Linear(2, 2), 0.0, True), OptimizerConfig(), torch.device("cpu"), 1e-3)
-    assert opt.defaults["foreach"] is True
+def test_adamw_kernel_choice():
+    groups = lambda: param_groups(torch.nn.Linear(2, 2), 0.0, True)  # noqa: E731
+    assert build_optimizer(groups(), OptimizerConfig(), torch.device("cpu"), 1e-3).defaults["foreach"] is False
+    foreach = OptimizerConfig(implementation="foreach")
+    assert build_optimizer(groups(), foreach, torch.device("cpu"), 1e-3).defaults["foreach"] is True
 
 
 def test_adamw8bit_without_bitsandbytes_says_what_to_install():
