@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny random-weight pipeline and generated-shapes shards, built once per session."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +50,25 @@ def train_args(tmp_path, pipeline, shards, name="run", **overrides):
     }
     args.update({k.replace("__", "."): v for k, v in overrides.items()})
     return [f"{k}={v}" for k, v in args.items()]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: a second intra-op thread saves nothing, and on a shared 2-core machine it can make
+    every op wait for a busy core (measured: 40x slower). Restored after the module. Use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run_precompute(argv: list[str]) -> int:
+    """``scripts/precompute_latents.py``'s main(argv), in this process."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "precompute_latents.py"
+    spec = importlib.util.spec_from_file_location("precompute_latents", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)

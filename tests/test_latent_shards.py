@@ -2,7 +2,6 @@
 images, a training step on them equals one on online latents, text embeddings and caption dropout,
 posterior sampling that replays on resume, bad members counted, and the config checks."""
 
-import importlib.util
 import io
 import json
 import os
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import train_args
+from conftest import run_precompute, train_args
 from data_fixtures import make_cfg, take, tokenizer, write_tar
 from sd_training.data import DatasetConfigError, build_train_loader, validate_dataset_config
 from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
@@ -21,21 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RES = 32  # 4x4 latents: the tiny models run fast and every block still runs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second intra-op thread saves nothing, and on a shared 2-core machine it can make
-    every op wait for a busy core (measured: 40x slower). Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def precompute(argv):
-    spec = importlib.util.spec_from_file_location("precompute_latents", ROOT / "scripts" / "precompute_latents.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+precompute = run_precompute
 
 
 @pytest.fixture(scope="module")

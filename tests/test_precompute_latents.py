@@ -2,7 +2,6 @@
 killed run's .tmp is ignored), refused setting changes, failed input shards, and a 2-rank split that
 writes every shard exactly once with the same bytes as one rank."""
 
-import importlib.util
 import io
 import json
 import os
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import run_precompute
 import torch
 
 from sd_training.data.synthetic import write_shapes_shards
@@ -23,21 +24,10 @@ SCRIPT = ROOT / "scripts" / "precompute_latents.py"
 FAST = ["--resolution", "32", "--batch-size", "8", "--workers", "0", "--no-progress"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second intra-op thread saves nothing, and on a shared 2-core machine it can make
-    every op wait for a busy core (measured: 40x slower). Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def precompute(argv):
-    spec = importlib.util.spec_from_file_location("precompute_latents", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+precompute = run_precompute
 
 
 def members(path):

@@ -25,14 +25,7 @@ from sd_training.vae_objective import (
 RES = 32  # 4x4 latents with the 8x-downsampling tiny VAE: fast, and every block still runs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second intra-op thread saves nothing, and on a shared 2-core machine it can make
-    every op wait for a busy core (measured: 40x slower). Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
