@@ -56,6 +56,9 @@ def parse(argv):
     p.add_argument("--sd-steps", type=int, default=10, help="timed steps per SD resolution (after 3 warm-up)")
     p.add_argument("--sd-unet", default=None, help="JSON UNet params replacing SD 1.x's (smoke tests on CPU)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense peak TFLOP/s per device (default: table)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's). On a shared machine 1 keeps other jobs' load from "
+                        "stalling every op (with 2 threads on 2 busy cores a step was measured up to 100x slower)")
     p.add_argument("--out", default=str(HERE / "results" / "bench_step.json"), help="JSON result")
     return p.parse_args(argv)
 
@@ -241,7 +244,10 @@ def bench_sd(root: Path, tiny: Path, shards: str, args) -> list[dict]:
     for res, batch in zip(resolutions, batches):
         yaml_text = json.dumps({"model": {"unet": {"params": {**unet, "sample_size": res // 8}}}})
         trainer = make_trainer(root, pipeline, shards, args.device, args.precision, batch, res, yaml_text)
-        step_flops = flops.count_step_flops(trainer.models, res, encode_images=False)
+        # The trainer counts them at start-up (for its own MFU metric); counted here when it does not.
+        step_flops = getattr(trainer, "step_flops", None) or flops.count_step_flops(trainer.models, res, encode_images=False)
+        if step_flops.vae_encode:  # the trainer counted the VAE, which this in-memory-latents step does not run
+            step_flops = flops.StepFlops(step_flops.unet_forward, step_flops.unet_train, 0, step_flops.text_encode)
         data = make_batch(trainer.models.tokenizer, batch, res, device, latents=res // 8)
         timed_steps(lambda: ours_step(trainer, data), 3, device)
         times = timed_steps(lambda: ours_step(trainer, data), args.sd_steps, device)
@@ -268,6 +274,9 @@ def bench_sd(root: Path, tiny: Path, shards: str, args) -> list[dict]:
 def main(argv=None) -> dict:
     args = parse(sys.argv[1:] if argv is None else argv)
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "no")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("WANDB_MODE", "disabled")
     import diffusers
@@ -291,6 +300,9 @@ def main(argv=None) -> dict:
         print(json.dumps(result["overhead"], indent=1), file=sys.stderr)
         if args.sd or args.device == "cuda":
             result["sd1_unet"] = bench_sd(root, pipeline, shards, args)
+    # 1-minute load averages: well above the core count means other jobs shared the CPU (noisy numbers).
+    result["load_average"] = {"start": load_start, "end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                              "cpus": os.cpu_count()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -29,6 +29,9 @@ from sd_training.evaluation import (  # noqa: E402
 )
 from sd_training.evaluation.fid import image_files, iter_shard_images, shard_urls  # noqa: E402
 
+# Small models on a shared 2-core machine: one intra-op thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 N = 8  # images per set: InceptionV3 runs ~4-13 images/s on 2 cores
 
 TINY_CLIP = {

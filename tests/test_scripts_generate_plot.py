@@ -12,6 +12,7 @@ from PIL import Image
 from conftest import train_args
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared 2-core machine
 GEN = ["--steps", "2", "--resolution", "64", "--device", "cpu", "--no-progress"]
 
 
