@@ -208,6 +208,7 @@ class EvaluationConfig:
     ref_max_images: Optional[int] = f(None, "images of the reference set used (None: all)")
     clip_model: Optional[str] = f(None, "open_clip model name for CLIP score (e.g. ViT-L-14), or local-dir:PATH")
     clip_pretrained: Optional[str] = f(None, "local weights file of clip_model (nothing is downloaded)")
+    clip_config: Optional[str] = f(None, "open_clip model config .json defining clip_model, when open_clip does not bundle it")
     asynchronous: bool = f(True, "score in a background process so training does not wait (results logged with their step)")
     threads: Optional[int] = f(None, "CPU threads of the background evaluation (None: torch's default)")
     device: str = f("cpu", "device of Inception / CLIP: cpu | cuda | auto")
@@ -273,6 +274,17 @@ def _suggest(bad_path: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _unbool_strings(user: DictConfig) -> None:
+    """YAML 1.1 reads a bare no/yes/off/on as a boolean; a string field (e.g. model.mixed_precision: no)
+    gets the word back instead of a type error."""
+    for path, tp, _default, _help, is_section in schema_entries():
+        if is_section or tp is not str:
+            continue
+        value = OmegaConf.select(user, path, default=None, throw_on_missing=False)
+        if isinstance(value, bool):
+            OmegaConf.update(user, path, "yes" if value else "no", force_add=True)
+
+
 def _check_keys(node: Any, cls, prefix: str = "") -> None:
     """Reject keys the schema does not have, before OmegaConf's merge (whose messages are terse)."""
     if not isinstance(node, (dict, DictConfig)):
@@ -333,6 +345,7 @@ def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Trai
     if not isinstance(user, DictConfig):
         raise ConfigError(f"config files {config_paths} must hold a mapping of sections")
     _check_keys(user, TrainConfig)
+    _unbool_strings(user)
     # A ??? that no later layer filled. Checked before the schema merge, where OmegaConf would let a
     # ??? fall back to the schema default instead of stopping.
     _raise_missing(sorted(OmegaConf.missing_keys(user)))
@@ -476,6 +489,8 @@ def validate(cfg: TrainConfig) -> None:
     ev = cfg.evaluation
     if (ev.ref_stats or ev.ref_images or ev.clip_model) and cfg.experiment.num_eval_images < 1:
         raise ConfigError("'evaluation' scores the eval images: set experiment.num_eval_images (and eval_caption_file)")
+    if ev.clip_config and not ev.clip_model:
+        raise ConfigError("'evaluation.clip_config' needs 'evaluation.clip_model' (the name it defines)")
     if ev.clip_model and not ev.clip_pretrained:
         raise ConfigError("'evaluation.clip_model' needs 'evaluation.clip_pretrained' (a local weights file)")
     if ev.ref_stats and not ev.ref_images and not os.path.exists(ev.ref_stats):

@@ -305,7 +305,7 @@ class Trainer:
             return None
         return EvalSettings(prompts=self.cfg.experiment.eval_caption_file, ref_stats=ev.ref_stats, ref_images=ev.ref_images,
                             ref_max_images=ev.ref_max_images, clip_model=ev.clip_model, clip_pretrained=ev.clip_pretrained,
-                            device=ev.device)
+                            clip_config=ev.clip_config, device=ev.device)
 
     def _score_eval_images(self, folder: Path) -> None:
         """FID / CLIP score of the eval images: in a background process on rank 0 (asynchronous), or
@@ -326,7 +326,7 @@ class Trainer:
 
         result = evaluate_images(image_files(folder), settings)
         if self.info.is_main:
-            self.trackers.log(result, self.state.step)
+            self.trackers.log({**result, "eval/step": self.state.step}, self.state.step)
             log.info("step %d evaluation %s", self.state.step, result)
 
     def _log_eval_results(self, wait: bool = False) -> None:
@@ -338,7 +338,9 @@ class Trainer:
             if "error" in r:
                 log.error("evaluation of step %s failed: %s", step, r["error"])
                 continue
-            self.trackers.log({k: v for k, v in r.items() if k.startswith("eval/")}, step)
+            # Logged now (trackers such as wandb refuse a step lower than their current one), tagged
+            # with the step whose weights were evaluated.
+            self.trackers.log({**{k: v for k, v in r.items() if k.startswith("eval/")}, "eval/step": step}, self.state.step)
             log.info("step %s evaluation %s", step, r)
 
     def _resumable(self) -> dict:

@@ -137,3 +137,11 @@ def test_seed_config_with_api_key_placeholder_says_what_to_do(tmp_path):
     path = write(tmp_path, MINIMAL + "wandb:\n  api_key: ???\n")
     with pytest.raises(ConfigError, match="delete the line and export WANDB_API_KEY"):
         load([f"config={path}"])
+
+
+def test_bare_no_is_a_string_where_the_schema_wants_one(tmp_path):
+    """YAML reads `no` as False; mixed_precision takes the word, booleans keep their meaning."""
+    cfg = load([f"config={write(tmp_path, MINIMAL)}", "model.mixed_precision=no", "model.use_ema=no"])
+    assert cfg.model.mixed_precision == "no" and cfg.model.use_ema is False
+    cfg = load([f"config={write(tmp_path, MINIMAL)}"], yaml_text="model:\n  mixed_precision: no\n")
+    assert cfg.model.mixed_precision == "no"

@@ -34,7 +34,7 @@ def test_fid_of_eval_images_is_logged_with_its_step(tmp_path, tiny_pipeline, sha
         "experiment.num_eval_images": 4, "experiment.eval_caption_file": str(prompts),
         "evaluation.ref_images": shapes_shards, "evaluation.ref_max_images": 8,
         "evaluation.ref_stats": str(tmp_path / "ref.npz"), "evaluation.asynchronous": asynchronous})))["run_dir"])
-    evals = {r["step"]: r for r in rows(run) if "eval/fid" in r}
+    evals = {r["eval/step"]: r for r in rows(run) if "eval/fid" in r}  # the step whose weights were scored
     assert sorted(evals) == [2], evals  # the one export with eval images (steps 2 = last)
     assert evals[2]["eval/fid"] > 0 and evals[2]["eval/num_images"] == 4
     assert len(list((run / "eval" / "step_00000002").glob("*.png"))) == 4
