@@ -132,28 +132,18 @@ def generate_eval_images(
     models, unet, prompts: list[str], n: int, out: Path, seed: int, steps: int, guidance: float, resolution: int,
     device: torch.device, rank: int, world_size: int, batch: int = 8,
 ) -> list[Path]:
-    """Image i uses prompt i (cycling) and seed ``seed + i``; rank r makes images r, r+W, r+2W, ..."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    """Image i uses prompt i (cycling) and seed ``seed + i``; rank r makes images r, r+W, r+2W, ...
+
+    The run's components with ``unet`` through ``evaluation.generate.generate_images`` (the same loop
+    and file convention as ``python -m sd_training.evaluation`` and scripts/generate_examples.py)."""
+    from .evaluation.generate import generate_images
+
     pipe = make_pipeline(models, unet)
     pipe.set_progress_bar_config(disable=True)
-    was_training = pipe.unet.training, pipe.text_encoder.training
-    pipe.unet.eval()
-    pipe.text_encoder.eval()
-    mine = list(range(rank, n, world_size))
-    written = []
+    was_training = pipe.text_encoder.training
+    pipe.text_encoder.eval()  # generate_images puts the UNet in eval mode and back
     try:
-        for start in range(0, len(mine), batch):
-            idx = mine[start : start + batch]
-            images = pipe(
-                [prompts[i % len(prompts)] for i in idx], height=resolution, width=resolution, num_inference_steps=steps,
-                guidance_scale=guidance, generator=[torch.Generator("cpu").manual_seed(seed + i) for i in idx],
-            ).images
-            for i, im in zip(idx, images):
-                path = out / f"{i:06d}.png"
-                im.save(path)
-                written.append(path)
+        return generate_images(pipe, prompts, n, out, seed, steps, guidance, resolution, rank, world_size,
+                               batch_size=batch, progress=False)
     finally:
-        pipe.unet.train(was_training[0])
-        pipe.text_encoder.train(was_training[1])
-    return written
+        pipe.text_encoder.train(was_training)
