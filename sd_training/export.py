@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -24,15 +25,23 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
             return module
 
 
-def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = None):
-    """A StableDiffusionPipeline of the run's components with ``unet`` (and ``vae``, when the VAE is trained)."""
+def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = None, for_export: bool = False):
+    """A StableDiffusionPipeline of the run's components with ``unet`` (and ``vae``, when the VAE is trained).
+
+    ``for_export``: the frozen VAE and text encoder in fp32 as loaded from their sources (a bf16 run
+    keeps them in bf16 for speed; an export must not round them)."""
     from diffusers import StableDiffusionPipeline
 
     from .text_encoders import text_encoder_for_pipeline
 
+    if vae is None:
+        vae = models.full_precision("vae") if for_export else models.vae
+    text_encoder = unwrap(models.text_encoder)
+    if for_export and not any(p.requires_grad for p in text_encoder.parameters()):
+        text_encoder = models.full_precision("text_encoder")
     return StableDiffusionPipeline(
-        vae=unwrap(vae) if vae is not None else models.vae,
-        text_encoder=text_encoder_for_pipeline(unwrap(models.text_encoder)),
+        vae=unwrap(vae),
+        text_encoder=text_encoder_for_pipeline(text_encoder),
         tokenizer=models.tokenizer,
         unet=unwrap(unet),
         scheduler=models.inference_scheduler,
@@ -50,9 +59,17 @@ def export_pipeline(models, unet: torch.nn.Module, out: Path, vae: torch.nn.Modu
         import shutil
 
         shutil.rmtree(tmp)
-    make_pipeline(models, unet, vae).save_pretrained(tmp, safe_serialization=True)
+    make_pipeline(models, unet, vae, for_export=True).save_pretrained(tmp, safe_serialization=True)
     replace_dir(tmp, out)
     return out
+
+
+def inference_autocast(device: torch.device, dtype: torch.dtype | None):
+    """Sampling in the training precision: the frozen VAE may be stored in bf16/fp16 while the
+    pipeline's latents are fp32, and autocast is also the fast path on GPUs. ``None``: fp32."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def _grid(images: list[Image.Image], cols: int) -> Image.Image:
@@ -82,7 +99,7 @@ def reconstruction_grid(vae, pixels: torch.Tensor) -> Image.Image:
 @torch.no_grad()
 def sample_grid(
     models, unet, prompts: list[str], per_prompt: int, seed: int, steps: int, guidance: float, resolution: int,
-    device: torch.device,
+    device: torch.device, dtype: torch.dtype | None = None,
 ) -> Image.Image:
     """One row per prompt, ``per_prompt`` columns with seeds seed, seed+1, ... (fixed across steps).
 
@@ -97,10 +114,11 @@ def sample_grid(
     try:
         for prompt in prompts:
             gens = [torch.Generator("cpu").manual_seed(seed + i) for i in range(per_prompt)]
-            out = pipe(
-                [prompt] * per_prompt, height=resolution, width=resolution, num_inference_steps=steps,
-                guidance_scale=guidance, generator=gens,
-            )
+            with inference_autocast(device, dtype):
+                out = pipe(
+                    [prompt] * per_prompt, height=resolution, width=resolution, num_inference_steps=steps,
+                    guidance_scale=guidance, generator=gens,
+                )
             images.extend(out.images)
     finally:
         pipe.unet.train(was_training[0])
@@ -130,7 +148,7 @@ def read_prompts(path: str) -> list[str]:
 @torch.no_grad()
 def generate_eval_images(
     models, unet, prompts: list[str], n: int, out: Path, seed: int, steps: int, guidance: float, resolution: int,
-    device: torch.device, rank: int, world_size: int, batch: int = 8,
+    device: torch.device, rank: int, world_size: int, batch: int = 8, dtype: torch.dtype | None = None,
 ) -> list[Path]:
     """Image i uses prompt i (cycling) and seed ``seed + i``; rank r makes images r, r+W, r+2W, ...
 
@@ -143,7 +161,8 @@ def generate_eval_images(
     was_training = pipe.text_encoder.training
     pipe.text_encoder.eval()  # generate_images puts the UNet in eval mode and back
     try:
-        return generate_images(pipe, prompts, n, out, seed, steps, guidance, resolution, rank, world_size,
-                               batch_size=batch, progress=False)
+        with inference_autocast(device, dtype):
+            return generate_images(pipe, prompts, n, out, seed, steps, guidance, resolution, rank, world_size,
+                                   batch_size=batch, progress=False)
     finally:
         pipe.text_encoder.train(was_training)

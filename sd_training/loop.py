@@ -701,11 +701,19 @@ class Trainer:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             grid = sample_grid(
                 self.models, unet, list(cfg.sample_prompts), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
-                cfg.sample_guidance_scale, self._sample_resolution(), self.device,
+                cfg.sample_guidance_scale, self._sample_resolution(), self.device, self._sample_dtype(),
             )
         path = self.run_dir.samples / f"step_{self.state.step:08d}{suffix}.png"
         grid.save(path)
         self.trackers.log_image(f"samples{suffix}", path, self.state.step)
+
+    def _sample_dtype(self) -> torch.dtype | None:
+        """Samples and eval images run under autocast in the training precision, or in the frozen VAE's
+        dtype when only the VAE is stored in half precision (model.vae.dtype=bf16 with fp32 training)."""
+        if self.autocast_dtype is not None:
+            return self.autocast_dtype
+        vae_dtype = self.models.vae.dtype
+        return vae_dtype if vae_dtype != torch.float32 else None
 
     def _sample_resolution(self) -> int:
         return self.cfg.experiment.sample_resolution or self.cfg.dataset.params.resolution
@@ -724,6 +732,7 @@ class Trainer:
             generate_eval_images(
                 self.models, unet, read_prompts(cfg.eval_caption_file), cfg.num_eval_images, out, cfg.sample_seed,
                 cfg.sample_steps, cfg.sample_guidance_scale, self._sample_resolution(), self.device, rank, world,
+                dtype=self._sample_dtype(),
             )
         distributed.barrier()
         self._score_eval_images(out)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,6 +30,27 @@ class Models:
     unet: torch.nn.Module  # trained
     noise_scheduler: Any  # DDPMScheduler: adds training noise, defines the target
     inference_scheduler: Any  # the scheduler exported pipelines and sample grids use
+    # component name -> a fresh fp32 copy from its source, for exports of half-precision frozen components
+    reload_fp32: Optional[Callable[[str], torch.nn.Module]] = None
+    _fp32_copies: dict = field(default_factory=dict, repr=False)
+
+    def full_precision(self, name: str) -> torch.nn.Module:
+        """The frozen ``vae`` or ``text_encoder`` as an export should save it: the module itself when it
+        is stored in fp32, else an fp32 copy reloaded once from its source, on the CPU. Casting the bf16
+        copy back up would save weights rounded to 8 mantissa bits, not the ones the run started from."""
+        module = getattr(self, name)
+        if all(p.dtype == torch.float32 for p in module.parameters()):
+            return module
+        if name not in self._fp32_copies:
+            if self.reload_fp32 is None:  # built by hand (tests): the closest we have
+                import copy
+
+                self._fp32_copies[name] = copy.deepcopy(module).float()
+            else:
+                log.info("reloading the %s in fp32 from its source for the export (it trains in %s)",
+                         name, next(module.parameters()).dtype)
+                self._fp32_copies[name] = _frozen(self.reload_fp32(name), torch.device("cpu"))
+        return self._fp32_copies[name]
 
     @property
     def latent_scale(self) -> float:
@@ -165,7 +186,17 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Model
         raise ConfigError(
             f"UNet in_channels {unet.config.in_channels} != VAE latent_channels {vae.config.latent_channels}"
         )
+    def reload_fp32(name: str) -> torch.nn.Module:
+        if name == "vae":
+            return _load(AutoencoderKL.from_pretrained, _source(cfg, "vae"), "vae", "model.vae.pretrained", **kw("vae"))
+        te, _ = build_text_encoder(
+            replace(cfg.text_encoder, dtype="fp32"), cfg.pretrained, torch.device("cpu"),
+            tokenizer_src=cfg.tokenizer.pretrained, revision=cfg.revision,
+        )
+        return te
+
     return Models(
+        reload_fp32=reload_fp32,
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=_frozen(vae, device, frozen_dtype(cfg.vae.dtype, cfg.mixed_precision)),
