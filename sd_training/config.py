@@ -502,7 +502,12 @@ def validate(cfg: TrainConfig) -> None:
     validate_objective_config(cfg.objective)
     validate_text_encoder_config(cfg.model.text_encoder)
     if cfg.model.text_encoder.train and cfg.distributed.strategy == "fsdp":
-        raise ConfigError("'model.text_encoder.train' is not supported with distributed.strategy=fsdp (use ddp)")
+        raise ConfigError("'model.text_encoder.train' is not supported with distributed.strategy=fsdp (use ddp): the "
+                          "text encoder is not sharded, and one gradient norm cannot mix sharded and plain gradients")
+    if cfg.model.mixed_precision == "fp16" and cfg.distributed.strategy == "fsdp":
+        raise ConfigError("'model.mixed_precision=fp16' is not supported with distributed.strategy=fsdp: each rank "
+                          "would find fp16 overflows in its own shards and skip steps the others take. Use "
+                          "model.mixed_precision=bf16 (GPUs since A100), or distributed.strategy=ddp for fp16")
     validate_dataset_config(cfg.dataset)
 
 

@@ -54,12 +54,12 @@ class EMA:
         # Under FSDP2 both modules are sharded alike: each rank averages its own shards.
         params = [local(p).detach() for p in module.parameters()]
         shadow = [local(p) for p in self.shadow.parameters()]
+        sources = _to_shadow(params, shadow)
         if step <= self.start_step:
-            torch._foreach_copy_(shadow, [p.to(s.device, s.dtype) for p, s in zip(params, shadow)])
+            torch._foreach_copy_(shadow, sources)
         else:
             # shadow = d * shadow + (1 - d) * param, for all tensors at once
-            weight = 1.0 - self.current_decay()
-            torch._foreach_lerp_(shadow, [p.to(s.device, s.dtype, non_blocking=True) for p, s in zip(params, shadow)], weight)
+            torch._foreach_lerp_(shadow, sources, 1.0 - self.current_decay())
             self.num_updates += 1
         for b, sb in zip(module.buffers(), self.shadow.buffers()):
             sb.copy_(b)
@@ -80,3 +80,20 @@ class EMA:
     def load_state_dict(self, sd: dict) -> None:
         self.shadow.load_state_dict(sd["shadow"])
         self.load_meta_state_dict(sd)
+
+
+def _to_shadow(params: list[torch.Tensor], shadow: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` moved to their shadow's device and dtype, ready to be read there.
+
+    Same device: the copies (if any) are ordered on the device's stream. A CPU shadow of GPU weights
+    (``model.ema.device=cpu``): the device-to-host copies are issued asynchronously, all of them, then
+    waited for once. Reading a non-blocking device-to-host copy on the CPU before its stream reaches it
+    would average garbage into the EMA."""
+    out = [p.to(s.device, s.dtype, non_blocking=True) for p, s in zip(params, shadow)]
+    to_host = {p.device for p, s in zip(params, shadow) if s.device.type == "cpu" and p.device.type != "cpu"}
+    for device in to_host:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:  # other accelerators (torch >= 2.6)
+            torch.accelerator.synchronize(device)
+    return out

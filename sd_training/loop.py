@@ -608,9 +608,8 @@ class Trainer:
         )
 
     def _export(self) -> None:
-        """Rank 0 exports the pipeline(s) and the sample grid; the others wait at a barrier.
-
-        Under FSDP every rank first takes part in gathering the full weights onto rank 0.
+        """Rank 0 exports the pipeline(s) and the sample grid; then every rank makes its share of the
+        eval images. Under FSDP every rank first takes part in gathering the full weights.
         """
         weights = self._weights(self.cfg.experiment.export_weights, default_both=True)
         samples_from = self._weights(self.cfg.experiment.sample_from, default_both=False)
@@ -724,10 +723,7 @@ class Trainer:
         if cfg.num_eval_images < 1:
             return
         out = self.run_dir.root / "eval" / f"step_{self.state.step:08d}"
-        if unet is None:  # FSDP: only rank 0 holds the gathered weights; eval images are made there
-            distributed.barrier()
-            return
-        rank, world = (self.info.rank, self.info.world_size) if not self.strategy.sharded else (0, 1)
+        rank, world = self.info.rank, self.info.world_size
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             generate_eval_images(
                 self.models, unet, read_prompts(cfg.eval_caption_file), cfg.num_eval_images, out, cfg.sample_seed,

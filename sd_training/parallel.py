@@ -98,24 +98,23 @@ class Strategy:
         if ema_shadow is not None:
             set_model_state_dict(ema_shadow, state["ema"])
 
-    def full_state_dict(self, module: torch.nn.Module) -> dict | None:
-        """Full CPU weights on rank 0 (None elsewhere). Collective under FSDP: every rank must call it."""
-        import torch.distributed as dist
+    def plain_copy(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """An unsharded module with the full weights on every rank, for export, samples and eval images.
 
-        if not self.sharded:
-            return {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if dist.get_rank() == 0 else None
-
-    def plain_copy(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:
-        """An unsharded module with the full weights on rank 0, for export and sampling (collective)."""
+        DDP: the module itself. FSDP (collective, every rank calls it): the shards are all-gathered into
+        full tensors on ``device`` and assigned to a module built on the meta device (no random init,
+        no second CPU copy). Every rank holds the full weights for as long as the copy lives, as DDP
+        does all the time, so eval images are split across all ranks instead of waiting on rank 0."""
         if not self.sharded:
             return module
-        sd = self.full_state_dict(module)
-        if sd is None:
-            return None
-        plain = self.module_cls.from_config(module.config)
-        plain.load_state_dict(sd)
-        return plain.to(device)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        with torch.device("meta"):
+            plain = self.module_cls.from_config(module.config)
+        plain.load_state_dict({k: v.to(device) for k, v in sd.items()}, assign=True)
+        leftover = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
+        if leftover:  # a buffer the state dict does not hold (non-persistent): build it the slow way
+            plain = self.module_cls.from_config(module.config)
+            plain.load_state_dict(sd)
+        return plain.to(device).eval().requires_grad_(False)

@@ -95,14 +95,18 @@ def losses(run: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, strategy", [
-    (1, "ddp"),
-    pytest.param(2, "ddp", marks=pytest.mark.distributed),
-    pytest.param(2, "fsdp", marks=pytest.mark.distributed),
+@pytest.mark.parametrize("nproc, strategy, workers, precision, resampled", [
+    (1, "ddp", 0, "no", False),
+    (1, "ddp", 2, "bf16", False),
+    pytest.param(2, "ddp", 1, "no", False, marks=pytest.mark.distributed),
+    # 3 workers on a rank that holds 2 of the 4 shards: more workers than shards (resampled mode).
+    pytest.param(2, "fsdp", 3, "bf16", True, marks=pytest.mark.distributed),
 ])
-def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards, nproc, strategy):
+def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards, nproc, strategy, workers, precision,
+                                          resampled):
     bs = 4 // nproc
-    kw = {"system.batch_size": bs, "distributed.strategy": strategy}
+    kw = {"system.batch_size": bs, "distributed.strategy": strategy, "system.workers": workers,
+          "model.mixed_precision": precision, "dataset.params.resampled": str(resampled).lower()}
     straight = args_for(tmp_path, tiny_pipeline, shapes_shards, "straight", **kw)
     finish(launch(tmp_path, straight, nproc))
 

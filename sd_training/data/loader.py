@@ -100,6 +100,11 @@ class TrainLoader:
                     prefetch_factor=PREFETCH_BATCHES,
                     persistent_workers=False,  # a new iter() must start from the loader's current position
                     pin_memory=torch.cuda.is_available(),  # lets the loop's .to(device, non_blocking=True) overlap
+                    # Its own generator: without one, creating the iterator draws the workers' base seed
+                    # from the global RNG, so a resumed run's noise stream would be one draw off the
+                    # uninterrupted run's (every tensor differs after resume). The streams do not use the
+                    # workers' torch seeds: every sample's randomness comes from its own position.
+                    generator=torch.Generator().manual_seed(0),
                 )
             )
         try:
