@@ -5,13 +5,16 @@ from __future__ import annotations
 import sys
 
 from .config import ConfigError, help_text, load
+from .preemption import EXIT_STOPPED_NOT_REQUEUED, StopFlag
 
 # Problems found while building models or data from the config (DatasetConfigError included): one
 # clear line, no traceback.
 USER_ERRORS = (ConfigError,)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], stop: StopFlag | None = None) -> int:
+    """Exit codes: 0 done (or stopped by a signal and requeued), 2 config error, 75 stopped by a signal
+    and not requeued (resume with the same command), 1 a crash."""
     if any(a in ("-h", "--help", "help") for a in argv):
         print(help_text())
         return 0
@@ -23,8 +26,10 @@ def main(argv: list[str]) -> int:
     from .loop import main as train
 
     try:
-        train(cfg)
+        summary = train(cfg, stop)
     except USER_ERRORS as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if summary.get("stopped_by") and not summary.get("requeued"):
+        return EXIT_STOPPED_NOT_REQUEUED
     return 0

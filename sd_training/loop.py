@@ -73,13 +73,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def main(cfg: TrainConfig) -> dict:
-    """Train as configured; returns a summary (final step, paths). Tests call this directly."""
+def main(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
+    """Train as configured; returns a summary (final step, paths). Tests call this directly.
+
+    ``stop``: a flag installed by the entry point before set-up (else installed here)."""
     info = distributed.setup(
         cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url, cfg.distributed.timeout_minutes
     )
     try:
-        return Trainer(cfg, info).run()
+        return Trainer(cfg, info).run(stop)
     finally:
         distributed.teardown()
 
@@ -378,9 +380,9 @@ class Trainer:
         log.info("resumed from %s at step %d (%d images seen)", latest, self.state.step, self.state.images_seen)
 
     # ------------------------------------------------------------------ loop
-    def run(self) -> dict:
+    def run(self, stop: StopFlag | None = None) -> dict:
+        stop = stop if stop is not None else StopFlag().install()
         self._setup()
-        stop = StopFlag().install()
         try:
             return self._loop(stop)
         finally:
@@ -476,12 +478,17 @@ class Trainer:
         accum = cfg.system.gradient_accumulation
         data_iter = iter(self.loader)
         val_every = cfg.validation.every or cfg.experiment.save_every
-        if self.val_batches is not None and state.step == 0:
+        stopped_by = None
+        if distributed.any_rank(stop.requested, self.device):
+            # Asked to stop during set-up: nothing new to save; requeue (under SLURM) without training.
+            stopped_by = stop.signal_name or "signal on another rank"
+            log.warning("stop requested during set-up (%s): not training; the state at step %d stands",
+                        stopped_by, state.step)
+        elif self.val_batches is not None and state.step == 0:
             self._validate()  # the untrained model's figure, to compare with
         window = _Window()
         last_ckpt_time = time.time()
-        stopped_by = None
-        while state.step < plan.total_steps:
+        while state.step < plan.total_steps and not stopped_by:
             t_step = time.perf_counter()
             for micro in range(accum):
                 t_data = time.perf_counter()
@@ -527,7 +534,10 @@ class Trainer:
             log.warning("stopped at step %d by %s after saving", state.step, stopped_by)
             if self.info.is_main and cfg.experiment.requeue and under_slurm() and stopped_by != "SIGINT":
                 requeued = requeue_job()
-            distributed.barrier()
+            requeued = distributed.any_rank(requeued, self.device)  # rank 0's outcome, on every rank
+            if not requeued:
+                log.warning("stopped early at step %d of %d and not requeued: exit code 75; run the same command "
+                            "to resume", state.step, plan.total_steps)
         return {
             "step": state.step,
             "total_steps": plan.total_steps,

@@ -14,6 +14,22 @@ import subprocess
 
 log = logging.getLogger(__name__)
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# A run that stopped early (a signal) and was not requeued: EX_TEMPFAIL, "try again later". SLURM then
+# records the job FAILED, not COMPLETED, so `afterok` dependents do not start on an unfinished model.
+EXIT_STOPPED_NOT_REQUEUED = 75
+
+
+def ignore_stop_signals(*_args) -> None:
+    """DataLoader ``worker_init_fn``: the main process owns the stop signals.
+
+    SLURM (scancel, preemption, the time limit) and ``kill -- -PGID`` signal every process of the step,
+    loader workers included. torch's worker dies of SIGTERM, and the main process then fails with
+    "DataLoader worker is killed by signal" before it can save. Ignored here, the workers keep feeding
+    the main process until it has saved and shuts them down."""
+    for sig in STOP_SIGNALS + (signal.SIGUSR2,):
+        signal.signal(sig, signal.SIG_IGN)
+
 
 class StopFlag:
     def __init__(self):
@@ -21,7 +37,7 @@ class StopFlag:
         self._previous = {}
 
     def install(self) -> "StopFlag":
-        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

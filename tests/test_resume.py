@@ -134,27 +134,67 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards
         assert la[s] == lb[s], (s, la[s], lb[s])
 
 
+def finish_stopped(p, timeout=600):
+    """A run stopped by a signal and not requeued exits 75 (EX_TEMPFAIL), never 0."""
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 75, out[-4000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_then_exits_and_resume_completes(tmp_path, tiny_pipeline, shapes_shards, sig):
-    """SIGTERM (preemption) and Ctrl-C outside SLURM: one save at the step boundary, a clean exit."""
-    args = args_for(tmp_path, tiny_pipeline, shapes_shards, "term", **{"experiment.checkpoint_every": 1000,
-                                                                      "experiment.num_examples_to_see": 4 * 200})
+def test_signal_to_the_whole_process_group_with_loader_workers_saves_then_exits(tmp_path, tiny_pipeline, shapes_shards,
+                                                                                sig):
+    """SLURM's scancel/preemption/time limit (SIGTERM) and Ctrl-C (SIGINT) reach every process of the job,
+    the loader workers included: the workers must survive them, the main process saves at the step
+    boundary and exits 75 (stopped, not requeued: not under SLURM); a restart finishes the run."""
+    total = 60
+    args = args_for(tmp_path, tiny_pipeline, shapes_shards, "term", **{
+        "experiment.checkpoint_every": 1000, "experiment.num_examples_to_see": 4 * total, "system.workers": 2,
+        "model.mixed_precision": "bf16"})
     run = tmp_path / "runs" / "term"
     p = launch(tmp_path, args)
     deadline = time.time() + 300
     while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
         assert p.poll() is None and time.time() < deadline
         time.sleep(0.05)
-    p.send_signal(sig)
-    out = finish(p)
-    assert "stopped at step" in out and f"by {sig.name}" in out and "requeue" not in out
+    os.killpg(p.pid, sig)  # the trainer and its two loader workers
+    out = finish_stopped(p)
+    assert "stopped at step" in out and f"by {sig.name}" in out and "killed by signal" not in out
+    assert "not requeued: exit code 75" in out
     steps = complete_steps(run / "checkpoints")
-    assert len(steps) == 1 and 3 <= steps[0] < 200  # saved at the step boundary after the signal
-    # Not under SLURM: nothing is requeued; a restart continues from that step to the end.
+    assert len(steps) == 1 and 3 <= steps[0] < total  # saved at the step boundary after the signal
     out = finish(launch(tmp_path, args))
-    assert f"resumed from" in out and "at step %d" % steps[0] in out
-    assert complete_steps(run / "checkpoints")[-1] == 200
+    assert "resumed from" in out and "at step %d" % steps[0] in out
+    assert complete_steps(run / "checkpoints")[-1] == total
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``sig`` (Linux: /proc/PID/status SigCgt)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except FileNotFoundError:
+        pass
+    return False
+
+
+@pytest.mark.slow
+def test_signal_during_set_up_is_kept_and_stops_before_the_first_step(tmp_path, tiny_pipeline, shapes_shards):
+    """The handler is installed before the imports and the model loading: a SIGTERM that arrives while
+    the run is still setting up stops it before the first step (no training, nothing to save), with the
+    exit code of a stopped run rather than death by signal (143)."""
+    args = args_for(tmp_path, tiny_pipeline, shapes_shards, "early")
+    p = launch(tmp_path, args)
+    deadline = time.time() + 60
+    while not _catches(p.pid, signal.SIGTERM):
+        assert p.poll() is None and time.time() < deadline
+        time.sleep(0.005)
+    p.send_signal(signal.SIGTERM)  # within milliseconds of start: imports and set-up are still ahead
+    out = finish_stopped(p)
+    assert "stop requested during set-up (SIGTERM)" in out
+    assert "step 1/" not in out and complete_steps(tmp_path / "runs" / "early" / "checkpoints") == []
 
 
 KILL_DURING_SAVE = r"""

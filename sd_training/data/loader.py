@@ -20,6 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ..preemption import ignore_stop_signals
+
 from .samples import SampleProcessor
 from .stats import log, summarize
 from .stream import Plan, SlotStream
@@ -105,6 +107,7 @@ class TrainLoader:
                     # uninterrupted run's (every tensor differs after resume). The streams do not use the
                     # workers' torch seeds: every sample's randomness comes from its own position.
                     generator=torch.Generator().manual_seed(0),
+                    worker_init_fn=ignore_stop_signals,
                 )
             )
         try:
