@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .fields import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -84,18 +86,45 @@ def probe_env(env: dict[str, str] | None = None) -> dict:
     return dict(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1)
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("system.device=cuda but CUDA is not available on this machine")
+SLURM_GPU_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK",
+                  "SLURM_GPUS")
+
+
+def gpus_requested_from_slurm() -> str | None:
+    """The SLURM variable that says this job asked for GPUs (``--gpus*``, ``--gres=gpu``), or None."""
+    for var in SLURM_GPU_VARS:
+        if os.environ.get(var, "").strip() not in ("", "0"):
+            return f"{var}={os.environ[var]}"
+    if "gpu" in os.environ.get("SLURM_TRES_PER_TASK", "") or "gpu" in os.environ.get("SLURM_JOB_GRES", ""):
+        return "SLURM_TRES_PER_TASK/SLURM_JOB_GRES name gpu"
+    return None
+
+
+def pick_device(requested: str, local_rank: int, backend: str = "auto") -> torch.device:
+    """``cuda``: GPU ``local_rank`` (mod the visible count); ``cpu``; ``auto``: a GPU when one is visible.
+
+    ``auto`` never falls back to the CPU silently where a GPU was clearly meant: under SLURM with GPUs
+    requested, or with ``distributed.dist_backend=nccl``, no visible GPU is an error."""
+    if torch.cuda.is_available() and requested in ("auto", "cuda"):
         return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if requested == "cpu":
+        return torch.device("cpu")
+    seen = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}, torch {torch.__version__}"
+    if requested == "cuda":
+        raise ConfigError(f"system.device=cuda but no GPU is visible to this process ({seen}); check nvidia-smi "
+                          "and the job's GPU request, or set system.device=cpu")
+    meant = gpus_requested_from_slurm() or ("distributed.dist_backend=nccl" if backend == "nccl" else None)
+    if meant:
+        raise ConfigError(f"system.device=auto found no GPU although {meant} asks for GPUs ({seen}); training on "
+                          "the CPU would be silently slow. Fix the GPU visibility (a CPU-only torch build? the "
+                          "job's --gpus/--gres?), or set system.device=cpu explicitly")
     return torch.device("cpu")
 
 
 def setup(device: str = "auto", backend: str = "auto", init_method: str = "env://", timeout_minutes: float = 30.0) -> DistInfo:
     """Start the process group (when there is more than one process) and pick this rank's device."""
     layout = probe_env()
-    dev = pick_device(device, layout["local_rank"])
+    dev = pick_device(device, layout["local_rank"], backend)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if layout["world_size"] == 1:
