@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -44,9 +45,11 @@ def step_dir_name(step: int) -> str:
 
 
 def rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # As a tensor, not an ndarray: checkpoints load with weights_only=True, which unpickles no numpy.
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -56,7 +59,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -114,7 +119,8 @@ class Checkpointer:
         if rank == 0:
             for name, obj in shared.items():
                 _atomic_torch_save(obj, tmp / f"{name}.pt")
-            (tmp / "train_state.json").write_text(json.dumps(train_state, indent=1))
+            # The files a loader may open: nothing else in the folder is ever read.
+            (tmp / "train_state.json").write_text(json.dumps({**train_state, "checkpoint_files": sorted(shared)}, indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
         distributed.barrier()  # every rank's file is on disk before the folder is declared complete
         if rank == 0:
@@ -144,16 +150,28 @@ class Checkpointer:
         path = Path(path)
         if not (path / MARKER).exists():
             raise RuntimeError(f"checkpoint {path} is incomplete (no {MARKER} marker)")
-        shared = {}
-        for p in path.glob("*.pt"):
-            if not p.name.startswith("rank_"):
-                shared[p.stem] = torch.load(p, map_location=map_location, weights_only=False)
+        train_state = json.loads((path / "train_state.json").read_text())
+        names = train_state.pop("checkpoint_files", None)
+        if names is None:  # written before the list existed
+            names = sorted(p.stem for p in path.glob("*.pt") if not p.name.startswith("rank_"))
+        # weights_only: tensors and plain containers only; a pickle that would run code is refused.
+        shared = {n: _load_weights_only(path / f"{n}.pt", map_location) for n in names}
         rank_file = path / f"rank_{rank}.pt"
         if not rank_file.exists():
             raise RuntimeError(
                 f"{rank_file} is missing: the checkpoint was written by fewer ranks than this run has; "
                 "resume with the same world size"
             )
-        per_rank = torch.load(rank_file, map_location=map_location, weights_only=False)
-        train_state = json.loads((path / "train_state.json").read_text())
+        per_rank = _load_weights_only(rank_file, map_location)
         return shared, per_rank, train_state
+
+
+def _load_weights_only(path: Path, map_location) -> dict:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RuntimeError(
+            f"{path} holds objects other than tensors and plain containers, which this trainer does not load "
+            f"(torch.load weights_only=True refused it: {str(e).splitlines()[0]}). Checkpoints written by "
+            "sd-training never do; do not resume from a folder you do not trust"
+        ) from None

@@ -57,3 +57,25 @@ def test_two_ranks_equal_one_rank_double_batch(tmp_path, tiny_pipeline, shapes_s
     # Tolerance: the same math summed in a different order (fp32), three AdamW steps at lr 1e-3.
     assert max_diff(one, two) < 1e-5, max_diff(one, two)
     assert max_diff(one, acc) < 1e-5, max_diff(one, acc)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU path")
+@pytest.mark.parametrize("env, backend, words", [
+    ({"SLURM_GPUS_ON_NODE": "8"}, "auto", "SLURM_GPUS_ON_NODE=8 asks for GPUs"),
+    ({"SLURM_TRES_PER_TASK": "cpu=6,gres/gpu=1"}, "auto", "asks for GPUs"),
+    ({}, "nccl", "distributed.dist_backend=nccl asks for GPUs"),
+])
+def test_auto_device_without_a_gpu_where_one_was_meant_is_an_error(monkeypatch, env, backend, words):
+    from sd_training.distributed import SLURM_GPU_VARS, pick_device
+    from sd_training.fields import ConfigError
+
+    for var in SLURM_GPU_VARS + ("SLURM_TRES_PER_TASK", "SLURM_JOB_GRES"):
+        monkeypatch.delenv(var, raising=False)
+    assert pick_device("auto", 0, backend="auto").type == "cpu"  # nothing asks for a GPU: the CPU is fine
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=words):
+        pick_device("auto", 0, backend=backend)
+    with pytest.raises(ConfigError, match="system.device=cuda but no GPU is visible"):
+        pick_device("cuda", 0)
+    assert pick_device("cpu", 0, backend=backend).type == "cpu"  # explicit CPU is the user's choice

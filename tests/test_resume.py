@@ -231,3 +231,28 @@ def test_sigkill_at_any_point_of_a_save_keeps_previous_checkpoint(tmp_path):
             assert res.returncode == 0, res.stderr
             assert latest.name == "step_00000002"
             assert complete_steps(root) == [2]
+
+
+class _RunsCode:
+    """Unpickling this writes a file: the stand-in for a pickle that runs code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+def test_checkpoints_load_only_their_own_files_and_only_tensors(tmp_path):
+    root = tmp_path / "ck"
+    folder = Checkpointer(root, keep_last=1).save(
+        1, {"unet": {"w": torch.ones(3)}, "optimizer": {"step": 1}}, {"rng": {"a": torch.zeros(2)}, "data": {"i": 3}},
+        {"step": 1}, "c: 1", rank=0)
+    marker = tmp_path / "ran.txt"
+    torch.save(_RunsCode(marker), folder / "stray.pt")  # a file the checkpoint does not list: never opened
+    shared, per_rank, state = Checkpointer.load(folder, 0)
+    assert set(shared) == {"unet", "optimizer"} and state == {"step": 1} and per_rank["data"] == {"i": 3}
+    torch.save({"state": _RunsCode(marker)}, folder / "optimizer.pt")  # a listed file that would run code
+    with pytest.raises(RuntimeError, match=r"optimizer\.pt holds objects other than tensors"):
+        Checkpointer.load(folder, 0)
+    assert not marker.exists()
