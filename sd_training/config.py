@@ -575,9 +575,21 @@ def _check_unet_params(target: str, params: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+REDACTED = "<redacted>"
+
+
+def public_dict(cfg: TrainConfig) -> dict:
+    """The resolved config as plain containers, secrets replaced: what config.yaml, checkpoints and the
+    wandb run config hold. ``wandb.api_key`` never leaves the process (the run uses it, nothing stores it)."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg))
+    if out.get("wandb", {}).get("api_key"):
+        out["wandb"]["api_key"] = REDACTED
+    return out
+
+
 def to_yaml(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (written into the run directory, loadable with config=...)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML, secrets redacted (written into the run directory, loadable with config=...)."""
+    return OmegaConf.to_yaml(OmegaConf.create(public_dict(cfg)))
 
 
 def help_text() -> str:

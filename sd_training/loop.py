@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from . import distributed, quickstart
 from .checkpoint import Checkpointer, rng_state, set_rng_state
-from .config import TrainConfig, to_yaml
+from .config import TrainConfig, public_dict, to_yaml
 from .ema import EMA, decay_from_strength
 from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
 from .models import build_models
@@ -204,7 +203,7 @@ class Trainer:
         self.trackers = None
         if info.is_main:
             self.trackers = build_trackers(
-                cfg, self.run_dir.root, self.run_dir.metrics, self.state.wandb_id, OmegaConf.to_container(OmegaConf.structured(cfg))
+                cfg, self.run_dir.root, self.run_dir.metrics, self.state.wandb_id, public_dict(cfg)
             )
             self.state.wandb_id = self.trackers.wandb_id
 

@@ -58,21 +58,41 @@ class Models:
         return float(self.vae.config.scaling_factor)
 
 
+# Modules outside diffusers whose model classes model.unet.target may name (in addition to diffusers'
+# own): extend with SD_TRAINING_UNET_MODULES=pkg.a,pkg.b. Anything else (subprocess.Popen, os.system,
+# a function) is refused: a config names a model, it does not run arbitrary callables.
+UNET_MODULES_ENV = "SD_TRAINING_UNET_MODULES"
+
+
 def resolve_unet_class(target: str):
-    """``UNet2DConditionModel``, ``diffusers.UNet2DConditionModel`` or ``package.module.Class``."""
+    """``UNet2DConditionModel``, ``diffusers.UNet2DConditionModel`` or ``package.module.Class``.
+
+    The class must be a ``torch.nn.Module`` with diffusers' ``from_config``, from diffusers or from a
+    module allowed by ``SD_TRAINING_UNET_MODULES``."""
     import diffusers
+    from diffusers.configuration_utils import ConfigMixin
 
     name = target.split(".", 1)[1] if target.startswith("diffusers.") else target
     if "." not in name:
         cls = getattr(diffusers, name, None)
         if cls is None:
             raise ConfigError(f"'model.unet.target': diffusers has no class '{name}'")
-        return cls
-    module, _, attr = name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"'model.unet.target': cannot import '{target}': {e}") from None
+    else:
+        module, _, attr = target.rpartition(".")
+        allowed = ["diffusers"] + [m.strip() for m in os.environ.get(UNET_MODULES_ENV, "").split(",") if m.strip()]
+        if not any(module == m or module.startswith(m + ".") for m in allowed):
+            raise ConfigError(
+                f"'model.unet.target': '{target}' is outside diffusers; model classes from other modules must be "
+                f"allowed explicitly: {UNET_MODULES_ENV}={module} (comma-separated list of modules)"
+            )
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"'model.unet.target': cannot import '{target}': {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and issubclass(cls, ConfigMixin)):
+        raise ConfigError(f"'model.unet.target': '{target}' is not a model class (a torch.nn.Module with "
+                          "diffusers' from_config)")
+    return cls
 
 
 def _source(cfg: ModelConfig, component: str) -> str | None:

@@ -145,3 +145,13 @@ def test_bare_no_is_a_string_where_the_schema_wants_one(tmp_path):
     assert cfg.model.mixed_precision == "no" and cfg.model.use_ema is False
     cfg = load([f"config={write(tmp_path, MINIMAL)}"], yaml_text="model:\n  mixed_precision: no\n")
     assert cfg.model.mixed_precision == "no"
+
+
+def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
+    from sd_training.config import load, public_dict, to_yaml
+
+    cfg = load(["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8",
+                "wandb.api_key=sk-secret-123"])
+    assert cfg.wandb.api_key == "sk-secret-123"  # the run itself still has it
+    assert "sk-secret-123" not in to_yaml(cfg) and "<redacted>" in to_yaml(cfg)
+    assert public_dict(cfg)["wandb"]["api_key"] == "<redacted>"

@@ -45,7 +45,6 @@ TINY_CLIP = {
 def sets(tmp_path_factory):
     """Set A: shape images as WebDataset shards and the same images as a folder (with .txt captions);
     set B: a different distribution (large circles on white)."""
-    from PIL import Image
 
     from sd_training.data.synthetic import draw_shape, write_shapes_shards
 

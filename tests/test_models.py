@@ -68,3 +68,24 @@ def test_xformers_request_falls_back_to_sdpa_on_cpu(tiny_pipeline, caplog):
     assert "xformers kernels run on CUDA only" in caplog.text
     procs = {type(p).__name__ for p in m.unet.attn_processors.values()}
     assert procs == {"AttnProcessor2_0"}
+
+
+def test_unet_target_names_model_classes_not_arbitrary_callables(monkeypatch, tmp_path):
+    """``model.unet.target`` is resolved by import: a config must not be able to run ``subprocess.Popen``."""
+    from sd_training.config import ConfigError
+    from sd_training.models import UNET_MODULES_ENV, resolve_unet_class
+
+    monkeypatch.delenv(UNET_MODULES_ENV, raising=False)
+    assert resolve_unet_class("diffusers.models.unets.unet_2d_condition.UNet2DConditionModel").__name__ == "UNet2DConditionModel"
+    with pytest.raises(ConfigError, match=f"outside diffusers.*{UNET_MODULES_ENV}=subprocess"):
+        resolve_unet_class("subprocess.Popen")
+    with pytest.raises(ConfigError, match="is not a model class"):
+        resolve_unet_class("diffusers.utils.logging.get_logger")
+    # A user's own model module, allowed explicitly.
+    (tmp_path / "my_unets.py").write_text(
+        "from diffusers import UNet2DConditionModel\nclass MyUNet(UNet2DConditionModel):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="outside diffusers"):
+        resolve_unet_class("my_unets.MyUNet")
+    monkeypatch.setenv(UNET_MODULES_ENV, "other, my_unets")
+    assert resolve_unet_class("my_unets.MyUNet").__name__ == "MyUNet"

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from conftest import run_precompute
-import torch
 
 from sd_training.data.synthetic import write_shapes_shards
 

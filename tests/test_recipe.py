@@ -1,7 +1,6 @@
 """Recipe options, each checked for what it does: optimizers, schedules, EMA, precision, init, NaN guard."""
 
 import json
-import math
 from pathlib import Path
 
 import pytest

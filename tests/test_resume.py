@@ -115,7 +115,7 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards
     kill_after_checkpoint(launch(tmp_path, resumed, nproc), run / "checkpoints", 3)
     first = complete_steps(run / "checkpoints")
     out = finish(launch(tmp_path, resumed, nproc))
-    assert f"resumed from" in out
+    assert "resumed from" in out
     a, ta = final_state(tmp_path / "runs" / "straight")
     b, tb = final_state(run)
     for name in ("unet", "ema", "optimizer", "lr_scheduler"):

@@ -10,7 +10,6 @@ environment variables (CONFIG, PYTHON, GPUS_PER_NODE) adapting them to the test 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path

@@ -1,7 +1,6 @@
 """Trackers: metrics.jsonl always; real wandb in offline mode, continuing the same run after a restart."""
 
 import json
-from pathlib import Path
 
 import pytest
 
