@@ -76,6 +76,8 @@ class ExperimentConfig:
     keep_last_checkpoints: int = f(2, "complete resume checkpoints kept (older ones are deleted)")
     keep_checkpoint_every: Optional[int] = f(None, "optimizer steps: checkpoints at multiples of this are kept forever")
     resume: bool = f(True, "continue from the newest complete checkpoint in the run directory, if any")
+    start_fresh: bool = f(False, "a run directory that holds checkpoints: move its contents aside (<name>.old-<time>) and start over")
+    allow_config_change: bool = f(False, "resume although keys that change the training differ from the checkpoint's config")
     max_nonfinite_steps: int = f(10, "consecutive optimizer steps with a non-finite loss or gradient before the run saves and stops")
     export_weights: str = f("auto", "pipelines exported: auto (raw, plus ema with model.use_ema) | raw | ema | both")
     sample_from: str = f("auto", "weights of the sample grids: auto (ema with model.use_ema, else raw) | raw | ema | both")

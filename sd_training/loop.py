@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from . import distributed, quickstart
-from .checkpoint import Checkpointer, rng_state, set_rng_state
-from .config import TrainConfig, public_dict, to_yaml
+from .checkpoint import Checkpointer, complete_steps, rng_state, set_rng_state
+from .config import ConfigError, TrainConfig, public_dict, to_yaml
 from .ema import EMA, decay_from_strength
 from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
 from .models import build_models
@@ -23,6 +23,7 @@ from .objective import configure_schedulers, diffusion_loss, encode_images, enco
 from .text_encoders import text_encoder_param_groups
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
+from .run_guard import check_resume_config, cut_metrics_back, lock_run_folder, prepare_fresh_start
 from .preemption import StopFlag, requeue_job, under_slurm
 from .run_dir import RunDir
 from .trackers import build_trackers
@@ -97,6 +98,16 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         cfg, info = self.cfg, self.info
+        refused = None
+        if info.is_main:
+            try:  # one run per folder; an earlier run's checkpoints are continued or moved aside, never mixed in
+                self._lock = lock_run_folder(self.run_dir.root)
+                prepare_fresh_start(self.run_dir.root, complete_steps(self.run_dir.checkpoints),
+                                    cfg.experiment.resume, cfg.experiment.start_fresh)
+            except ConfigError as e:
+                refused = e
+        if distributed.any_rank(refused is not None, self.device):
+            raise refused or ConfigError(f"rank 0 refused the run folder {self.run_dir.root} (its error says why)")
         if info.is_main:
             self.run_dir.create()
             (self.run_dir.root / "config.yaml").write_text(self.config_yaml)
@@ -360,7 +371,14 @@ class Trainer:
     def _maybe_resume(self) -> None:
         latest = self.checkpointer.latest()
         if latest is None:
+            if self.info.is_main:
+                cut_metrics_back(self.run_dir.metrics, 0)  # a run killed before its first checkpoint
             return
+        applied = []
+        if (latest / "config.yaml").exists():
+            applied = check_resume_config((latest / "config.yaml").read_text(), public_dict(self.cfg),
+                                          self.cfg.experiment.allow_config_change, latest)
+        new_peaks = [g["initial_lr"] for g in self.optimizer.param_groups]
         shared, per_rank, train_state = Checkpointer.load(latest, self.info.rank)
         for name, obj in self._resumable().items():
             if name not in shared:
@@ -376,12 +394,24 @@ class Trainer:
         self.state.load_state_dict(train_state)
         self.loader.load_state_dict(per_rank["data"])
         set_rng_state(per_rank["rng"])
+        if applied:  # a new learning rate: the schedule continues from this step with the new peaks
+            self.lr_scheduler.base_lrs = list(new_peaks)
+            factor = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
+            for g, peak in zip(self.optimizer.param_groups, new_peaks):
+                g["initial_lr"], g["lr"] = peak, peak * factor
+        if self.info.is_main:
+            cut_metrics_back(self.run_dir.metrics, self.state.step)
         log.info("resumed from %s at step %d (%d images seen)", latest, self.state.step, self.state.images_seen)
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: StopFlag | None = None) -> dict:
         stop = stop if stop is not None else StopFlag().install()
-        self._setup()
+        self._lock = None
+        try:
+            self._setup()
+        except BaseException:
+            self._release_lock()
+            raise
         try:
             return self._loop(stop)
         finally:
@@ -393,6 +423,12 @@ class Trainer:
                     self._log_eval_results(wait=True)
             if self.trackers:
                 self.trackers.close()
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()  # closing the file releases the flock
+            self._lock = None
 
     def _micro_step(self, batch: dict, sync: bool):
         """Forward and backward of one micro-batch; gradients are all-reduced only when ``sync``.
