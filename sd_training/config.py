@@ -396,8 +396,74 @@ def _choice(path: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"'{path}' is '{value}', expected one of {', '.join(allowed)}{hint}")
 
 
+# Range rules for numeric keys. Every int/float key must be a finite number >= 0 unless listed in
+# MAY_BE_NEGATIVE; AT_LEAST_ONE keys, when set, must be >= 1; POSITIVE ones > 0; UNIT ones within [0, 1].
+MAY_BE_NEGATIVE = {"objective.logit_mean", "dataset.params.tags.abs_min_score", "dataset.params.tags.min_score"}
+AT_LEAST_ONE = {
+    "experiment.checkpoint_every", "experiment.keep_checkpoint_every", "experiment.sample_steps",
+    "lr_scheduler.params.decay_length", "validation.every", "validation.num_batches", "model.ema.update_every",
+    "dataset.params.consider_every_nth", "dataset.params.shuffle_buffer", "experiment.max_nonfinite_steps",
+    "evaluation.threads", "evaluation.ref_max_images", "model.text_encoder.max_length", "dataset.params.bucket_step",
+    "quickstart.shapes_samples", "quickstart.shapes_per_shard", "quickstart.shapes_size",
+}
+POSITIVE = {
+    "distributed.timeout_minutes", "experiment.save_every_minutes", "experiment.peak_tflops", "dataset.params.io_timeout",
+    "objective.logit_std", "optimizer.params.epsilon",
+}
+UNIT = {
+    "model.ema.decay", "model.ema.strength_target", "optimizer.params.beta1", "optimizer.params.beta2",
+    "dataset.params.random_flip", "dataset.params.caption_dropout", "dataset.params.shuffle_tags",
+    "lr_scheduler.params.min_lr_ratio",
+}
+
+
+def _value_at(cfg, path: str):
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def check_ranges(cfg: TrainConfig) -> None:
+    """Every numeric key of the schema against its range, at start-up: a bad value fails now, naming the
+    key, rather than hours later (a ZeroDivisionError after warmup, gradient ascent from a negative
+    clip norm, an EMA that diverges)."""
+    import math
+
+    for path, tp, _default, _help, is_section in schema_entries():
+        if is_section or tp not in (int, float):
+            continue
+        v = _value_at(cfg, path)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if math.isnan(v):
+            raise ConfigError(f"'{path}' is NaN: set a number (a NaN often comes from an interpolation or a typo in the YAML)")
+        if math.isinf(v):
+            raise ConfigError(f"'{path}' is infinite ({v}): set a finite number")
+        if path in UNIT and not 0.0 <= v <= 1.0:
+            raise ConfigError(f"'{path}' must be within [0, 1], got {v}")
+        if path in POSITIVE and v <= 0:
+            raise ConfigError(f"'{path}' must be > 0, got {v}")
+        if path in AT_LEAST_ONE and v < 1:
+            raise ConfigError(f"'{path}' must be >= 1 when set, got {v} (leave it unset for the default)")
+        if path not in MAY_BE_NEGATIVE and v < 0:
+            raise ConfigError(f"'{path}' must be >= 0, got {v}")
+    if cfg.optimizer.params.beta1 >= 1 or cfg.optimizer.params.beta2 >= 1:
+        raise ConfigError("'optimizer.params.beta1' and 'beta2' must be < 1 (the moment estimates would never decay)")
+    if cfg.experiment.sample_resolution is not None and cfg.experiment.sample_resolution % 8:
+        raise ConfigError(f"'experiment.sample_resolution' must be a multiple of 8 (the VAE downsamples by 8), "
+                          f"got {cfg.experiment.sample_resolution}")
+    root = os.path.normpath(os.path.join(cfg.experiment.log_dir, cfg.experiment.name))
+    if os.path.isabs(cfg.experiment.name) or os.path.relpath(root, cfg.experiment.log_dir).startswith(".."):
+        raise ConfigError(f"'experiment.name' ({cfg.experiment.name}) leaves experiment.log_dir: use a plain name "
+                          "(sub/folders are fine, '..' and absolute paths are not)")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Checks that need several keys or a closed set of values; world-size checks come at start-up."""
+    check_ranges(cfg)
     from .data import validate_dataset_config
 
     _choice("wandb.mode", cfg.wandb.mode, ("auto", "online", "offline", "disabled"))
@@ -463,7 +529,11 @@ def validate(cfg: TrainConfig) -> None:
         ("dataset.params.num_examples_to_see", "experiment.num_examples_to_see",
          cfg.dataset.params.num_examples_to_see, cfg.experiment.num_examples_to_see),
     ]:
-        if a != b:
+        if a != b and b == _value_at(TrainConfig(), used) and not (isinstance(a, str) and a.startswith("${")):
+            # Only the alias was set (an older open-diffusion config): it is the user's value.
+            section, key = used.rsplit(".", 1)
+            setattr(_value_at(cfg, section), key, a)
+        elif a != b:
             raise ConfigError(f"'{alias}' ({a}) differs from '{used}' ({b}); set only '{used}' (the alias follows it)")
     if cfg.lr_scheduler.params.warmup_length < 0:
         raise ConfigError("'lr_scheduler.params.warmup_length' must be >= 0")

@@ -90,7 +90,8 @@ def test_bad_choice_suggests(tmp_path):
 def test_alias_must_agree(tmp_path):
     path = write(tmp_path, MINIMAL)
     with pytest.raises(ConfigError, match=r"lr_scheduler\.params\.learning_rate"):
-        load([f"config={path}", "lr_scheduler.params.learning_rate=0.5"])
+        load([f"config={path}", "lr_scheduler.params.learning_rate=0.5", "optimizer.params.learning_rate=0.25"])
+    assert load([f"config={path}", "lr_scheduler.params.learning_rate=0.5"]).optimizer.params.learning_rate == 0.5
 
 
 def test_argument_without_equals(tmp_path):
@@ -155,3 +156,36 @@ def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
     assert cfg.wandb.api_key == "sk-secret-123"  # the run itself still has it
     assert "sk-secret-123" not in to_yaml(cfg) and "<redacted>" in to_yaml(cfg)
     assert public_dict(cfg)["wandb"]["api_key"] == "<redacted>"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("experiment.sample_resolution=60", "multiple of 8"),
+    ("experiment.sample_steps=0", "'experiment.sample_steps' must be >= 1"),
+    ("lr_scheduler.params.decay_length=0", "'lr_scheduler.params.decay_length' must be >= 1"),
+    ("optimizer.params.max_grad_norm=-1", "'optimizer.params.max_grad_norm' must be >= 0"),
+    ("optimizer.params.learning_rate=-1e-4", "'optimizer.params.learning_rate' must be >= 0"),
+    ("optimizer.params.learning_rate=nan", "'optimizer.params.learning_rate' is NaN"),
+    ("optimizer.params.weight_decay=-0.1", "'optimizer.params.weight_decay' must be >= 0"),
+    ("model.ema.decay=1.5", r"'model.ema.decay' must be within \[0, 1\]"),
+    ("distributed.timeout_minutes=0", "'distributed.timeout_minutes' must be > 0"),
+    ("system.workers=-2", "'system.workers' must be >= 0"),
+    ("experiment.name=../../elsewhere", "leaves experiment.log_dir"),
+    ("dataset.params.caption_dropout=2", "'dataset.params.caption_dropout' must be within"),
+])
+def test_numeric_keys_are_range_checked_at_start_up(override, words):
+    from sd_training.config import ConfigError, load
+
+    base = ["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8"]
+    load(base)  # the base is fine
+    with pytest.raises(ConfigError, match=words):
+        load(base + [override])
+
+
+def test_an_open_diffusion_alias_set_alone_is_the_users_value():
+    from sd_training.config import ConfigError, load
+
+    base = ["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8"]
+    cfg = load(base + ["system.dist_backend=gloo"])
+    assert cfg.distributed.dist_backend == "gloo"
+    with pytest.raises(ConfigError, match="differs from 'distributed.dist_backend'"):
+        load(base + ["system.dist_backend=gloo", "distributed.dist_backend=nccl"])
