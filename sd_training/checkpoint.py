@@ -67,9 +67,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointWriteError(RuntimeError):
+    pass
+
+
 def _atomic_torch_save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".part")
-    torch.save(obj, tmp)
+    try:
+        torch.save(obj, tmp)
+    except (OSError, RuntimeError) as e:
+        # A full disk reads "basic_ios::clear: iostream error" from torch's writer: say what it is.
+        raise CheckpointWriteError(describe_write_error(path, e)) from e
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -85,6 +93,42 @@ def complete_steps(root: Path) -> list[int]:
         if m and d.is_dir() and (d / MARKER).exists():
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def describe_write_error(path: Path, e: BaseException) -> str:
+    """One line that says why writing ``path`` failed and what to do."""
+    import errno
+
+    folder = Path(path).parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    code = getattr(e, "errno", None)
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {path}: {os.strerror(code)}. Make {folder} writable; the previous checkpoint is intact"
+    if code in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < 64 * 2**20):
+        return (f"cannot write {path}: no space left on the device (or quota reached; {free or 0:,} bytes free). "
+                "Free space or move experiment.log_dir; the previous checkpoint is intact")
+    return f"cannot write {path}: {e}. The previous checkpoint is intact"
+
+
+def check_writable(folder: Path, expected_bytes: int = 0) -> None:
+    """At start-up: ``folder`` exists and takes a file (not first discovered at the first save, hours
+    later); a warning when its free space is under twice ``expected_bytes`` (one checkpoint)."""
+    probe = Path(folder) / f".write-test-{os.getpid()}"
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        from .fields import ConfigError
+
+        raise ConfigError(describe_write_error(probe, e).replace(str(probe), str(folder))) from None
+    free = shutil.disk_usage(folder).free
+    if expected_bytes and free < 2 * expected_bytes:
+        log.warning("%s has %.1f GB free; one checkpoint takes about %.1f GB: the next saves may fail",
+                    folder, free / 1e9, expected_bytes / 1e9)
 
 
 class Checkpointer:

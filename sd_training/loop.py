@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import distributed, quickstart
-from .checkpoint import Checkpointer, complete_steps, rng_state, set_rng_state
+from .checkpoint import Checkpointer, check_writable, complete_steps, rng_state, set_rng_state
 from .config import ConfigError, TrainConfig, public_dict, to_yaml
 from .ema import EMA, decay_from_strength
 from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
@@ -25,7 +25,7 @@ from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
 from .run_guard import check_resume_config, cut_metrics_back, lock_run_folder, prepare_fresh_start
 from .preemption import StopFlag, requeue_job, under_slurm
-from .run_dir import RunDir
+from .run_dir import RunDir, copy_dir_atomically, repair_swaps
 from .trackers import build_trackers
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,9 @@ class Trainer:
             (self.run_dir.root / "config.yaml").write_text(self.config_yaml)
         distributed.barrier()
         self.run_dir.setup_logging(info.rank)
+        if info.is_main:
+            for path in repair_swaps(self.run_dir.root, self.run_dir.root / "pipelines"):
+                log.warning("restored %s from the previous export (a kill interrupted its replacement)", path)
         log.info(
             "launcher=%s world_size=%d device=%s global_batch=%d total_steps=%d",
             info.launcher, info.world_size, self.device, self.plan.global_batch, self.plan.total_steps,
@@ -188,6 +191,9 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.run_dir.checkpoints, cfg.experiment.keep_last_checkpoints, cfg.experiment.keep_checkpoint_every
         )
+        # Weights, two AdamW moments, the EMA: found unwritable or nearly full now, not at the first save.
+        weight_bytes = sum(p.numel() * 4 for p in self.net.parameters())
+        check_writable(self.run_dir.checkpoints, weight_bytes * (3 + (self.ema is not None)))
         if self.net_name == "unet" and cfg.dataset.type.lower() in ("latents", "latent"):
             from .data.latents import check_latents_match
 
@@ -414,6 +420,12 @@ class Trainer:
             raise
         try:
             return self._loop(stop)
+        except ConfigError:
+            raise
+        except BaseException as e:
+            if not isinstance(e, KeyboardInterrupt):  # the error in train.log too, not only on the console
+                log.exception("training failed at step %d: %s", self.state.step, e)
+            raise
         finally:
             stop.uninstall()
             if self.evaluator is not None:
@@ -674,11 +686,7 @@ class Trainer:
                 else:
                     out = export_pipeline(self.models, net, self.run_dir.pipeline(None, ema=is_ema))
                 if not cfg.save_only_most_recent:
-                    import shutil
-
-                    keep = self.run_dir.pipeline(self.state.step, ema=is_ema)
-                    keep.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copytree(out, keep, dirs_exist_ok=True)
+                    copy_dir_atomically(out, self.run_dir.pipeline(self.state.step, ema=is_ema))
                 log.info("exported pipeline %s", out)
             for w in samples_from:
                 self._write_samples(plain[w], suffix="" if w == samples_from[0] else f"_{w}")

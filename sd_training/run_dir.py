@@ -66,8 +66,36 @@ class RunDir:
         root.setLevel(logging.INFO)
 
 
+def repair_swaps(*folders: Path) -> list[Path]:
+    """Finish what a kill between the two renames of :func:`replace_dir` left: ``X.old`` without ``X``
+    goes back to ``X`` (the previous complete export); ``X.old`` beside a complete ``X`` is removed."""
+    restored = []
+    for folder in folders:
+        if not Path(folder).is_dir():
+            continue
+        for old in Path(folder).glob("*.old"):
+            final = old.with_name(old.name[: -len(".old")])
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, final)
+                restored.append(final)
+    return restored
+
+
+def copy_dir_atomically(src: Path, final: Path) -> None:
+    """A copy of ``src`` at ``final`` that a kill leaves either complete or absent (never half-written)."""
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(src, tmp)
+    replace_dir(tmp, final)
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a fully written folder into place; the old one is removed only after the new one exists."""
+    """Move a fully written folder into place; the old one is removed only after the new one exists.
+    A kill between the two renames leaves ``final.old``, which :func:`repair_swaps` puts back."""
     old = final.with_name(final.name + ".old")
     if old.exists():
         shutil.rmtree(old)

@@ -256,3 +256,30 @@ def test_checkpoints_load_only_their_own_files_and_only_tensors(tmp_path):
     with pytest.raises(RuntimeError, match=r"optimizer\.pt holds objects other than tensors"):
         Checkpointer.load(folder, 0)
     assert not marker.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MiB filesystem (tmpfs); skipped where this process may not mount one."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(small_disk):
+    from sd_training.checkpoint import CheckpointWriteError, check_writable
+    from sd_training.config import ConfigError
+
+    root = small_disk / "ck"
+    Checkpointer(root, keep_last=1).save(1, {"unet": {"w": torch.ones(1000)}}, {"rng": 1}, {"step": 1}, "c: 1", rank=0)
+    with pytest.raises(CheckpointWriteError, match="no space left on the device"):
+        Checkpointer(root, keep_last=1).save(2, {"unet": {"w": torch.ones(2_000_000)}}, {"rng": 2}, {"step": 2}, "c: 2",
+                                             rank=0)
+    assert complete_steps(root) == [1] and Checkpointer.load(root / "step_00000001", 0)[2] == {"step": 1}
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    with pytest.raises(ConfigError, match="Read-only file system"):
+        check_writable(root)

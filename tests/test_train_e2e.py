@@ -75,3 +75,21 @@ def test_train_py_cli_quick_run(tmp_path, tiny_pipeline, shapes_shards):
     res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "runs" / "cli" / "current_pipeline" / "model_index.json").exists()
+
+
+def test_a_kill_between_the_renames_of_an_export_swap_is_repaired(tmp_path):
+    """``replace_dir`` renames the old export aside, then the new one in: a kill between the two leaves
+    only ``current_pipeline.old``; start-up puts it back. Copies to pipelines/step_N are atomic too."""
+    from sd_training.run_dir import copy_dir_atomically, repair_swaps
+
+    root = tmp_path / "run"
+    (root / "current_pipeline.old").mkdir(parents=True)
+    (root / "current_pipeline.old" / "model_index.json").write_text("{}")
+    (root / "current_pipeline_ema").mkdir()
+    (root / "current_pipeline_ema.old").mkdir()  # the swap finished but the old one was not yet removed
+    assert repair_swaps(root, root / "pipelines") == [root / "current_pipeline"]
+    assert (root / "current_pipeline" / "model_index.json").exists()
+    assert not (root / "current_pipeline_ema.old").exists() and (root / "current_pipeline_ema").is_dir()
+    copy_dir_atomically(root / "current_pipeline", root / "pipelines" / "step_00000002")
+    assert (root / "pipelines" / "step_00000002" / "model_index.json").exists()
+    assert not list((root / "pipelines").glob("*.tmp"))
