@@ -29,7 +29,6 @@ from .objective import ObjectiveConfig, validate_objective_config
 from .text_encoders import TextEncoderConfig, validate_text_encoder_config
 from .vae_objective import VAEObjectiveConfig, validate_vae_objective_config
 
-
 # ----------------------------------------------------------------------------------------------
 # Schema. Every field: f(default, "one-line help with its unit").
 # ----------------------------------------------------------------------------------------------

@@ -159,8 +159,8 @@ def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype = 
 
 
 def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Models:
-    from diffusers import AutoencoderKL, DDPMScheduler
     import diffusers
+    from diffusers import AutoencoderKL, DDPMScheduler
 
     rev = dict(revision=cfg.revision) if cfg.revision else {}
 

@@ -9,8 +9,15 @@ import socket
 import threading
 
 import pytest
-
-from data_fixtures import all_keys, jpeg_bytes, loader, simple_samples, take, write_shards, write_tar
+from data_fixtures import (
+    all_keys,
+    jpeg_bytes,
+    loader,
+    simple_samples,
+    take,
+    write_shards,
+    write_tar,
+)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -129,3 +136,76 @@ def test_filter_on_missing_or_null_field_fails_the_filter_without_crashing(tmp_p
     for b in take(ld, 5):
         assert set(b["keys"]) <= {"a", "f"}
     assert ld.stats()["filter/w/pass_rate"] == pytest.approx(2 / 6, abs=0.1)
+
+
+def test_a_stalled_pipe_shard_is_killed_skipped_and_counted(tmp_path):
+    """``pipe:`` shards get a read-inactivity timeout: a command that stops sending (a hung download)
+    is killed and its shard skipped, and the run goes on with the others."""
+    import time
+
+    pattern = write_shards(str(tmp_path), [4, 4])
+    os.remove(tmp_path / "part-0001.tar")
+    os.mkfifo(tmp_path / "part-0001.tar")  # `cat` of a FIFO nobody writes to waits forever: a hung download
+    good = {f"s{i:05d}" for i in range(4)}
+    t0 = time.time()
+    ld = loader(f"pipe:cat {pattern}", batch_size=4, shuffle_buffer=1, io_timeout=1, resampled=False)
+    assert set(all_keys(take(ld, 2))) == good
+    assert ld.stats()["skipped/shard_stalled"] >= 1
+    assert time.time() - t0 < 30  # not the 60 s of the stalled command
+
+
+def test_oversized_tar_members_are_skipped_before_they_are_read(tmp_path):
+    """A decompression bomb: a gzip shard of a few hundred KB holding a 200 MB member. The member is
+    skipped from its header (counted); the reader never holds it in memory."""
+    import gzip
+    import io
+    import tarfile
+    import tracemalloc
+
+    path = tmp_path / "bomb-0.tar.gz"
+    with gzip.open(path, "wb", compresslevel=1) as gz, tarfile.open(fileobj=gz, mode="w|") as tar:
+        for i, s in enumerate([_good(0), None, _good(1)]):
+            if s is None:
+                info = tarfile.TarInfo("bomb.jpg")
+                info.size = 200 * 2**20
+                tar.addfile(info, io.BytesIO(bytes(info.size)))
+                info = tarfile.TarInfo("bomb.txt")
+                info.size = 4
+                tar.addfile(info, io.BytesIO(b"boom"))
+                continue
+            for ext in ("jpg", "txt"):
+                data = s[ext] if isinstance(s[ext], bytes) else s[ext].encode()
+                info = tarfile.TarInfo(f"{s['__key__']}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    assert path.stat().st_size < 2 * 2**20
+    tracemalloc.start()
+    try:
+        ld = loader(str(path), batch_size=2, shuffle_buffer=1, max_member_bytes=16 * 2**20, resampled=False)
+        assert sorted(all_keys(take(ld, 1))) == ["good0", "good1"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    st = ld.stats()
+    assert st["skipped/member_too_large"] == 1 and st["skipped/missing_image"] == 1  # bomb.txt alone is left
+    assert peak < 64 * 2**20, peak
+
+
+def test_csv_with_a_huge_caption_or_an_unclosed_quote_gets_a_clear_error(tmp_path):
+    from sd_training.data import DatasetConfigError
+
+    img = tmp_path / "a.jpg"
+    img.write_bytes(jpeg_bytes())
+    big = tmp_path / "big.csv"
+    big.write_text("image,caption\na.jpg," + "word " * 40000 + "\na.jpg,short\n")
+    ld = loader(str(big), batch_size=2, shuffle_buffer=1, resampled=False, **{"type": "CSV"})
+    assert len(take(ld, 1)[0]["captions"]) == 2  # a 200 KB caption is read, not a bare _csv.Error
+    bad = tmp_path / "open.csv"
+    bad.write_text('image,caption\na.jpg,"a caption whose quote never closes\na.jpg,next row\na.jpg,third\n')
+    with pytest.raises(DatasetConfigError, match=r"open\.csv: the record starting at line 2 spans 3 lines to the end "
+                                                 r"of the file: an unclosed quote"):
+        loader(str(bad), batch_size=2, **{"type": "CSV"})
+    multi = tmp_path / "multi.csv"
+    multi.write_text('image,caption\na.jpg,"two\nlines"\na.jpg,one line\n')
+    ld = loader(str(multi), batch_size=2, shuffle_buffer=1, resampled=False, **{"type": "CSV"})
+    assert sorted(take(ld, 1)[0]["captions"]) == ["one line", "two\nlines"]

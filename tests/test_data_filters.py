@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from data_fixtures import make_cfg
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError
 
-from data_fixtures import make_cfg
 from sd_training.data import DatasetConfig, DatasetConfigError, validate_dataset_config
 from sd_training.data.filters import parse_filter, parse_filters
 

@@ -11,10 +11,9 @@ import threading
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from data_fixtures import all_keys, jpeg_bytes, loader, take, write_shards, write_tar
-from sd_training.data import DatasetConfigError
 
+from sd_training.data import DatasetConfigError
 
 _IMAGENET = os.path.join(os.path.dirname(__file__), "..", "scripts", "metadata", "imagenet_idx_to_prompt.json")
 

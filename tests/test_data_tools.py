@@ -11,7 +11,6 @@ import tarfile
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from data_fixtures import jpeg_bytes, loader, png_bytes, take
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

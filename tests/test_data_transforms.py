@@ -6,10 +6,18 @@ import io
 import time
 
 import numpy as np
+import pytest
 import torch
+from data_fixtures import (
+    assert_same_batches,
+    jpeg_bytes,
+    loader,
+    take,
+    tokenizer,
+    write_tar,
+)
 from PIL import Image, JpegImagePlugin
 
-from data_fixtures import assert_same_batches, jpeg_bytes, loader, take, tokenizer, write_tar
 from sd_training.data.buckets import assign_bucket, make_buckets
 from sd_training.data.captions import CaptionAugment, shuffle_tags
 from sd_training.data.synthetic import shape_sample, write_shapes_shards
@@ -143,3 +151,48 @@ def test_aspect_bucketed_batches_never_mix_buckets_and_resume_exactly(tmp_path):
     again = loader(pattern, seed=3, **kw)
     again.load_state_dict(state)
     assert_same_batches(batches, head + take(again, 7))
+
+
+def test_16_bit_greyscale_is_rescaled_not_clipped_to_white():
+    """A 16-bit PNG at half grey must train as mid grey (PIL's plain convert clips it to white)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from sd_training.data.transforms import decode_resized, open_image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((16, 16), 32768, dtype=np.uint16)).save(buf, format="PNG")
+    img = open_image(buf.getvalue())
+    assert img.mode.startswith("I")
+    out = decode_resized(img, 16, 16, center_crop=True, flip=False, rng=None)
+    assert out.shape == (16, 16, 3) and abs(int(out.mean()) - 128) <= 1
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_exif_orientation_is_applied(orientation):
+    """A camera JPEG stored sideways with an EXIF orientation trains as it is shown: the red top half
+    of the picture as shown is on top after decoding, at the shown aspect ratio."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from sd_training.data.transforms import _TRANSPOSES, decode_resized, open_image
+
+    shown = np.zeros((64, 32, 3), dtype=np.uint8)  # portrait as shown: red top half, blue bottom half
+    shown[:32, :, 0] = 255
+    shown[32:, :, 2] = 255
+    stored = Image.fromarray(shown)
+    inverse = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90, 8: Image.Transpose.ROTATE_270}
+    stored = stored.transpose(inverse[orientation])  # what the camera wrote
+    assert stored.transpose(_TRANSPOSES[orientation][0]).size == (32, 64)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    stored.save(buf, format="JPEG", quality=95, exif=exif.tobytes())
+    out = decode_resized(open_image(buf.getvalue()), 32, 64, center_crop=True, flip=False, rng=None)
+    assert out.shape == (64, 32, 3)
+    assert out[:24, :, 0].mean() > 200 and out[:24, :, 2].mean() < 60  # red on top
+    assert out[40:, :, 2].mean() > 200 and out[40:, :, 0].mean() < 60  # blue below

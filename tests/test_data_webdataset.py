@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from data_fixtures import (
     all_keys,
     assert_same_batches,
@@ -24,6 +22,8 @@ from data_fixtures import (
     write_shards,
     write_tar,
 )
+from omegaconf import OmegaConf
+
 from sd_training.data import DatasetConfig, DatasetConfigError, build_train_loader
 from sd_training.data.synthetic import COLOURS, SHAPES, write_shapes_shards
 

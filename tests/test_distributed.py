@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import train_args
 
 HERE = Path(__file__).resolve().parent

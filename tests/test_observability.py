@@ -4,8 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import train_args
+
 from sd_training.config import ConfigError, load
 from sd_training.loop import main as train
 

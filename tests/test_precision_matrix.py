@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import run_precompute, train_args
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import run_precompute
 
 from sd_training.data.synthetic import write_shapes_shards
@@ -94,6 +93,7 @@ def test_rerun_does_no_work_and_a_killed_runs_tmp_is_ignored(tmp_path, tiny_pipe
     assert not (out / "shapes-000002.tar.tmp").exists()
     # The stray .tmp is not a shard: readers glob *.tar, and training reads the folder.
     from data_fixtures import make_cfg, take, tokenizer
+
     from sd_training.data import build_train_loader
 
     cfg = make_cfg(str(out), type="latents", resolution=32, batch_size=4, text_embeddings=True, shuffle_buffer=1)

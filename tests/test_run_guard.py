@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import train_args
+
 from sd_training.checkpoint import complete_steps
 from sd_training.config import ConfigError, load
 from sd_training.loop import main as train

@@ -18,7 +18,10 @@ import pytest
 
 pytest.register_assert_rewrite("slurm_cluster")  # before the import below; also a plugin here
 from slurm_cluster import (  # noqa: E402
-    SlurmCluster, _pid_alive, _skip_or_fail, missing_requirements,
+    SlurmCluster,
+    _pid_alive,
+    _skip_or_fail,
+    missing_requirements,
 )
 
 pytest_plugins = ["slurm_cluster"]

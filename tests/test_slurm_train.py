@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import train_args
+
 from sd_training.checkpoint import complete_steps
 
 pytest.register_assert_rewrite("slurm_cluster")

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import train_args
+
 from sd_training.config import load
 from sd_training.loop import main as train
 
@@ -43,8 +43,8 @@ def test_short_run_exports_loadable_pipeline(tmp_path, tiny_pipeline, shapes_sha
     assert res.returncode == 0, res.stderr
     assert "(64, 64)" in res.stdout
     # The exported UNet holds the trained weights, not the initial ones.
-    from diffusers import UNet2DConditionModel
     import torch
+    from diffusers import UNet2DConditionModel
 
     a = UNet2DConditionModel.from_pretrained(run / "current_pipeline" / "unet")
     b = UNet2DConditionModel.from_pretrained(tiny_pipeline / "unet")

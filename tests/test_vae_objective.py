@@ -18,8 +18,8 @@ from sd_training.vae_objective import (
     kl_divergence,
     latent_statistics,
     measure_scaling_factor,
-    validate_vae_objective_config,
     vae_loss,
+    validate_vae_objective_config,
 )
 
 RES = 32  # 4x4 latents with the 8x-downsampling tiny VAE: fast, and every block still runs

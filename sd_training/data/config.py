@@ -83,7 +83,8 @@ class DatasetParams:
     # --- order and distribution --------------------------------------------------------------------
     shuffle_buffer: int = f(1000, "samples held for shuffling per worker")
     resampled: bool = f(True, "draw shards with replacement (an infinite stream) instead of epochs over shards")
-    io_timeout: float = f(30.0, "seconds before an http(s) shard or image fetch is given up (counted, skipped)")
+    io_timeout: float = f(30.0, "seconds without data before an http(s) or pipe: shard, or an image fetch, is given up (counted, skipped; a pipe: command is killed)")
+    max_member_bytes: int = f(64 * 2**20, "tar members larger than this are skipped unread (counted): a decompression bomb cannot exhaust a worker")
 
 
 @dataclass
@@ -116,6 +117,7 @@ _ONLY_FOR = {
     "caption_column": {"parquet", "CSV"},
     "image_root": {"parquet", "CSV"},
     "csv_separator": {"CSV"},
+    "max_member_bytes": {"WebDataset", "latents"},
     "layout": {"folder"},
     "consider_every_nth": {"folder"},
     "samples_per_shard": {"folder", "CSV"},
@@ -229,6 +231,7 @@ def validate_dataset_config(cfg: DatasetConfig) -> None:
     need(int(p.consider_every_nth) >= 1, "consider_every_nth", "must be >= 1")
     need(int(p.samples_per_shard) >= 0, "samples_per_shard", "must be >= 0 (0: automatic)")
     need(float(p.io_timeout) > 0, "io_timeout", "must be > 0 seconds")
+    need(int(p.max_member_bytes) >= 1, "max_member_bytes", "must be >= 1 byte")
     need(str(p.layout) in ("auto", "flat", "metadata"), "layout", "choose auto, flat or metadata")
     need(len([k for k in str(p.image_keys).split(";") if k.strip()]) > 0, "image_keys", "name at least one member")
     need(len(str(p.csv_separator)) == 1, "csv_separator", "must be one character")

@@ -110,7 +110,7 @@ class LatentShardSource(WebDatasetSource):
                 )
 
     def read(self, unit: str, stats: Stats):
-        for members in iter_tar_samples(unit, self.timeout, stats):
+        for members in iter_tar_samples(unit, self.timeout, stats, self.max_member_bytes):
             yield {
                 "key": members["__key__"],
                 "url": unit,

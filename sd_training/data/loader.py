@@ -21,7 +21,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..preemption import ignore_stop_signals
-
 from .samples import SampleProcessor
 from .stats import log, summarize
 from .stream import Plan, SlotStream

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import abc
 import glob
+import io
 import json
 import os
 import re
+import select
+import signal
+import subprocess
 import tarfile
 import urllib.error
 import urllib.request
@@ -79,6 +83,51 @@ def expand_shards(spec: str) -> List[str]:
     return list(braceexpand.braceexpand(spec))
 
 
+class PipeStream(io.RawIOBase):
+    """The stdout of a ``pipe:`` command (run by the shell: configs are code), with a read-inactivity
+    timeout: no byte for ``timeout`` seconds kills the command's process group and raises
+    :class:`ShardError` (``shard_stalled``), so a hung ``curl`` or ``aws s3 cp`` costs one shard, not the
+    run (and never blocks the signal save). A command that exits non-zero is an error at close."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url, self.timeout = url, timeout
+        self.proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, start_new_session=True)
+        self.fd = self.proc.stdout.fileno()
+        self.killed = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        ready, _, _ = select.select([self.fd], [], [], self.timeout)
+        if not ready:
+            self._kill()
+            raise ShardError("shard_stalled", f"{self.url}: no data for {self.timeout:g} s "
+                             "(dataset.params.io_timeout); the command was killed")
+        data = os.read(self.fd, len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.killed = True
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self.proc.poll() is None:  # closed before the end (the reader stopped early): not an error
+            self._kill()
+        rc = self.proc.wait()
+        self.proc.stdout.close()
+        super().close()
+        if rc != 0 and not self.killed:
+            raise OSError(f"{self.url}: the command exited with status {rc}")
+
+
 def open_stream(url: str, timeout: float):
     """A readable binary stream for a local path, ``http(s)://`` URL or ``pipe:`` command (or any scheme
     ``webdataset.gopen`` knows). http(s) uses urllib with a timeout, so an unreachable host fails fast
@@ -88,6 +137,8 @@ def open_stream(url: str, timeout: float):
             return urllib.request.urlopen(url, timeout=timeout)
         except (urllib.error.URLError, OSError, ValueError) as exn:
             raise ShardError("shard_unreachable", f"{url}: {exn}") from exn
+    if url.startswith("pipe:"):
+        return io.BufferedReader(PipeStream(url, timeout), buffer_size=1 << 20)
     if not REMOTE.match(url) and not url.startswith("file:"):
         if not os.path.exists(url):
             raise ShardError("shard_missing", f"{url}: no such file")
@@ -109,7 +160,11 @@ def _split_name(name: str):
     return base_plus_ext(name)
 
 
-def iter_tar_samples(url: str, timeout: float, stats: Stats) -> Iterator[Dict[str, Any]]:
+DEFAULT_MAX_MEMBER_BYTES = 64 * 2**20
+
+
+def iter_tar_samples(url: str, timeout: float, stats: Stats,
+                     max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES) -> Iterator[Dict[str, Any]]:
     """Members of one tar grouped by key, in order: ``{"__key__": key, ext: bytes, ...}``.
 
     A missing or unreachable shard raises :class:`ShardError` before anything is yielded; a tar that breaks
@@ -131,6 +186,10 @@ def iter_tar_samples(url: str, timeout: float, stats: Stats) -> Iterator[Dict[st
                 prefix, suffix = _split_name(info.name)
                 base = os.path.basename(info.name)
                 if prefix is None or (base.startswith("__") and base.endswith("__")):
+                    continue
+                if info.size > max_member_bytes:  # skipped unread: a decompression bomb never reaches memory
+                    stats.skip("member_too_large", f"{url}: {info.name} is {info.size:,} bytes, over "
+                               f"dataset.params.max_member_bytes={max_member_bytes:,}")
                     continue
                 data = tar.extractfile(info).read()
                 n_members += 1
@@ -169,10 +228,11 @@ class WebDatasetSource(Source):
         self.metadata_key = str(params.metadata_key).lower()
         self.cls_key = str(params.cls_key).lower()
         self.timeout = float(params.io_timeout)
+        self.max_member_bytes = int(params.max_member_bytes)
         self.num_samples = _sizes_json_total(spec, self.units)
 
     def read(self, unit: str, stats: Stats) -> Iterator[Dict[str, Any]]:
-        for members in iter_tar_samples(unit, self.timeout, stats):
+        for members in iter_tar_samples(unit, self.timeout, stats, self.max_member_bytes):
             image = None
             for k in self.image_keys:
                 if k in members:

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .config import DatasetConfigError
 from .sources import ShardError, Source
-from .stats import Stats
+from .stats import Stats, log
 
 IMAGE_COLUMNS = ("image", "jpg", "png", "webp", "img", "image_bytes", "filepath", "file_path", "image_path", "path", "url")
 CAPTION_COLUMNS = ("caption", "text", "txt", "title", "prompt")
@@ -162,6 +162,11 @@ class ParquetSource(_TableSource):
             raise ShardError("shard_unreadable", f"{name}: {exn}") from exn
 
 
+# Captions can be long (LAION has some over 128 KiB, csv's default limit); records can span lines.
+csv.field_size_limit(256 * 2**20)
+MAX_RECORD_LINES = 1000
+
+
 def _csv_lines(fh, pos: List[int]) -> Iterator[str]:
     """Lines of a binary file as text, advancing ``pos[0]`` by their byte length (for offsets).
     Undecodable bytes survive as surrogates, so one bad caption does not break its chunk."""
@@ -171,6 +176,12 @@ def _csv_lines(fh, pos: List[int]) -> Iterator[str]:
             return
         pos[0] += len(line)
         yield line.decode("utf-8", errors="surrogateescape")
+
+
+def _unclosed(path: str, line: int, spans: int, to_end: bool = False) -> str:
+    return (f"dataset.params.path: CSV {path}: the record starting at line {line} spans {spans} lines"
+            f"{' to the end of the file' if to_end else ''}: an unclosed quote merges the rows after it into one "
+            'field. Close the quote (a literal quote inside a quoted field is written "")')
 
 
 class CSVSource(_TableSource):
@@ -203,20 +214,45 @@ class CSVSource(_TableSource):
 
     @staticmethod
     def _index(path: str, sep: str) -> Tuple[List[str], List[Tuple[int, int]]]:
-        """Header and (byte offset, row number) of every record (quoted newlines handled by csv)."""
+        """Header and (byte offset, row number) of every record (quoted newlines handled by csv).
+
+        A record that spans several lines (a quoted caption with newlines) is counted and logged; one
+        that spans more than ``MAX_RECORD_LINES``, or runs to the end of the file, is an unclosed quote
+        that would silently merge the rows after it into one caption: an error naming the line."""
         pos = [0]
         starts: List[Tuple[int, int]] = []
+        multi_line = 0
         with open(path, "rb") as fh:
             reader = csv.reader(_csv_lines(fh, pos), delimiter=sep)
+            n, last_line, spans = -1, 0, 0
             try:
                 header = [h.strip() for h in next(reader)]
+                last_line = reader.line_num
+                start = pos[0]
+                for n, row in enumerate(reader):
+                    spans = reader.line_num - last_line
+                    if spans > MAX_RECORD_LINES:
+                        raise DatasetConfigError(_unclosed(path, last_line + 1, spans))
+                    multi_line += spans > 1
+                    if row:
+                        starts.append((start, n))
+                    last_start, last_line = start, reader.line_num
+                    start = pos[0]
             except StopIteration:
                 raise DatasetConfigError(f"dataset.params.path: CSV {path} is empty (a header row is required)") from None
-            start = pos[0]
-            for n, row in enumerate(reader):
-                if row:
-                    starts.append((start, n))
-                start = pos[0]
+            except csv.Error as exn:
+                raise DatasetConfigError(
+                    f"dataset.params.path: CSV {path}, record {n + 2} (line {reader.line_num}): {exn}. Fix or drop "
+                    "that row"
+                ) from None
+            if spans > 1:  # the last record spans lines: a quote left open runs to the end of the file
+                fh.seek(last_start)
+                try:
+                    list(csv.reader(_csv_lines(fh, [last_start]), delimiter=sep, strict=True))
+                except csv.Error:
+                    raise DatasetConfigError(_unclosed(path, last_line - spans + 1, spans, to_end=True)) from None
+        if multi_line:
+            log.info("CSV %s: %d record(s) span several lines (quoted newlines in a field)", path, multi_line)
         return header, starts
 
     def describe(self, unit) -> str:

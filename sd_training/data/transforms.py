@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import numpy as np
 from PIL import Image
 
+
 class ImageError(Exception):
     """An image that cannot be used; ``reason`` is the skip counter name."""
 
@@ -37,6 +38,21 @@ def open_image(data: bytes) -> Image.Image:
         raise ImageError("corrupt_image", f"cannot identify image ({exn})") from exn
 
 
+EXIF_ORIENTATION = 0x0112
+_TRANSPOSES = {
+    2: [Image.Transpose.FLIP_LEFT_RIGHT], 3: [Image.Transpose.ROTATE_180], 4: [Image.Transpose.FLIP_TOP_BOTTOM],
+    5: [Image.Transpose.TRANSPOSE], 6: [Image.Transpose.ROTATE_270], 7: [Image.Transpose.TRANSVERSE],
+    8: [Image.Transpose.ROTATE_90],
+}
+
+
+def _orient(img: Image.Image, orientation: int) -> Image.Image:
+    """Apply an EXIF orientation (1-8) to an image that no longer carries its EXIF (after convert)."""
+    for op in _TRANSPOSES.get(orientation, []):
+        img = img.transpose(op)
+    return img
+
+
 def cover_size(width: int, height: int, out_w: int, out_h: int) -> Tuple[int, int]:
     """Size of ``width x height`` scaled (aspect kept) to cover ``out_w x out_h`` exactly on one side."""
     scale = max(out_w / width, out_h / height)
@@ -44,10 +60,18 @@ def cover_size(width: int, height: int, out_w: int, out_h: int) -> Tuple[int, in
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """RGB; transparent pixels become white (what a viewer shows), not the black of a plain convert."""
+    """RGB; transparent pixels become white (what a viewer shows), not the black of a plain convert;
+    16-bit and 32-bit greyscale rescaled to 8 bits (PIL's convert clips them: 16-bit PNGs became white)."""
     if img.mode == "RGB":
         img.load()
         return img
+    if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        a = np.asarray(img, dtype=np.float64)
+        top = 65535.0 if img.mode.startswith("I;16") or (img.mode == "I" and a.max() > 255) else 255.0
+        if img.mode == "F":
+            top = 1.0 if a.max() <= 1.0 else 255.0
+        grey = np.clip(a / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
+        return Image.fromarray(grey, "L").convert("RGB")
     if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -73,11 +97,18 @@ def decode_resized(
     """
     width, height = img.size
     try:
+        orientation = img.getexif().get(EXIF_ORIENTATION, 1) if img.format in ("JPEG", "TIFF", "WEBP", "PNG") else 1
+        turned = orientation in (5, 6, 7, 8)  # stored rotated by 90 degrees: width and height swap when shown
         if fast_decode and img.format == "JPEG":
-            need_w, need_h = cover_size(width, height, out_w, out_h)
+            shown_w, shown_h = (height, width) if turned else (width, height)
+            need_w, need_h = cover_size(shown_w, shown_h, out_w, out_h)
+            if turned:
+                need_w, need_h = need_h, need_w
             if need_w * 2 <= width:  # at least a 2x reduction is possible: let libjpeg do it (DCT scaling)
                 img.draft("RGB", (need_w, need_h))  # picks the smallest 1/2^k scale still >= the request
         img = _to_rgb(img)
+        if orientation != 1:  # the camera's EXIF orientation: train on the picture as it is shown
+            img = _orient(img, orientation)
     except ImageError:
         raise
     except Exception as exn:  # truncated or corrupt data shows up at decode time
