@@ -112,8 +112,8 @@ def iter_samples(sources, counts: Counter) -> Iterator[Dict[str, Any]]:
 
 
 def make_shards(args) -> str:
-    from tqdm import tqdm
     import webdataset as wds
+    from tqdm import tqdm
 
     cfg = _params(args)
     os.makedirs(args.out_dir, exist_ok=True)

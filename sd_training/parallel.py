@@ -75,10 +75,7 @@ class Strategy:
     # ------------------------------------------------------------------ state
     def sharded_state(self, unet, optimizer, ema_shadow) -> dict:
         """FSDP: the sharded state DCP writes (collective)."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         model_sd, optim_sd = get_state_dict(unet, optimizer)
         state = {"unet": model_sd, "optimizer": optim_sd}
@@ -93,10 +90,7 @@ class Strategy:
 
     def load_sharded(self, folder: Path, unet, optimizer, ema_shadow) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict,
-            set_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         state = self.sharded_state(unet, optimizer, ema_shadow)  # the layout to load into
         dcp.load(state, checkpoint_id=str(folder))
@@ -113,10 +107,7 @@ class Strategy:
         does all the time, so eval images are split across all ranks instead of waiting on rank 0."""
         if not self.sharded:
             return module
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         with torch.device("meta"):

@@ -410,9 +410,7 @@ def text_encoder_param_groups(
     """
     if not cfg.train:
         return []
-    from .optim import (
-        param_groups,  # late: optim imports config, which imports this module
-    )
+    from .optim import param_groups  # late: optim imports config, which imports this module
 
     lr = cfg.learning_rate * lr_scale if cfg.learning_rate is not None else base_lr
     groups = param_groups(text_encoder, weight_decay, exclude_norm_and_bias, lr=lr)

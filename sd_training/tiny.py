@@ -140,12 +140,7 @@ SD_SCHEDULER = dict(
 def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, scaling_factor: float = 0.18215) -> Path:
     """Save a random-weight ``StableDiffusionPipeline`` to ``out_dir`` and return the path."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     out = Path(out_dir)

@@ -9,15 +9,7 @@ import socket
 import threading
 
 import pytest
-from data_fixtures import (
-    all_keys,
-    jpeg_bytes,
-    loader,
-    simple_samples,
-    take,
-    write_shards,
-    write_tar,
-)
+from data_fixtures import all_keys, jpeg_bytes, loader, simple_samples, take, write_shards, write_tar
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

@@ -8,14 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from data_fixtures import (
-    assert_same_batches,
-    jpeg_bytes,
-    loader,
-    take,
-    tokenizer,
-    write_tar,
-)
+from data_fixtures import assert_same_batches, jpeg_bytes, loader, take, tokenizer, write_tar
 from PIL import Image, JpegImagePlugin
 
 from sd_training.data.buckets import assign_bucket, make_buckets

@@ -13,11 +13,7 @@ import torch
 from conftest import run_precompute, train_args
 from data_fixtures import make_cfg, take, tokenizer, write_tar
 
-from sd_training.data import (
-    DatasetConfigError,
-    build_train_loader,
-    validate_dataset_config,
-)
+from sd_training.data import DatasetConfigError, build_train_loader, validate_dataset_config
 from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

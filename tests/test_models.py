@@ -3,13 +3,7 @@
 import pytest
 import torch
 
-from sd_training.config import (
-    ComponentConfig,
-    ConfigError,
-    ModelConfig,
-    UNetConfig,
-    VAEConfig,
-)
+from sd_training.config import ComponentConfig, ConfigError, ModelConfig, UNetConfig, VAEConfig
 from sd_training.models import build_models
 from sd_training.text_encoders import TextEncoderConfig
 from sd_training.tiny import TINY_UNET, build_clip_tokenizer

@@ -17,12 +17,7 @@ from pathlib import Path
 import pytest
 
 pytest.register_assert_rewrite("slurm_cluster")  # before the import below; also a plugin here
-from slurm_cluster import (  # noqa: E402
-    SlurmCluster,
-    _pid_alive,
-    _skip_or_fail,
-    missing_requirements,
-)
+from slurm_cluster import SlurmCluster, _pid_alive, _skip_or_fail, missing_requirements  # noqa: E402
 
 pytest_plugins = ["slurm_cluster"]
 

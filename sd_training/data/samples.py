@@ -10,13 +10,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from .buckets import assign_bucket, make_buckets
-from .captions import (
-    CaptionAugment,
-    TagRules,
-    decode_caption,
-    load_idx_to_prompt,
-    parse_cls,
-)
+from .captions import CaptionAugment, TagRules, decode_caption, load_idx_to_prompt, parse_cls
 from .filters import parse_filters
 from .sources import read_image_path
 from .stats import Stats

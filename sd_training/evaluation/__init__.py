@@ -14,13 +14,7 @@ initialized.
 from .async_eval import AsyncEvaluator
 from .clip_score import ClipScorer
 from .evaluate import EvalSettings, evaluate_folder, evaluate_images
-from .fid import (
-    FeatureStats,
-    InceptionFeatures,
-    compute_fid,
-    frechet_distance,
-    reference_stats,
-)
+from .fid import FeatureStats, InceptionFeatures, compute_fid, frechet_distance, reference_stats
 
 __all__ = [
     "AsyncEvaluator",
