@@ -201,3 +201,20 @@ def test_csv_with_a_huge_caption_or_an_unclosed_quote_gets_a_clear_error(tmp_pat
     multi.write_text('image,caption\na.jpg,"two\nlines"\na.jpg,one line\n')
     ld = loader(str(multi), batch_size=2, shuffle_buffer=1, resampled=False, **{"type": "CSV"})
     assert sorted(take(ld, 1)[0]["captions"]) == ["one line", "two\nlines"]
+
+
+def test_csv_image_paths_outside_the_dataset_root_are_refused_unless_allowed(tmp_path):
+    """A CSV must not make the trainer read arbitrary files: '..' and absolute paths outside
+    image_root (or the CSV's folder) are skipped and counted unless the key allows them."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "in.jpg").write_bytes(jpeg_bytes())
+    (tmp_path / "secret.jpg").write_bytes(jpeg_bytes(colour=(0, 0, 255)))
+    csv_path = data / "list.csv"
+    csv_path.write_text(f"image,caption\nin.jpg,inside\n../secret.jpg,parent\n{tmp_path / 'secret.jpg'},absolute\n")
+    ld = loader(str(csv_path), batch_size=1, shuffle_buffer=1, resampled=False, **{"type": "CSV"})
+    assert [b["captions"] for b in take(ld, 2)] == [["inside"], ["inside"]]  # epoch 0, then epoch 1
+    assert ld.stats()["skipped/path_outside_root"] >= 2
+    ld = loader(str(csv_path), batch_size=3, shuffle_buffer=1, resampled=False, allow_paths_outside_root=True,
+                **{"type": "CSV"})
+    assert sorted(take(ld, 1)[0]["captions"]) == ["absolute", "inside", "parent"]

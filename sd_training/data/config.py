@@ -76,6 +76,7 @@ class DatasetParams:
     caption_column: str = f("", "parquet/CSV: column with the caption ('': first of caption, text, txt, title)")
     image_root: str = f("", "parquet/CSV: folder relative image paths are resolved against ('': the file's folder)")
     csv_separator: str = f(",", "CSV: field separator (a tab for .tsv)")
+    allow_paths_outside_root: bool = f(False, "parquet/CSV/folder: image paths may lead outside image_root (or the file's folder): absolute, '..', symlinks")
     # --- local folders -----------------------------------------------------------------------------
     layout: str = f("auto", "folder: 'flat' (images/ + captions/), 'metadata' (metadata/**.json) or 'auto'")
     consider_every_nth: int = f(1, "folder: use only every n-th sample in sorted order (1: all)")
@@ -117,6 +118,7 @@ _ONLY_FOR = {
     "caption_column": {"parquet", "CSV"},
     "image_root": {"parquet", "CSV"},
     "csv_separator": {"CSV"},
+    "allow_paths_outside_root": {"parquet", "CSV", "folder"},
     "max_member_bytes": {"WebDataset", "latents"},
     "layout": {"folder"},
     "consider_every_nth": {"folder"},

@@ -22,7 +22,7 @@ import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .config import DatasetConfigError
-from .sources import Source
+from .sources import Source, outside_root_error
 from .stats import Stats
 from .tables import auto_chunk
 
@@ -49,6 +49,7 @@ class FolderSource(Source):
         if layout == "auto":
             layout = "metadata" if os.path.isdir(os.path.join(root, "metadata")) else "flat"
         self.root, self.layout = root, layout
+        self.allow_outside = bool(params.allow_paths_outside_root)
         if layout == "metadata":
             meta_dir = os.path.join(root, "metadata")
             if not os.path.isdir(meta_dir):
@@ -112,10 +113,14 @@ class FolderSource(Source):
             return {**base, "error": ("bad_json", f"unreadable metadata ({exn})")}
         if not isinstance(meta, dict) or not isinstance(meta.get("path"), str):
             return {**base, "error": ("missing_image", "metadata has no 'path' of an image")}
+        image_path = os.path.join(self.root, meta["path"])
+        error = outside_root_error(image_path, self.root, self.allow_outside)
+        if error:
+            return {**base, "error": error}
         return {
             **base,
             "image": None,
-            "image_path": os.path.join(self.root, meta["path"]),
+            "image_path": image_path,
             "caption": None,
             "meta": meta,
             "cls": None,

@@ -265,6 +265,19 @@ def _sizes_json_total(spec: str, units: Sequence[str]) -> Optional[int]:
         return None
 
 
+def outside_root_error(path: str, root: str, allowed: bool):
+    """The per-sample error for a local image path that resolves outside ``root`` (``..``, an absolute
+    path, a symlink), or None. Such paths are refused unless dataset.params.allow_paths_outside_root: a
+    CSV or metadata file must not make the trainer read arbitrary files."""
+    if allowed or path.startswith(("http://", "https://")):
+        return None
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
+        return None
+    return ("path_outside_root", f"{path} is outside {root} (set dataset.params.allow_paths_outside_root=true "
+                                 "if the dataset means it)")
+
+
 def read_image_path(path: str, timeout: float) -> bytes:
     """Bytes of an image given by a local path or an http(s) URL (parquet/CSV/folder sources)."""
     if path.startswith(("http://", "https://")):

@@ -15,7 +15,7 @@ import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .config import DatasetConfigError
-from .sources import ShardError, Source
+from .sources import ShardError, Source, outside_root_error
 from .stats import Stats, log
 
 IMAGE_COLUMNS = ("image", "jpg", "png", "webp", "img", "image_bytes", "filepath", "file_path", "image_path", "path", "url")
@@ -91,6 +91,7 @@ class _TableSource(Source):
             self.cls_col = _pick(columns, str(params.cls_key), (), "cls_key", where)
         self.key_col = next((c for c in KEY_COLUMNS if c in columns), None)
         self.timeout = float(params.io_timeout)
+        self.allow_outside = bool(params.allow_paths_outside_root)
 
     def _row_sample(self, row: Dict[str, Any], default_key: str, unit_name: str, folder: str) -> Dict[str, Any]:
         value = row.get(self.image_col)
@@ -101,8 +102,11 @@ class _TableSource(Source):
             image = bytes(value)
         elif isinstance(value, str) and value.strip():
             path = value.strip()
-        if image is None and path and not path.startswith(("http://", "https://")) and not os.path.isabs(path):
-            path = os.path.join(self.root or folder, path)
+        error = None
+        if image is None and path and not path.startswith(("http://", "https://")):
+            if not os.path.isabs(path):
+                path = os.path.join(self.root or folder, path)
+            error = outside_root_error(path, self.root or folder, self.allow_outside)
         # Metadata: every column but the image bytes (a path or URL is kept: filters may use it).
         meta = {k: v for k, v in row.items() if k != self.image_col or isinstance(v, str)}
         key = row.get(self.key_col) if self.key_col else None
@@ -114,6 +118,7 @@ class _TableSource(Source):
             "caption": row.get(self.caption_col) if self.caption_col else None,
             "meta": meta,
             "cls": row.get(self.cls_col) if self.cls_col else None,
+            **({"error": error} if error else {}),
         }
 
 
