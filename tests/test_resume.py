@@ -143,6 +143,7 @@ def finish_stopped(p, timeout=600):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.faults
 def test_signal_to_the_whole_process_group_with_loader_workers_saves_then_exits(tmp_path, tiny_pipeline, shapes_shards,
                                                                                 sig):
     """SLURM's scancel/preemption/time limit (SIGTERM) and Ctrl-C (SIGINT) reach every process of the job,
@@ -181,6 +182,7 @@ def _catches(pid: int, sig: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_signal_during_set_up_is_kept_and_stops_before_the_first_step(tmp_path, tiny_pipeline, shapes_shards):
     """The handler is installed before the imports and the model loading: a SIGTERM that arrives while
     the run is still setting up stops it before the first step (no training, nothing to save), with the
@@ -214,6 +216,7 @@ ck.save(2, {"unet": {"w": torch.full((1000,), 2.0)}, "optimizer": {"s": 2}}, {"r
 """
 
 
+@pytest.mark.faults
 def test_sigkill_at_any_point_of_a_save_keeps_previous_checkpoint(tmp_path):
     root = tmp_path / "ck"
     Checkpointer(root, keep_last=1).save(
@@ -243,6 +246,7 @@ class _RunsCode:
         return (Path.write_text, (Path(self.marker), "ran"))
 
 
+@pytest.mark.faults
 def test_checkpoints_load_only_their_own_files_and_only_tensors(tmp_path):
     root = tmp_path / "ck"
     folder = Checkpointer(root, keep_last=1).save(
@@ -270,6 +274,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.faults
 def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(small_disk):
     from sd_training.checkpoint import CheckpointWriteError, check_writable
     from sd_training.config import ConfigError

@@ -16,7 +16,7 @@ from sd_training.loop import main as train
 from sd_training.run_guard import config_changes, lock_run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.faults]
 
 
 def args(tmp_path, pipeline, shards, **kw):

@@ -77,6 +77,7 @@ def test_train_py_cli_quick_run(tmp_path, tiny_pipeline, shapes_shards):
     assert (tmp_path / "runs" / "cli" / "current_pipeline" / "model_index.json").exists()
 
 
+@pytest.mark.faults
 def test_a_kill_between_the_renames_of_an_export_swap_is_repaired(tmp_path):
     """``replace_dir`` renames the old export aside, then the new one in: a kill between the two leaves
     only ``current_pipeline.old``; start-up puts it back. Copies to pipelines/step_N are atomic too."""
