@@ -82,6 +82,7 @@ class ExperimentConfig:
     sample_from: str = f("auto", "weights of the sample grids: auto (ema with model.use_ema, else raw) | raw | ema | both")
     requeue: bool = f(True, "on SIGUSR1/SIGTERM under SLURM: save, then `scontrol requeue` the job")
     log_every: int = f(10, "optimizer steps between metric lines")
+    progress_bar: str = f("auto", "live progress bar: auto (on an interactive terminal, not under SLURM batch) | on | off")
     tensorboard: bool = f(False, "also write tensorboard event files to <run>/tensorboard")
     peak_tflops: Optional[float] = f(None, "peak dense TFLOP/s of one device for MFU (None: the A100/H100/H200 table; CPU: no MFU)")
     sample_prompts: List[str] = f(
@@ -488,6 +489,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("model.init_weights", cfg.model.init_weights, ("ema", "raw"))
     _choice("experiment.export_weights", cfg.experiment.export_weights, ("auto", "raw", "ema", "both"))
     _choice("experiment.sample_from", cfg.experiment.sample_from, ("auto", "raw", "ema", "both"))
+    _choice("experiment.progress_bar", cfg.experiment.progress_bar, ("auto", "on", "off"))
     _check_optimizer_keys(cfg.optimizer)
     if not cfg.model.use_ema:
         for key in ("export_weights", "sample_from"):

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed, quickstart
+from . import distributed, progress, quickstart
+from .progress import PROGRESS
 from .checkpoint import Checkpointer, check_writable, complete_steps, rng_state, set_rng_state
 from .config import ConfigError, TrainConfig, public_dict, to_yaml
 from .ema import EMA, decay_from_strength
@@ -94,6 +95,7 @@ class Trainer:
         self.run_dir = RunDir(cfg.experiment.log_dir, cfg.experiment.name)
         self.state = TrainState()
         self.config_yaml = to_yaml(cfg)
+        self.bar = None  # the live progress bar (rank 0, interactive terminals)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -522,7 +524,6 @@ class Trainer:
 
     def _loop(self, stop: StopFlag) -> dict:
         cfg, plan, state = self.cfg, self.plan, self.state
-        accum = cfg.system.gradient_accumulation
         data_iter = iter(self.loader)
         val_every = cfg.validation.every or cfg.experiment.save_every
         stopped_by = None
@@ -535,6 +536,19 @@ class Trainer:
             self._validate()  # the untrained model's figure, to compare with
         window = _Window()
         last_ckpt_time = time.time()
+        self.bar = None
+        if self.info.is_main and not stopped_by and progress.wanted(cfg.experiment.progress_bar):
+            self.bar = progress.ProgressBar(plan.total_steps, state.step, plan.global_batch)
+        try:
+            return self._steps(stop, data_iter, val_every, window, last_ckpt_time, stopped_by)
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+
+    def _steps(self, stop: StopFlag, data_iter, val_every: int, window: "_Window", last_ckpt_time: float,
+               stopped_by: str | None) -> dict:
+        cfg, plan, state = self.cfg, self.plan, self.state
+        accum = cfg.system.gradient_accumulation
         while state.step < plan.total_steps and not stopped_by:
             t_step = time.perf_counter()
             for micro in range(accum):
@@ -547,6 +561,8 @@ class Trainer:
                     window.add_parts(self._parts)
             grad_norm = self._optimizer_step()
             state.step += 1
+            if self.bar is not None:
+                self.bar.step()
             if self.nonfinite_streak >= cfg.experiment.max_nonfinite_steps:
                 self._stop_nonfinite(window)
             state.images_seen += plan.global_batch
@@ -650,8 +666,10 @@ class Trainer:
                 "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f img/s (%.1f/device) data_wait %.0f%% ETA %s",
                 self.state.step, self.plan.total_steps, loss, metrics["lr"], metrics["grad_norm"],
                 metrics["images_per_sec"], metrics["images_per_sec_per_device"], 100 * metrics["data_wait_fraction"],
-                _hms(eta),
+                _hms(eta), extra={PROGRESS: True},
             )
+            if self.bar is not None:
+                self.bar.show(loss, metrics["images_per_sec"])
 
     def _save_checkpoint(self) -> None:
         shared = {name: obj.state_dict() for name, obj in self._resumable().items()} if self.info.is_main else {}

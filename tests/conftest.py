@@ -98,3 +98,37 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_line(f"runs survived: {FAULTS['survived']}; data lost: {len(FAULTS['failed'])}")
     for nodeid in FAULTS["failed"]:
         tr.write_line(f"  FAILED: {nodeid}")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(pid: int, sig=None) -> None:
+    """SIGKILL a launcher and everything it started. torchrun starts each trainer in a session of its
+    own, so killing torchrun's process group would leave the trainers running as orphans (in a real
+    job SLURM's cgroup kills them all; a test must do it itself)."""
+    import signal
+
+    sig = sig or signal.SIGKILL
+    tree = descendants(pid)
+    for p in [pid] + tree:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass

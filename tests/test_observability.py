@@ -44,3 +44,39 @@ def test_evaluation_needs_eval_images(tmp_path):
     base = ["experiment.name=x", "experiment.num_examples_to_see=8", "model.pretrained=/p", "dataset.params.path=x.tar"]
     with pytest.raises(ConfigError, match="num_eval_images"):
         load(base + ["evaluation.ref_images=/ref"])
+
+
+def test_progress_bar_on_a_terminal_and_log_lines_otherwise(tmp_path, tiny_pipeline, shapes_shards):
+    """On a terminal (a real pty here) training shows one bar redrawn in place, and the step lines go
+    to train.log only; with output redirected the step lines are the progress, and there is no bar."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="tty", **{
+        "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, str(root / "train.py"), *args], stdin=slave, stdout=slave, stderr=slave,
+                         env=env, cwd=tmp_path)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert p.wait(timeout=300) == 0
+    os.close(master)
+    screen = b"".join(chunks).decode(errors="replace")
+    assert "\rtrain:" in screen and "8/8" in screen and "img/s" in screen  # the bar, redrawn in place
+    assert "step 3/8 loss" not in screen  # not scrolled as log lines
+    assert "step 3/8 loss" in (tmp_path / "runs" / "tty" / "train.log").read_text()  # the log keeps them
+    res = subprocess.run([sys.executable, str(root / "train.py"), *args, "experiment.name=piped"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert res.returncode == 0 and "step 3/8 loss" in res.stdout and "\r" not in res.stdout

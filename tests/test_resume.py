@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
+from conftest import kill_tree, train_args
 
 from sd_training.checkpoint import Checkpointer, complete_steps
 
@@ -58,7 +58,7 @@ def kill_after_checkpoint(p, ckpt_root: Path, step: int, timeout=600):
         assert p.poll() is None, p.stdout.read()[-4000:]
         assert time.time() < deadline
         time.sleep(0.02)
-    os.killpg(p.pid, signal.SIGKILL)
+    kill_tree(p.pid)  # torchrun and the trainers it started in sessions of their own
     p.wait()
 
 
