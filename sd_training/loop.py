@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from . import distributed, progress, quickstart
-from .progress import PROGRESS
 from .checkpoint import Checkpointer, check_writable, complete_steps, rng_state, set_rng_state
 from .config import ConfigError, TrainConfig, public_dict, to_yaml
 from .ema import EMA, decay_from_strength
@@ -24,6 +23,7 @@ from .objective import configure_schedulers, diffusion_loss, encode_images, enco
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
 from .preemption import StopFlag, requeue_job, under_slurm
+from .progress import PROGRESS
 from .run_dir import RunDir, copy_dir_atomically, repair_swaps
 from .run_guard import check_resume_config, cut_metrics_back, lock_run_folder, prepare_fresh_start
 from .text_encoders import text_encoder_param_groups

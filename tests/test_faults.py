@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import train_args
+
 from sd_training.checkpoint import Checkpointer, complete_steps
 
 ROOT = Path(__file__).resolve().parents[1]
