@@ -60,6 +60,7 @@ class DistributedConfig:
     dist_url: str = f("env://", "process-group init method; env:// reads MASTER_ADDR/MASTER_PORT")
     timeout_minutes: float = f(30.0, "minutes a collective may wait before the job fails")
     strategy: str = f("ddp", "ddp (replicated UNet) | fsdp (FSDP2 fully_shard per UNet block, sharded checkpoints)")
+    flag_sync_every: int = f(10, "optimizer steps between the host checks: the ranks agree on a stop signal or a timed save, the non-finite counters are read (1: every step)")
 
 
 @dataclass
@@ -400,6 +401,7 @@ def _choice(path: str, value: str, allowed: tuple[str, ...]) -> None:
 # MAY_BE_NEGATIVE; AT_LEAST_ONE keys, when set, must be >= 1; POSITIVE ones > 0; UNIT ones within [0, 1].
 MAY_BE_NEGATIVE = {"objective.logit_mean", "dataset.params.tags.abs_min_score", "dataset.params.tags.min_score"}
 AT_LEAST_ONE = {
+    "distributed.flag_sync_every",
     "experiment.checkpoint_every", "experiment.keep_checkpoint_every", "experiment.sample_steps",
     "lr_scheduler.params.decay_length", "validation.every", "validation.num_batches", "model.ema.update_every",
     "dataset.params.consider_every_nth", "dataset.params.shuffle_buffer", "experiment.max_nonfinite_steps",
@@ -489,6 +491,9 @@ def validate(cfg: TrainConfig) -> None:
     _choice("model.init_weights", cfg.model.init_weights, ("ema", "raw"))
     _choice("experiment.export_weights", cfg.experiment.export_weights, ("auto", "raw", "ema", "both"))
     _choice("experiment.sample_from", cfg.experiment.sample_from, ("auto", "raw", "ema", "both"))
+    # YAML reads a bare on/off as a boolean: yes/no/true/false are accepted and mean on/off.
+    cfg.experiment.progress_bar = {"yes": "on", "true": "on", "no": "off", "false": "off"}.get(
+        str(cfg.experiment.progress_bar).lower(), cfg.experiment.progress_bar)
     _choice("experiment.progress_bar", cfg.experiment.progress_bar, ("auto", "on", "off"))
     _check_optimizer_keys(cfg.optimizer)
     if not cfg.model.use_ema:

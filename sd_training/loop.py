@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import random
@@ -18,7 +19,7 @@ from .checkpoint import Checkpointer, check_writable, complete_steps, rng_state,
 from .config import ConfigError, TrainConfig, public_dict, to_yaml
 from .ema import EMA, decay_from_strength
 from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
-from .models import build_models
+from .models import build_models, component_sources
 from .objective import configure_schedulers, diffusion_loss, encode_images, encode_text
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
@@ -126,6 +127,12 @@ class Trainer:
         seed_everything(cfg.system.seed + info.rank)
         quickstart.prepare(cfg.quickstart, info.is_main)
         self.models = build_models(cfg.model, self.device, seed=cfg.system.seed)
+        if info.is_main:  # the run directory says where its components came from
+            sources = component_sources(cfg.model)
+            (self.run_dir.root / "sources.json").write_text(json.dumps(sources, indent=1) + "\n")
+            for name, entry in sources.items():
+                if "provenance" in entry:
+                    log.info("%s from %s: %s", name, entry["source"], entry["provenance"].get("what", "see sources.json"))
         # Prediction type and zero terminal SNR go to both schedulers: exports sample as they trained.
         self.models.noise_scheduler, self.models.inference_scheduler = configure_schedulers(
             self.models.noise_scheduler, self.models.inference_scheduler, cfg.objective
@@ -183,8 +190,12 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.text_encoder_model = torch.nn.parallel.DistributedDataParallel(self.models.text_encoder, device_ids=ids)
         self.optimizer = build_optimizer(groups, o, self.device, self.peak_lr)
+        # A fused optimizer takes the non-finite flag as a device tensor: no host sync per step.
+        self.device_side_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False)) and any(
+            g.get("fused") for g in self.optimizer.param_groups)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.plan.total_steps)
-        self.nonfinite_streak = 0
+        self.nonfinite_streak = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skips
+        self.nonfinite_total = torch.zeros((), dtype=torch.long, device=self.device)  # since the last check
         from .data import build_train_loader
 
         self.loader = build_train_loader(
@@ -265,7 +276,7 @@ class Trainer:
 
         v, d = self.cfg.validation, self.cfg.dataset
         params = dataclasses.replace(d.params, path=v.path, workers=0, resampled=False, caption_dropout=0.0,
-                                     random_flip=0.0, center_crop=True)
+                                     random_flip=0.0, center_crop=True, num_examples_to_see=None)
         loader = build_train_loader(dataclasses.replace(d, params=params), tokenizer=self.models.tokenizer,
                                     rank=self.info.rank, world_size=self.info.world_size, seed=v.seed)
         it = iter(loader)
@@ -497,29 +508,35 @@ class Trainer:
         return latents.float()
 
     def _optimizer_step(self) -> torch.Tensor:
-        """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted)."""
+        """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted).
+
+        With a fused optimizer (the CUDA default) the skip happens on the device: the optimizer gets the
+        non-finite flag as its ``found_inf`` (as GradScaler does) and the counters stay device tensors,
+        read at log time, so the step never waits for the host. Other optimizers read the flag on the
+        host (one scalar per step; free on the CPU)."""
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optimizer.params.max_grad_norm
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        # The gradients are already all-reduced, so every rank sees the same norm and takes the same
-        # branch. Note: a sync point with the device (one scalar per optimizer step).
-        finite = bool(torch.isfinite(grad_norm))
-        if finite or self.scaler.is_enabled():
-            # With fp16 loss scaling, an overflow is the scaler's to skip (and lower the scale).
+        # The gradients are already all-reduced, so every rank sees the same norm and takes the same branch.
+        bad = ~torch.isfinite(grad_norm)
+        if self.scaler.is_enabled():
+            # fp16 loss scaling: an overflow is the scaler's to skip (and lower the scale).
             self.scaler.step(self.optimizer)
             self.scaler.update()
+        elif self.device_side_skip:
+            self.optimizer.found_inf = bad.float()
+            self.optimizer.step()
+            self.optimizer.found_inf = None
+        elif not bool(bad):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        if finite:
-            self.nonfinite_streak = 0
-            if self.ema is not None:
-                self.ema.update(self.net, self.state.step + 1)
-        else:
-            self.nonfinite_streak += 1
-            self.state.nonfinite_steps += 1
-            log.warning("non-finite gradient norm at step %d: update skipped (%d in a row)",
-                        self.state.step + 1, self.nonfinite_streak)
+        if self.ema is not None:
+            # After a skipped step the weights are unchanged: the EMA moves towards the last good weights.
+            self.ema.update(self.net, self.state.step + 1)
+        self.nonfinite_total = self.nonfinite_total + bad.long()
+        self.nonfinite_streak = (self.nonfinite_streak + 1) * bad.long()
         return grad_norm
 
     def _loop(self, stop: StopFlag) -> dict:
@@ -563,22 +580,28 @@ class Trainer:
             state.step += 1
             if self.bar is not None:
                 self.bar.step()
-            if self.nonfinite_streak >= cfg.experiment.max_nonfinite_steps:
-                self._stop_nonfinite(window)
             state.images_seen += plan.global_batch
             window.grad_norm = grad_norm
             window.step_time += time.perf_counter() - t_step
             window.steps += 1
 
             last = state.step >= plan.total_steps
-            if state.step % cfg.experiment.log_every == 0 or last:
+            logging_now = state.step % cfg.experiment.log_every == 0 or last
+            # What needs the host (a sync point) happens only every distributed.flag_sync_every steps, at
+            # log lines and at the end, at the same steps on every rank: the non-finite counters, and the
+            # ranks' agreement to stop (a signal) or to save (save_every_minutes).
+            check = logging_now or state.step % cfg.distributed.flag_sync_every == 0
+            if check:
+                self._check_nonfinite(window)
+            if logging_now:
                 self._log(window)
                 window = _Window()
-            minutes = cfg.experiment.save_every_minutes
-            timed = minutes is not None and (time.time() - last_ckpt_time) >= minutes * 60
-            # Every rank must agree to stop or save at this step: a single flag all-reduced (a sync point).
-            stop_now = distributed.any_rank(stop.requested, self.device)
-            timed = distributed.any_rank(timed, self.device)
+            stop_now = timed = False
+            if check:
+                minutes = cfg.experiment.save_every_minutes
+                timed = minutes is not None and (time.time() - last_ckpt_time) >= minutes * 60
+                stop_now = distributed.any_rank(stop.requested, self.device)
+                timed = distributed.any_rank(timed, self.device)
             if stop_now or timed or last or state.step % plan.checkpoint_every == 0:
                 self._save_checkpoint()
                 last_ckpt_time = time.time()
@@ -610,12 +633,23 @@ class Trainer:
             "run_dir": str(self.run_dir.root),
         }
 
+    def _check_nonfinite(self, window: "_Window") -> None:
+        """Read the device-side counters of skipped (non-finite) steps; stop after too many in a row."""
+        skipped = int(self.nonfinite_total)
+        if skipped:
+            self.state.nonfinite_steps += skipped
+            self.nonfinite_total.zero_()
+            log.warning("%d optimizer step(s) up to step %d had a non-finite gradient norm: their updates were "
+                        "skipped (%d in a row now)", skipped, self.state.step, int(self.nonfinite_streak))
+        if int(self.nonfinite_streak) >= self.cfg.experiment.max_nonfinite_steps:
+            self._stop_nonfinite(window)
+
     def _stop_nonfinite(self, window: "_Window") -> None:
         """Save the last good weights (skipped steps never changed them) and stop with advice."""
         self._log(window)
         self._save_checkpoint()
         raise NonFiniteLossError(
-            f"{self.nonfinite_streak} consecutive optimizer steps up to step {self.state.step} had a non-finite "
+            f"{int(self.nonfinite_streak)} consecutive optimizer steps up to step {self.state.step} had a non-finite "
             f"loss or gradient (last loss {float(window.last_loss):.4g}); the updates were skipped and the last good "
             f"state is saved in {self.run_dir.checkpoints}. Try: a lower optimizer.params.learning_rate or a "
             "longer lr_scheduler.params.warmup_length; optimizer.params.max_grad_norm (clipping); "
@@ -631,7 +665,7 @@ class Trainer:
             q = distributed.all_reduce_mean(w.q_sum / w.q_count.clamp(min=1)).tolist()
             metrics.update({f"loss_q{i}": q[i] for i in range(4)})
         for k, v in w.parts.items():  # this rank's mean (the total loss above is the all-rank one)
-            metrics[f"vae/{k}"] = v / max(w.parts_count, 1)
+            metrics[f"vae/{k}"] = float(v) / max(w.parts_count, 1)
         metrics.update({
             "lr": self.lr_scheduler.get_last_lr()[0],
             "grad_norm": float(w.grad_norm),
@@ -860,8 +894,8 @@ class _Window:
 
     def add_parts(self, parts: dict) -> None:
         """Named loss terms (e.g. the VAE's reconstruction and KL), averaged over the interval."""
-        for k, v in parts.items():
-            self.parts[k] = self.parts.get(k, 0.0) + float(v)
+        for k, v in parts.items():  # kept on the device until the interval is logged
+            self.parts[k] = self.parts.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))
         self.parts_count += 1
 
     def add_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, timesteps: torch.Tensor, num_timesteps: int) -> None:

@@ -95,6 +95,25 @@ def resolve_unet_class(target: str):
     return cls
 
 
+def component_sources(cfg: ModelConfig) -> dict:
+    """Where each component came from (a folder, a hub id, or built from model.unet.params), and the
+    ``provenance.json`` a component folder carries (e.g. the quickstart's VAE says how it was trained)."""
+    import json
+
+    out = {}
+    for name in ("unet", "vae", "text_encoder"):
+        src = "model.unet.params (from scratch)" if name == "unet" and cfg.unet.params else _source(cfg, name)
+        entry = {"source": src}
+        if src and os.path.isfile(os.path.join(src, "provenance.json")):
+            try:
+                with open(os.path.join(src, "provenance.json")) as fh:
+                    entry["provenance"] = json.load(fh)
+            except (OSError, ValueError):
+                pass
+        out[name] = entry
+    return out
+
+
 def _source(cfg: ModelConfig, component: str) -> str | None:
     own = getattr(cfg, component).pretrained if component != "unet" else cfg.unet.pretrained
     return own or cfg.pretrained

@@ -220,16 +220,28 @@ def test_stage_two_init_from_run_dir(tmp_path, tiny_pipeline, shapes_shards):
         assert torch.equal(v, shared["unet"][k]), k
 
 
-def test_nonfinite_steps_are_skipped_then_the_run_saves_and_stops(tmp_path, tiny_pipeline, shapes_shards):
-    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="nan", **{"experiment.max_nonfinite_steps": 2})
+@pytest.mark.parametrize("implementation", ["for_loop", "fused"])
+def test_nonfinite_steps_are_skipped_then_the_run_saves_and_stops(tmp_path, tiny_pipeline, shapes_shards,
+                                                                  implementation):
+    """The host-side skip (per-tensor AdamW) and the device-side one (fused AdamW gets the flag as its
+    found_inf, no host sync) leave the weights and the optimizer state untouched alike."""
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="nan", **{
+        "experiment.max_nonfinite_steps": 2, "optimizer.implementation": implementation})
+    assert t.device_side_skip == (implementation == "fused")
+    t._micro_step(fixed_batch(t), sync=True)
+    t._optimizer_step()  # one good step first, so the optimizer has state to protect
     before = {k: v.clone() for k, v in t.net.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in t.optimizer.state.values()]
     t._micro_step(fixed_batch(t, nan=True), sync=True)
     t._optimizer_step()
-    assert t.nonfinite_streak == 1 and t.state.nonfinite_steps == 1
+    assert int(t.nonfinite_streak) == 1 and int(t.nonfinite_total) == 1
     assert all(torch.equal(v, t.net.state_dict()[k]) for k, v in before.items())  # no update
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, t.optimizer.state.values()))
     t._micro_step(fixed_batch(t), sync=True)
     t._optimizer_step()
-    assert t.nonfinite_streak == 0  # a good step resets the streak
+    assert int(t.nonfinite_streak) == 0  # a good step resets the streak
+    t._check_nonfinite(None)  # read at log time: counted once
+    assert t.state.nonfinite_steps == 1 and int(t.nonfinite_total) == 0
     # Through the loop: every batch poisoned -> two skipped steps, a checkpoint, a clear error.
     class PoisonedLoader(list):  # the loop needs iteration, state_dict and stats
         def state_dict(self):
