@@ -10,6 +10,8 @@
       pipelines/step_<N>[_ema]/ every export, when experiment.save_only_most_recent=False
       samples/step_<N>.png      sample grid of each export
       wandb/                    wandb's files (offline runs sync from here)
+      sources.json              where the UNet, VAE and text encoder came from
+      .lock                     held by the running job (see sd_training.run_guard)
 """
 
 from __future__ import annotations
