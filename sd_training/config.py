@@ -60,6 +60,11 @@ class DistributedConfig:
     dist_url: str = f("env://", "process-group init method; env:// reads MASTER_ADDR/MASTER_PORT")
     timeout_minutes: float = f(30.0, "minutes a collective may wait before the job fails")
     strategy: str = f("ddp", "ddp (replicated UNet) | fsdp (FSDP2 fully_shard per UNet block, sharded checkpoints)")
+    bucket_cap_mb: float = f(25.0, "ddp: gradient bucket size in MB (larger: fewer, bigger all-reduces)")
+    static_graph: bool = f(False, "ddp: the graph is the same every step (no unused parameters): lets DDP overlap more")
+    grad_reduce_dtype: str = f("fp32", "dtype gradients are reduced in: fp32 | bf16 (half the traffic; ddp: a compression hook, fsdp: reduce_dtype)")
+    fsdp_unit: str = f("layer", "fsdp: shard units: layer (each resnet and transformer block) | block (each down/mid/up block)")
+    reshard_after_forward: bool = f(True, "fsdp: free the gathered parameters after the forward (less memory; False: no re-gather in backward)")
     flag_sync_every: int = f(10, "optimizer steps between the host checks: the ranks agree on a stop signal or a timed save, the non-finite counters are read (1: every step)")
 
 
@@ -409,6 +414,7 @@ AT_LEAST_ONE = {
     "quickstart.shapes_samples", "quickstart.shapes_per_shard", "quickstart.shapes_size",
 }
 POSITIVE = {
+    "distributed.bucket_cap_mb",
     "distributed.timeout_minutes", "experiment.save_every_minutes", "experiment.peak_tflops", "dataset.params.io_timeout",
     "objective.logit_std", "optimizer.params.epsilon",
 }
@@ -472,6 +478,8 @@ def validate(cfg: TrainConfig) -> None:
     _choice("system.device", cfg.system.device, ("auto", "cpu", "cuda"))
     _choice("distributed.dist_backend", cfg.distributed.dist_backend, ("auto", "nccl", "gloo"))
     _choice("distributed.strategy", cfg.distributed.strategy, ("ddp", "fsdp"))
+    _choice("distributed.grad_reduce_dtype", cfg.distributed.grad_reduce_dtype, ("fp32", "bf16"))
+    _choice("distributed.fsdp_unit", cfg.distributed.fsdp_unit, ("layer", "block"))
     _choice("optimizer.name", cfg.optimizer.name, ("adamw", "adamw8bit", "adafactor", "sgd"))
     _choice("optimizer.implementation", cfg.optimizer.implementation, ("auto", "fused", "foreach", "for_loop"))
     _choice("lr_scheduler.scheduler", cfg.lr_scheduler.scheduler, ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup"))

@@ -168,7 +168,8 @@ class Trainer:
         # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=(mp == "fp16"))
         # Only the trained UNet (and its EMA) is wrapped; the frozen VAE and text encoder never are.
-        self.strategy = Strategy(cfg.distributed.strategy, info.is_distributed, self.device, self.autocast_dtype)
+        self.strategy = Strategy(cfg.distributed.strategy, info.is_distributed, self.device, self.autocast_dtype,
+                                 cfg.distributed)
         self.model = self.strategy.wrap(self.loss_module, self.ema.shadow if self.ema is not None else None)
         if cfg.model.compile:
             # The compiled wrapper is only called; weights are always read from self.net (no _orig_mod keys).

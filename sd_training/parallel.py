@@ -35,12 +35,28 @@ def unet_blocks(unet: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+def fsdp_units(unet: torch.nn.Module, level: str) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards separately, innermost first. ``block``: each down/mid/up block (an SD UNet's
+    largest is about 30% of the weights, all gathered at once). ``layer``: each resnet and transformer
+    block inside them too (the blocks keep only their up/downsamplers), so at most one layer's weights
+    are gathered beyond the shards, and the next layer's all-gather overlaps this one's compute."""
+    units = []
+    for block in unet_blocks(unet):
+        if level == "layer":
+            for name in ("resnets", "attentions"):
+                units.extend(getattr(block, name, None) or [])
+        units.append(block)
+    return units
+
+
 class Strategy:
-    def __init__(self, name: str, is_distributed: bool, device: torch.device, param_dtype: torch.dtype | None):
+    def __init__(self, name: str, is_distributed: bool, device: torch.device, param_dtype: torch.dtype | None,
+                 dist_cfg=None):
         # One process: neither wrapper does anything useful, so both run the plain module.
         self.name = name if is_distributed else "single"
         self.device = device
         self.param_dtype = param_dtype
+        self.cfg = dist_cfg
 
     @property
     def sharded(self) -> bool:
@@ -49,18 +65,34 @@ class Strategy:
     def wrap(self, unet: torch.nn.Module, ema_shadow: torch.nn.Module | None) -> torch.nn.Module:
         """Returns the module to call in the forward pass."""
         self.module_cls = type(unet)  # FSDP2 swaps the class of a module it shards
+        c = self.cfg
+        bf16_reduce = c is not None and c.grad_reduce_dtype == "bf16"
         if self.name == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
-            return torch.nn.parallel.DistributedDataParallel(unet, device_ids=ids)
+            # Gradients live in the all-reduce buckets (no second copy); the bucket size and static graph
+            # are the user's (distributed.bucket_cap_mb, distributed.static_graph).
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                unet, device_ids=ids, gradient_as_bucket_view=True,
+                bucket_cap_mb=c.bucket_cap_mb if c is not None else 25.0,
+                static_graph=bool(c is not None and c.static_graph),
+            )
+            if bf16_reduce:  # half the traffic: buckets are cast to bf16 for the all-reduce, back to fp32 after
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            return ddp
         if self.name == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            # Parameters are gathered in the compute dtype; gradients are reduced in fp32.
-            mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+            # Parameters are gathered in the compute dtype; gradients reduced in fp32 (or bf16).
+            mp = MixedPrecisionPolicy(param_dtype=self.param_dtype,
+                                      reduce_dtype=torch.bfloat16 if bf16_reduce else torch.float32)
+            reshard = bool(c.reshard_after_forward) if c is not None else True
+            level = c.fsdp_unit if c is not None else "layer"
             for module in [unet] + ([ema_shadow] if ema_shadow is not None else []):
-                for block in unet_blocks(module):
-                    fully_shard(block, mp_policy=mp)
-                fully_shard(module, mp_policy=mp)
+                for unit in fsdp_units(module, level):
+                    fully_shard(unit, mp_policy=mp, reshard_after_forward=reshard)
+                fully_shard(module, mp_policy=mp, reshard_after_forward=reshard)
             return unet
         return unet
 

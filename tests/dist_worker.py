@@ -44,9 +44,9 @@ def main(out: str, argv: list[str]) -> None:
                 lo = (m * info.world_size + info.rank) * b
                 t._micro_step({k: v[lo : lo + b] for k, v in full.items()}, sync=(m == accum - 1))
             t._optimizer_step()
-        full = t.strategy.full_state_dict(t.net)  # collective under FSDP
+        plain = t.strategy.plain_copy(t.net, torch.device("cpu"))  # collective under FSDP
         if info.is_main:
-            torch.save(full, out)
+            torch.save({k: v.detach().cpu() for k, v in plain.state_dict().items()}, out)
         distributed.barrier()
     finally:
         distributed.teardown()
