@@ -41,7 +41,7 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_final_step(slurm_cluster, t
     config = write_config(tmp_path, tiny_pipeline, shapes_shards, "slurm", **{
         "system.batch_size": 2, "experiment.num_examples_to_see": 4 * total, "experiment.checkpoint_every": 1000,
         "experiment.keep_last_checkpoints": 5, "experiment.sample_per_prompt": 0, "experiment.requeue": "true",
-        "dataset.params.resampled": "false"})
+        "dataset.params.resampled": "false", "system.workers": 2})  # the signal reaches the loader workers too
     run = tmp_path / "runs" / "slurm"
     job = slurm_cluster.sbatch(
         SRUN_TEMPLATE, options=slurm_cluster.template_options(nodes=1, ntasks_per_node=2, chdir=REPO),
