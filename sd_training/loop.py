@@ -124,8 +124,10 @@ class Trainer:
             info.launcher, info.world_size, self.device, self.plan.global_batch, self.plan.total_steps,
         )
         # Per-rank seed: different noise and timesteps on every rank, reproducible across restarts.
-        seed_everything(cfg.system.seed + info.rank)
         quickstart.prepare(cfg.quickstart, info.is_main)
+        # Seeded after the generated inputs: building them (on the first run only) must not move the
+        # training RNG, or a first run and a rerun of the same config would train differently.
+        seed_everything(cfg.system.seed + info.rank)
         self.models = build_models(cfg.model, self.device, seed=cfg.system.seed)
         if info.is_main:  # the run directory says where its components came from
             sources = component_sources(cfg.model)

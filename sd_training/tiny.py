@@ -140,12 +140,19 @@ SD_SCHEDULER = dict(
 def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, scaling_factor: float = 0.18215) -> Path:
     """Save a random-weight ``StableDiffusionPipeline`` to ``out_dir`` and return the path."""
     import torch
+
+    out = Path(out_dir)
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
+        torch.manual_seed(seed)
+        return _build_tiny(out, out / "_tokenizer_files", scaling_factor)
+
+
+def _build_tiny(out: Path, tokenizer_dir: Path, scaling_factor: float) -> Path:
+    """The components, initialised from torch's RNG (seeded by the caller), saved as a pipeline."""
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    out = Path(out_dir)
-    torch.manual_seed(seed)
-    tokenizer = build_clip_tokenizer(out / "_tokenizer_files")
+    tokenizer = build_clip_tokenizer(tokenizer_dir)
     text_encoder = CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER))
     vae = AutoencoderKL(**TINY_VAE, scaling_factor=scaling_factor)
     unet = UNet2DConditionModel(**TINY_UNET)
