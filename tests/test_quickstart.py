@@ -8,10 +8,12 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 from PIL import Image
 
 from sd_training.data.synthetic import COLOURS
@@ -21,9 +23,12 @@ ASSET = ROOT / "sd_training" / "assets" / "quickstart_vae"
 CELL = 64
 
 
-def prompts_of(config: Path) -> list[str]:
-    from omegaconf import OmegaConf
+def validation_shard(run: Path) -> Path:
+    """The quickstart's held-out shard, under the run's data/ folder."""
+    return run.parents[1] / OmegaConf.load(ROOT / "configs" / "quickstart.yaml").validation.path
 
+
+def prompts_of(config: Path) -> list[str]:
     return list(OmegaConf.load(config).experiment.sample_prompts)
 
 
@@ -31,25 +36,51 @@ def nearest_colour(rgb) -> str:
     return min(COLOURS, key=lambda n: sum((float(a) - b) ** 2 for a, b in zip(rgb, COLOURS[n])))
 
 
-def read_grid(path: Path, prompts: list[str]) -> dict:
-    """Per cell: the background colour (median of the border ring) and the shape colour (median of the
-    central 12x12 pixels), each named by its nearest of the 8 dataset colours, against the prompt."""
-    grid = np.asarray(Image.open(path).convert("RGB"))
-    rows, cols = grid.shape[0] // CELL, grid.shape[1] // CELL
-    assert rows == len(prompts)
+def colours_of(image: np.ndarray) -> tuple[str, str]:
+    """(background, shape) colour names of one 64 px image: the median of its 4-pixel border ring and of
+    its central 12x12 pixels, each named by the nearest of the 8 dataset colours."""
+    ring = np.concatenate([image[:4].reshape(-1, 3), image[-4:].reshape(-1, 3), image[:, :4].reshape(-1, 3),
+                           image[:, -4:].reshape(-1, 3)])
+    centre = image[26:38, 26:38].reshape(-1, 3)
+    return nearest_colour(np.median(ring, axis=0)), nearest_colour(np.median(centre, axis=0))
+
+
+def score(images, prompts: list[str]) -> dict:
+    """Fraction of images whose background and shape colours are the ones their prompt names."""
     bg_ok = colour_ok = 0
-    for r, prompt in enumerate(prompts):
+    for image, prompt in zip(images, prompts, strict=True):
         words = prompt.split()
-        want_colour, want_bg = words[1], words[-2]
-        for c in range(cols):
-            cell = grid[r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL].reshape(CELL, CELL, 3)
-            ring = np.concatenate([cell[:4].reshape(-1, 3), cell[-4:].reshape(-1, 3), cell[:, :4].reshape(-1, 3),
-                                   cell[:, -4:].reshape(-1, 3)])
-            centre = cell[26:38, 26:38].reshape(-1, 3)
-            bg_ok += nearest_colour(np.median(ring, axis=0)) == want_bg
-            colour_ok += nearest_colour(np.median(centre, axis=0)) == want_colour
-    n = rows * cols
-    return {"background": bg_ok / n, "colour": colour_ok / n, "cells": n}
+        bg, colour = colours_of(np.asarray(image.convert("RGB")).astype(np.float64))
+        bg_ok += bg == words[-2]
+        colour_ok += colour == words[1]
+    return {"background": bg_ok / len(prompts), "colour": colour_ok / len(prompts), "cells": len(prompts)}
+
+
+def read_grid(path: Path, prompts: list[str]) -> dict:
+    """The sample grid (one row per prompt) scored cell by cell."""
+    grid = Image.open(path).convert("RGB")
+    rows, cols = grid.height // CELL, grid.width // CELL
+    assert rows == len(prompts)
+    cells = [grid.crop((c * CELL, r * CELL, (c + 1) * CELL, (r + 1) * CELL)) for r in range(rows) for c in range(cols)]
+    return score(cells, [p for p in prompts for _ in range(cols)])
+
+
+def held_out_captions(shard: Path, n: int = 32) -> list[str]:
+    """``n`` distinct captions of the validation shard (never trained on), in a fixed order."""
+    with tarfile.open(shard) as tar:
+        caps = sorted({tar.extractfile(m).read().decode() for m in tar.getmembers() if m.name.endswith(".txt")})
+    order = np.random.default_rng(0).permutation(len(caps))
+    return [caps[i] for i in order[:n]]
+
+
+def follow_rate(pipe, captions: list[str], guidance: float) -> dict:
+    """One image per caption (seed = its index) at the quickstart's sampling settings, scored."""
+    import torch
+
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(captions, height=64, width=64, num_inference_steps=25, guidance_scale=guidance,
+                  generator=[torch.Generator().manual_seed(i) for i in range(len(captions))]).images
+    return score(images, captions)
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +97,21 @@ def quickstart_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_quickstart_samples_take_their_colours_from_their_prompts(quickstart_run):
+    from diffusers import StableDiffusionPipeline
+
+    cfg = OmegaConf.load(ROOT / "configs" / "quickstart.yaml")
+    pipe = StableDiffusionPipeline.from_pretrained(quickstart_run / "current_pipeline", safety_checker=None)
+    # 32 held-out captions, one image each. Chance is 1 in 8 for each colour. Measured when shipped (README):
+    # background 94% and shape colour 88%. "Most samples" with margin: at least 60% of each.
+    rate = follow_rate(pipe, held_out_captions(validation_shard(quickstart_run)), cfg.experiment.sample_guidance_scale)
+    assert rate["background"] >= 0.6 and rate["colour"] >= 0.6, rate
+    # The run's own grids (4 prompts x 4 seeds): the midpoint already shows progress; the end is better
+    # than chance by far (measured: 14/16 and 6/16 at step 300, 15/16 and 8/16 at 600).
     prompts = prompts_of(ROOT / "configs" / "quickstart.yaml")
-    final = read_grid(quickstart_run / "samples" / "step_00000600.png", prompts)
     middle = read_grid(quickstart_run / "samples" / "step_00000300.png", prompts)
-    # Chance is 1 in 8 for each. Measured when shipped (README): background 9/16 and shape colour 6/16 at
-    # the end, 4/16 and 12/16 at the midpoint. The bar keeps two cells of margin: at least 3x chance each.
-    assert final["background"] >= 0.4 and final["colour"] >= 0.25, final
-    assert middle["background"] + middle["colour"] >= 0.5, middle  # the midpoint grid shows progress already
+    final = read_grid(quickstart_run / "samples" / "step_00000600.png", prompts)
+    assert middle["background"] + middle["colour"] >= 0.5, middle
+    assert final["background"] + final["colour"] >= 0.75, final
     # Held-out loss (fixed noise and timesteps) falls clearly below the untrained model's.
     rows = [json.loads(line) for line in (quickstart_run / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
@@ -83,15 +122,12 @@ def test_quickstart_samples_take_their_colours_from_their_prompts(quickstart_run
 
 
 @pytest.mark.slow
-def test_an_untrained_unet_fails_the_same_bar(quickstart_run, tmp_path):
+def test_an_untrained_unet_fails_the_same_bar(quickstart_run):
     """The bar above means something: the same pipeline with the UNet and text encoder untrained (the
-    quickstart's step-0 weights) draws the prompt's colours no better than chance."""
+    quickstart's step-0 weights) does not draw the prompts' colours."""
     import torch
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-    from omegaconf import OmegaConf
     from transformers import CLIPTextModel
-
-    from sd_training.export import _grid
 
     cfg = OmegaConf.load(ROOT / "configs" / "quickstart.yaml")
     pipe = StableDiffusionPipeline.from_pretrained(quickstart_run / "current_pipeline", safety_checker=None)
@@ -99,16 +135,8 @@ def test_an_untrained_unet_fails_the_same_bar(quickstart_run, tmp_path):
     pipe.unet = UNet2DConditionModel(**OmegaConf.to_container(cfg.model.unet.params))
     pipe.text_encoder = CLIPTextModel.from_pretrained(quickstart_run.parents[1] / "data" / "quickstart" /
                                                       "tiny_pipeline" / "text_encoder")
-    pipe.set_progress_bar_config(disable=True)
-    prompts = prompts_of(ROOT / "configs" / "quickstart.yaml")
-    images = []
-    for prompt in prompts:
-        gens = [torch.Generator().manual_seed(i) for i in range(4)]
-        images += pipe([prompt] * 4, height=64, width=64, num_inference_steps=25, guidance_scale=cfg.experiment.sample_guidance_scale,
-                       generator=gens).images
-    _grid(images, 4).save(tmp_path / "untrained.png")
-    untrained = read_grid(tmp_path / "untrained.png", prompts)
-    assert not (untrained["background"] >= 0.4 and untrained["colour"] >= 0.25), untrained
+    rate = follow_rate(pipe, held_out_captions(validation_shard(quickstart_run)), cfg.experiment.sample_guidance_scale)
+    assert not (rate["background"] >= 0.6 and rate["colour"] >= 0.6), rate
 
 
 def test_the_shipped_vae_matches_its_provenance():

@@ -119,16 +119,19 @@ def test_usr1_requeues_and_restarts_through_srun_template(slurm_cluster, tmp_pat
 def test_time_limit_signal_reaches_srun_tasks_without_b_prefix(slurm_cluster, tmp_path):
     """The real timer path: --signal=USR1@N (no B:) signals the tasks themselves near the limit.
 
-    Slurm checks time limits about every 30 s, so with a 60 s limit and USR1@55 the signal arrives
-    5-35 s after the start; the job then requeues itself well before the limit.
+    slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends the warning signal early
+    ("up to 60 seconds earlier than specified", sbatch(1)). With a 2 min limit and USR1@30 it comes
+    30-90 s after the start: the tasks have long installed their handlers (a signal during interpreter
+    start-up kills a task, which an earlier 1 min limit with USR1@55 allowed under load), and the kill
+    at 120 s is still ahead.
     """
     work = _workdir(tmp_path)
     out = work / "markers"
-    options = slurm_cluster.template_options(nodes=1, ntasks_per_node=2, chdir=work, time_limit="1")
-    job = slurm_cluster.sbatch(SRUN_TEMPLATE, f"out={out}", "steps=900",
-                               options=[*options, "--signal=USR1@55"], env=_template_env())
+    options = slurm_cluster.template_options(nodes=1, ntasks_per_node=2, chdir=work, time_limit="2")
+    job = slurm_cluster.sbatch(SRUN_TEMPLATE, f"out={out}", "steps=1300",
+                               options=[*options, "--signal=USR1@30"], env=_template_env())
     _wait_markers(slurm_cluster, out, "start", 0, 2, job)
-    signals = _wait_markers(slurm_cluster, out, "signal", 0, 2, job, timeout=50)
+    signals = _wait_markers(slurm_cluster, out, "signal", 0, 2, job, timeout=110)
     assert {d["signal"] for d in signals.values()} == {"SIGUSR1"}
     slurm_cluster.speed_up_requeue(job, restarts=1)
     info = slurm_cluster.wait_state(job, "COMPLETED", timeout=60)
