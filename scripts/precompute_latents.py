@@ -123,9 +123,11 @@ def load_models(args, device: torch.device):
 
 @torch.no_grad()
 def encode_images(vae, pixels: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Scaled posterior mean and std, float32 on the CPU."""
+    """Scaled posterior mean and std, float32 on the CPU (``pixels``: uint8, or float in [-1, 1])."""
+    from sd_training.data.transforms import unit_range
+
     param = next(vae.parameters())
-    dist = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist
+    dist = vae.encode(unit_range(pixels.to(param.device)).to(param.dtype)).latent_dist
     return (dist.mean.float() * scale).cpu(), (dist.std.float() * scale).cpu()
 
 

@@ -52,6 +52,7 @@ class SystemConfig:
     dist_url: str = f("${distributed.dist_url}", "alias of distributed.dist_url (must agree with it)")
     device: str = f("auto", "auto (cuda when available, else cpu) | cpu | cuda")
     seed: int = f(0, "global seed; each rank derives its own from it")
+    tf32: bool = f(True, "CUDA: fp32 matmuls and convolutions use TF32 tensor cores (Ampere and newer; the frozen fp32 parts, fp32 training); False: full fp32")
 
 
 @dataclass

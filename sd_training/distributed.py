@@ -121,6 +121,14 @@ def pick_device(requested: str, local_rank: int, backend: str = "auto") -> torch
     return torch.device("cpu")
 
 
+def configure_math(device: torch.device, tf32: bool) -> None:
+    """On CUDA: TF32 tensor cores for fp32 matmuls and convolutions, or not (``system.tf32``). PyTorch's own
+    defaults differ (convolutions on, matmuls off); the key sets both. Nothing to set on the CPU."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+        torch.backends.cudnn.allow_tf32 = bool(tf32)
+
+
 def setup(device: str = "auto", backend: str = "auto", init_method: str = "env://", timeout_minutes: float = 30.0) -> DistInfo:
     """Start the process group (when there is more than one process) and pick this rank's device."""
     layout = probe_env()

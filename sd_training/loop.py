@@ -17,6 +17,7 @@ import torch
 from . import distributed, progress, quickstart
 from .checkpoint import Checkpointer, check_writable, complete_steps, rng_state, set_rng_state
 from .config import ConfigError, TrainConfig, public_dict, to_yaml
+from .data.transforms import unit_range
 from .ema import EMA, decay_from_strength
 from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
 from .models import build_models, component_sources
@@ -82,6 +83,7 @@ def main(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
     info = distributed.setup(
         cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url, cfg.distributed.timeout_minutes
     )
+    distributed.configure_math(info.device, cfg.system.tf32)
     try:
         return Trainer(cfg, info).run(stop)
     finally:
@@ -294,7 +296,7 @@ class Trainer:
                 # The posterior mean, not a sample: the same latents at every validation and restart.
                 vae = self.models.vae
                 with torch.autocast(self.device.type, enabled=False):
-                    px = b.pop("pixel_values").to(self.device)
+                    px = unit_range(b.pop("pixel_values").to(self.device))
                     b["latents"] = encode_images(vae, px, self.models.latent_scale, mean=True).float().cpu()
             if self.net_name == "unet":
                 b["noise"] = torch.randn(b["latents"].shape, generator=g)
@@ -313,7 +315,7 @@ class Trainer:
                     from .vae_objective import vae_loss
 
                     g = torch.Generator(self.device).manual_seed(cfg.validation.seed + i)
-                    loss, _, _ = vae_loss(self.net, b["pixel_values"].to(self.device), cfg.vae_training, generator=g)
+                    loss, _, _ = vae_loss(self.net, unit_range(b["pixel_values"].to(self.device)), cfg.vae_training, generator=g)
                 else:
                     dev = {k: v.to(self.device) for k, v in b.items()}
                     hidden = dev.get("encoder_hidden_states")
@@ -471,7 +473,7 @@ class Trainer:
             no_sync.enter_context(self.text_encoder_model.no_sync())
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
         if self.net_name == "vae":
-            pixels = batch["pixel_values"].to(self.device, non_blocking=True)
+            pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
             with no_sync:
                 with autocast:
                     loss, per_sample, parts = self.model(pixels)
@@ -482,7 +484,7 @@ class Trainer:
         if "latents" in batch:
             latents = batch["latents"].to(self.device, non_blocking=True).float()
         else:
-            latents = self._encode(batch["pixel_values"].to(self.device, non_blocking=True))
+            latents = self._encode(unit_range(batch["pixel_values"].to(self.device, non_blocking=True)))
         if self.cfg.model.channels_last:
             latents = latents.contiguous(memory_format=torch.channels_last)
         with no_sync:
@@ -769,7 +771,7 @@ class Trainer:
         params = dataclasses.replace(d.params, workers=0, batch_size=max(self.cfg.experiment.sample_per_prompt * 2, 8))
         loader = build_train_loader(dataclasses.replace(d, params=params), tokenizer=self.models.tokenizer, rank=0,
                                     world_size=1, seed=self.cfg.system.seed)
-        return next(iter(loader))["pixel_values"]
+        return unit_range(next(iter(loader))["pixel_values"])
 
     def _with_measured_scale(self, vae):
         """A copy of the trained VAE whose config carries the latent scaling factor measured on data

@@ -191,7 +191,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Model
     # Frozen (eval, no grad, in model.text_encoder.dtype) unless model.text_encoder.train; clip skip built in.
     text_encoder, tokenizer = build_text_encoder(
         cfg.text_encoder, cfg.pretrained, device, tokenizer_src=cfg.tokenizer.pretrained, revision=cfg.revision,
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing=cfg.gradient_checkpointing, mixed_precision=cfg.mixed_precision,
     )
     vae = _load(AutoencoderKL.from_pretrained, _source(cfg, "vae"), "vae", "model.vae.pretrained", **kw("vae"))
     noise_scheduler = _load(

@@ -38,7 +38,7 @@ MAY_CHANGE = (
     "experiment.resume", "experiment.start_fresh", "experiment.allow_config_change", "experiment.tensorboard",
     "experiment.peak_tflops", "experiment.max_nonfinite_steps", "experiment.export_weights", "experiment.log_dir",
     "evaluation.", "validation.", "wandb.", "quickstart.", "system.workers", "dataset.params.workers",
-    "system.device", "distributed.timeout_minutes", "distributed.dist_url", "distributed.dist_backend",
+    "system.device", "system.tf32", "distributed.timeout_minutes", "distributed.dist_url", "distributed.dist_backend",
     "distributed.flag_sync_every", "experiment.progress_bar",
 )
 # Keys whose new value takes effect on resume, said in the log.

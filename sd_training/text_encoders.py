@@ -60,7 +60,16 @@ class TextEncoderConfig:
     max_length: Optional[int] = f(None, "tokens per caption, start and end tokens included (None: the tokenizer's model_max_length, 77)")
     train: bool = f(False, "train the text encoder with the UNet (False: frozen, eval mode, no gradients)")
     learning_rate: Optional[float] = f(None, "train: peak learning rate of the text encoder, same schedule (None: optimizer.params.learning_rate)")
-    dtype: str = f("fp32", "fp32 | fp16 | bf16: storage dtype of the frozen text encoder (train needs fp32)")
+    dtype: str = f("auto", "frozen text encoder weights: auto (the training precision: bf16 under bf16, fp16 under fp16, else fp32) | fp32 | fp16 | bf16 (train: fp32 or auto)")
+
+
+def frozen_text_dtype(requested: str, mixed_precision: str) -> torch.dtype:
+    """``auto``: the compute dtype of the run (bf16, fp16; else fp32). CLIP text towers are safe in fp16,
+    unlike the SD VAE; a frozen encoder in the training precision halves its memory and runs on tensor
+    cores, and its hidden states are cast to fp32 for the UNet (``objective.encode_text``)."""
+    if requested == "auto":
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+    return DTYPES[requested]
 
 
 def _error(message: str) -> ValueError:
@@ -72,8 +81,8 @@ def validate_text_encoder_config(cfg: TextEncoderConfig, path: str = "model.text
     if cfg.type not in TYPES:
         close = difflib.get_close_matches(str(cfg.type), TYPES, n=1)
         raise _error(f"'{path}.type' is '{cfg.type}', expected one of {', '.join(TYPES)}" + (f"; did you mean '{close[0]}'?" if close else ""))
-    if cfg.dtype not in DTYPES:
-        raise _error(f"'{path}.dtype' is '{cfg.dtype}', expected one of {', '.join(DTYPES)}")
+    if cfg.dtype not in ("auto", *DTYPES):
+        raise _error(f"'{path}.dtype' is '{cfg.dtype}', expected one of auto, {', '.join(DTYPES)}")
     if cfg.type == "open_clip":
         for key in ("open_clip_model", "open_clip_weights"):
             if not getattr(cfg, key):
@@ -98,8 +107,8 @@ def validate_text_encoder_config(cfg: TextEncoderConfig, path: str = "model.text
         raise _error(f"'{path}.clip_skip' must be >= 0, got {cfg.clip_skip}")
     if cfg.max_length is not None and cfg.max_length < 2:
         raise _error(f"'{path}.max_length' must be >= 2 (start and end tokens), got {cfg.max_length}")
-    if cfg.train and cfg.dtype != "fp32":
-        raise _error(f"'{path}.train' keeps fp32 master weights: set '{path}.dtype=fp32' (model.mixed_precision sets the compute dtype)")
+    if cfg.train and cfg.dtype not in ("fp32", "auto"):
+        raise _error(f"'{path}.train' keeps fp32 master weights: set '{path}.dtype=fp32' or auto (model.mixed_precision sets the compute dtype)")
     if cfg.learning_rate is not None:
         if not cfg.train:
             raise _error(f"'{path}.learning_rate' is set but '{path}.train' is False")
@@ -115,6 +124,7 @@ def validate_text_encoder_config(cfg: TextEncoderConfig, path: str = "model.text
 def build_text_encoder(
     cfg: TextEncoderConfig, pipeline_src: str | None, device: torch.device, *,
     tokenizer_src: str | None = None, revision: str | None = None, gradient_checkpointing: bool = False,
+    mixed_precision: str = "no",
 ):
     """The text encoder (``CLIPTextModel``) and its tokenizer (``CLIPTokenizer``), ready for the loop.
 
@@ -122,8 +132,8 @@ def build_text_encoder(
     set by the user (None: the pipeline's tokenizer for type clip, CLIP's BPE padding with 0 for
     type open_clip). ``revision`` applies to sources taken from ``pipeline_src``. The encoder comes
     back on ``device`` with clip skip applied and the tokenizer's ``model_max_length`` set to
-    ``max_length``; frozen (eval, no grad, in ``dtype``) unless ``train``, then fp32, train mode,
-    requiring grad, with gradient checkpointing if asked.
+    ``max_length``; frozen (eval, no grad, in ``dtype``; ``auto``: the ``mixed_precision`` of the run)
+    unless ``train``, then fp32, train mode, requiring grad, with gradient checkpointing if asked.
     """
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -171,11 +181,11 @@ def build_text_encoder(
     else:
         text_encoder.requires_grad_(False)
         text_encoder.eval()
-        text_encoder.to(device=device, dtype=DTYPES[cfg.dtype])
+        text_encoder.to(device=device, dtype=frozen_text_dtype(cfg.dtype, mixed_precision))
     log.info(
         "text encoder: %s, %d layers (clip_skip %d), hidden size %d, max_length %d, %s",
         cfg.type, text_encoder.config.num_hidden_layers, cfg.clip_skip, text_encoder.config.hidden_size,
-        tokenizer.model_max_length, "trained" if cfg.train else f"frozen {cfg.dtype}",
+        tokenizer.model_max_length, "trained" if cfg.train else f"frozen {frozen_text_dtype(cfg.dtype, mixed_precision)}",
     )
     return text_encoder, tokenizer
 

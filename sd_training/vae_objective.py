@@ -39,6 +39,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from .data.transforms import unit_range
 from .fields import ConfigError, f
 
 log = logging.getLogger(__name__)
@@ -263,7 +264,7 @@ def latent_statistics(
 ) -> Dict[str, float]:
     """Mean and std over every element of posterior samples of ``pixel_batches``, and the image count.
 
-    A batch is a pixel tensor in [-1, 1] or a dict holding ``pixel_values`` (a data loader batch; bound
+    A batch is a pixel tensor (uint8, or float in [-1, 1]) or a dict holding ``pixel_values`` (a data loader batch; bound
     it, e.g. with ``itertools.islice``). Sums are kept in float64. ``all_ranks``: sum them over the
     ranks of torch.distributed (a collective: every rank must call it, with any number of batches);
     off by default, so rank 0 alone may measure.
@@ -273,7 +274,7 @@ def latent_statistics(
     images = 0
     for batch in pixel_batches:
         pixels = batch["pixel_values"] if isinstance(batch, dict) else batch
-        pixels = pixels.to(device=param.device, dtype=param.dtype)
+        pixels = unit_range(pixels.to(param.device)).to(param.dtype)
         z = vae.encode(pixels).latent_dist.sample(generator=generator).double()
         s += torch.stack([z.sum(), z.pow(2).sum(), torch.tensor(float(z.numel()), dtype=torch.float64, device=z.device)])
         images += pixels.shape[0]

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from sd_training.data import DatasetConfig, DatasetConfigError, build_train_loader
 from sd_training.data.synthetic import COLOURS, SHAPES, write_shapes_shards
+from sd_training.data.transforms import unit_range
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,11 @@ def test_batches_have_the_contracted_types_and_content(shapes):
     tok = tokenizer()
     batches = take(loader(shapes, resolution=32, batch_size=4), 6)
     for b in batches:
-        assert b["pixel_values"].shape == (4, 3, 32, 32) and b["pixel_values"].dtype == torch.float32
-        assert b["pixel_values"].min() >= -1.0 and b["pixel_values"].max() <= 1.0
+        # Bytes leave the workers; the consumer scales them on its device (unit_range).
+        assert b["pixel_values"].shape == (4, 3, 32, 32) and b["pixel_values"].dtype == torch.uint8
+        unit = unit_range(b["pixel_values"])
+        assert unit.dtype == torch.float32 and unit.min() >= -1.0 and unit.max() <= 1.0
+        assert torch.equal(unit, b["pixel_values"].float() / 127.5 - 1)  # the formula the float path used
         assert b["input_ids"].shape == (4, tok.model_max_length) and b["input_ids"].dtype == torch.int64
         assert isinstance(b["captions"], list) and len(b["captions"]) == 4
         assert not any(k.startswith("_") for k in b)
@@ -67,7 +71,7 @@ def test_batches_have_the_contracted_types_and_content(shapes):
         # The pixels are the captioned picture: the centre is the shape's colour (JPEG, so approximately).
         for img, cap in zip(b["pixel_values"], b["captions"]):
             colour = cap.split()[1]
-            centre = ((img[:, 14:18, 14:18].mean(dim=(1, 2)) + 1) * 127.5).numpy()
+            centre = img[:, 14:18, 14:18].float().mean(dim=(1, 2)).numpy()
             assert np.abs(centre - np.array(COLOURS[colour])).max() < 40, (cap, centre)
 
 
@@ -81,12 +85,12 @@ def test_png_webp_and_key_order(tmp_path):
     path = write_tar(str(tmp_path / "one.tar"), samples)
     b = take(loader(path, batch_size=4, shuffle_buffer=1, resampled=True), 1)[0]
     assert b["keys"] == ["a", "b", "c", "d"]
-    px = (b["pixel_values"] + 1) * 127.5
+    px = b["pixel_values"].float()
     assert px[0, 1].mean() > 190 and px[1, 2].mean() > 190  # green png, blue webp
     assert px[2].mean() > 100  # RGBA composited on white, not black
     assert px[3].mean() < 5  # 'jpg' comes first in image_keys (its bytes are a webp: the format is sniffed)
     b2 = take(loader(path, batch_size=4, shuffle_buffer=1, resampled=True, image_keys="png;jpg;webp"), 1)[0]
-    assert ((b2["pixel_values"][3] + 1) * 127.5).mean() > 250
+    assert b2["pixel_values"][3].float().mean() > 250
 
 
 def test_same_seed_same_batches_other_seed_other_batches(shapes):
@@ -201,6 +205,32 @@ def test_too_few_shards_for_readers_is_an_error_with_numbers(tmp_path):
 def test_missing_path_is_a_clear_error(tmp_path):
     with pytest.raises(DatasetConfigError, match="none of the 3 shard"):
         loader(str(tmp_path / "nope-{0..2}.tar"))
+
+
+def test_start_up_looks_at_a_few_shards_not_all_of_a_huge_path(tmp_path, monkeypatch, caplog):
+    """200,000 shards named, the first and the last present: start-up asks the filesystem about at most
+    STAT_SAMPLE of them (on every rank), warns about the missing ones it saw, and still builds."""
+    import os
+
+    import sd_training.data as data
+
+    write_shards(str(tmp_path), [4, 4])  # part-0000.tar, part-0001.tar: renamed the first and the last
+    first = tmp_path / "shards-000000.tar"
+    os.rename(tmp_path / "part-0000.tar", first)
+    os.rename(tmp_path / "part-0001.tar", tmp_path / "shards-199999.tar")
+    calls = []
+    exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: calls.append(p) or exists(p))
+    sources = data.build_sources("WebDataset", make_cfg(str(tmp_path / "shards-{000000..199999}.tar")).params)
+    assert len(sources[0].units) == 200_000
+    with caplog.at_level("WARNING"):
+        data._check_local_units("WebDataset", sources)
+    assert len([c for c in calls if str(c).endswith(".tar")]) == data.STAT_SAMPLE
+    assert "30 of the 32 shards looked at (of 200000)" in caplog.text
+    first.unlink()
+    (tmp_path / f"shards-{199999:06d}.tar").unlink()
+    with pytest.raises(DatasetConfigError, match="none of the 200000 shard.*looked at 32"):
+        data._check_local_units("WebDataset", sources)
 
 
 def test_distributed_ranks_never_share_a_batch(shapes):

@@ -99,3 +99,25 @@ def test_auto_device_without_a_gpu_where_one_was_meant_is_an_error(monkeypatch, 
     with pytest.raises(ConfigError, match="system.device=cuda but no GPU is visible"):
         pick_device("cuda", 0)
     assert pick_device("cpu", 0, backend=backend).type == "cpu"  # explicit CPU is the user's choice
+
+
+def test_system_tf32_sets_both_cuda_math_flags_and_the_mfu_peak_follows():
+    """system.tf32 sets TF32 for matmuls and convolutions on a CUDA device (the flags exist without a GPU);
+    on the CPU nothing changes; MFU counts fp32 against the TF32 peak exactly when TF32 is on."""
+    from sd_training.config import SystemConfig
+    from sd_training.distributed import configure_math
+    from sd_training.flops import precision_key
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        assert SystemConfig().tf32 is True
+        configure_math(torch.device("cuda", 0), False)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
+        assert precision_key("no") == "fp32"
+        configure_math(torch.device("cpu"), True)  # the CPU has no TF32: left alone
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        configure_math(torch.device("cuda", 0), True)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+        assert precision_key("no") == "tf32" and precision_key(torch.bfloat16) == "bf16"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

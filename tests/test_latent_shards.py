@@ -15,6 +15,7 @@ from data_fixtures import make_cfg, take, tokenizer, write_tar
 
 from sd_training.data import DatasetConfigError, build_train_loader, validate_dataset_config
 from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
+from sd_training.data.transforms import unit_range
 
 ROOT = Path(__file__).resolve().parents[1]
 RES = 32  # 4x4 latents: the tiny models run fast and every block still runs
@@ -56,7 +57,7 @@ def latent_loader(path, **params):
 
 @torch.no_grad()
 def online_mean(vae, pixel_values):
-    return vae.encode(pixel_values).latent_dist.mean * vae.config.scaling_factor
+    return vae.encode(unit_range(pixel_values)).latent_dist.mean * vae.config.scaling_factor
 
 
 def test_mean_latents_equal_the_online_encoding_of_the_same_images(latent_dir, shapes_shards, models):

@@ -230,7 +230,7 @@ def test_max_length_sets_the_tokenizer(tiny_pipeline):
 
 
 def test_frozen_half_precision_storage_gives_fp32_hidden_states(tiny_pipeline):
-    te32, tok = build_text_encoder(TextEncoderConfig(), str(tiny_pipeline), CPU)
+    te32, tok = build_text_encoder(TextEncoderConfig(dtype="fp32"), str(tiny_pipeline), CPU)
     te16, _ = build_text_encoder(TextEncoderConfig(dtype="bf16"), str(tiny_pipeline), CPU)
     assert all(p.dtype == torch.bfloat16 for p in te16.parameters())
     ids = _ids(tok)
@@ -242,6 +242,19 @@ def test_frozen_half_precision_storage_gives_fp32_hidden_states(tiny_pipeline):
     copy = text_encoder_for_pipeline(te16)
     assert copy is not te16 and all(p.dtype == torch.float32 for p in copy.parameters())
     assert text_encoder_for_pipeline(te32) is te32
+
+
+@pytest.mark.parametrize("mixed_precision, want", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("no", torch.float32)])
+def test_frozen_text_encoder_runs_in_the_training_precision_by_default(tiny_pipeline, mixed_precision, want):
+    """dtype auto (the default): the frozen encoder is stored in the run's compute dtype; a trained one keeps
+    fp32 master weights; an explicit dtype wins."""
+    assert TextEncoderConfig().dtype == "auto"
+    te, _ = build_text_encoder(TextEncoderConfig(), str(tiny_pipeline), CPU, mixed_precision=mixed_precision)
+    assert {p.dtype for p in te.parameters()} == {want}
+    trained, _ = build_text_encoder(TextEncoderConfig(train=True), str(tiny_pipeline), CPU, mixed_precision=mixed_precision)
+    assert {p.dtype for p in trained.parameters()} == {torch.float32}
+    pinned, _ = build_text_encoder(TextEncoderConfig(dtype="fp32"), str(tiny_pipeline), CPU, mixed_precision=mixed_precision)
+    assert {p.dtype for p in pinned.parameters()} == {torch.float32}
 
 
 def test_trained_text_encoder_gets_gradients_and_its_own_lr(tiny_pipeline):

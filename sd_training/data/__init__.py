@@ -47,22 +47,35 @@ def _as_int(value: Any, key: str) -> int:
         raise DatasetConfigError(f"dataset.params.{key}={value!r} is not an integer (unresolved interpolation?)") from None
 
 
+STAT_SAMPLE = 32  # shards per source that start-up looks at (a 200,000-shard path is not stat'ed in full)
+
+
+def _spread(items: List[str], k: int) -> List[str]:
+    """Up to ``k`` items evenly spaced over ``items``, the first and the last included."""
+    if len(items) <= k:
+        return list(items)
+    return [items[round(i * (len(items) - 1) / (k - 1))] for i in range(k)]
+
+
 def _check_local_units(kind: str, sources: List[Source]) -> None:
-    """Missing local shards: all missing in a source is an error naming it; some missing is a warning."""
+    """Missing local shards, judged from at most STAT_SAMPLE evenly spaced shards per source (every rank
+    asks the filesystem the same few questions, not one per shard): all of them missing is an error naming
+    the source; some missing is a warning (missing shards are skipped and counted when read)."""
     if kind not in ("WebDataset", "latents"):
         return
     for src in sources:
         local = [u for u in src.units if not REMOTE.match(u)]
-        missing = [u for u in local if not os.path.exists(u.removeprefix("file:"))]
-        if local and len(missing) == len(src.units):
+        looked = _spread(local, STAT_SAMPLE)
+        missing = [u for u in looked if not os.path.exists(u.removeprefix("file:"))]
+        if looked and len(missing) == len(looked) and len(local) == len(src.units):
             raise DatasetConfigError(
                 f"dataset.params.path: none of the {len(src.units)} shard(s) of source {src.name!r} exists "
-                f"(first: {missing[0]}); check the path and the brace range"
+                f"(looked at {len(looked)}, first: {missing[0]}); check the path and the brace range"
             )
         if missing:
             log.warning(
-                "data: %d of %d shards of %s do not exist (e.g. %s); they will be skipped and counted",
-                len(missing), len(src.units), src.name, missing[0],
+                "data: %d of the %d shards looked at (of %d) in %s do not exist (e.g. %s); missing shards are "
+                "skipped and counted", len(missing), len(looked), len(src.units), src.name, missing[0],
             )
 
 

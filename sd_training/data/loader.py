@@ -47,7 +47,8 @@ class _SlotDataset(IterableDataset):
 class TrainLoader:
     """Infinite batches for one rank: ``{"pixel_values", "input_ids", "captions", "keys", "epochs"}``.
 
-    * ``pixel_values``: float32 [B, 3, H, W] in [-1, 1] (H = W = resolution unless aspect buckets are on);
+    * ``pixel_values``: uint8 [B, 3, H, W] (H = W = resolution unless aspect buckets are on); the consumer
+      moves them to its device and scales them to [-1, 1] there (``transforms.unit_range``);
     * ``input_ids``: int64 [B, tokenizer.model_max_length];
     * ``captions``: the captions after dropout/shuffling ('' when dropped); ``keys``: sample names;
       ``epochs``: the data epoch each sample was read in.

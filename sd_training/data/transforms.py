@@ -132,9 +132,20 @@ def decode_resized(
 
 
 def to_pixel_values(images: np.ndarray):
-    """uint8 [B,H,W,3] -> float32 tensor [B,3,H,W] in [-1, 1]."""
+    """uint8 [B,H,W,3] -> uint8 tensor [B,3,H,W] (contiguous). Batches leave the loader workers as bytes
+    (a quarter of float32's shared memory, pinned copies and host-to-device traffic); the consumer
+    normalises them on its device with :func:`unit_range`."""
     import torch
 
-    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float()
-    return x.div_(127.5).sub_(1.0).contiguous()
+    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous()
+
+
+def unit_range(pixels):
+    """Pixels as float32 in [-1, 1]: uint8 batches are scaled (x / 127.5 - 1, on the tensor's device);
+    floating-point ones are taken as already in range."""
+    import torch
+
+    if pixels.dtype == torch.uint8:
+        return pixels.float().div_(127.5).sub_(1.0)
+    return pixels
 
