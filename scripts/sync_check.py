@@ -18,9 +18,6 @@ from pathlib import Path
 
 import torch
 
-BLOCKING = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -32,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from sd_training.config import load
     from sd_training.data.synthetic import write_shapes_shards
     from sd_training.loop import Trainer
+    from sd_training.sync_count import BlockingCalls
     from sd_training.tiny import make_tiny_pipeline
 
     work = Path(tempfile.mkdtemp(prefix="sync_check_"))
@@ -47,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ])
     t = Trainer(cfg, distributed.setup(a.device))
     found: list = []
-    in_window = [False]
+    counter = None
     if a.device == "cuda":
         def enter():
             torch.cuda.set_sync_debug_mode("error")
@@ -55,21 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         def leave():
             torch.cuda.set_sync_debug_mode("default")
     else:
+        counter = BlockingCalls(label=lambda: t.state.step).__enter__()
+        counter.active = False
+        found = counter.found
+
         def enter():
-            in_window[0] = True
+            counter.active = True
 
         def leave():
-            in_window[0] = False
+            counter.active = False
 
-        for name in BLOCKING:
-            real = getattr(torch.Tensor, name)
-
-            def counted(self, *args, _real=real, _name=name, **kw):
-                if in_window[0]:
-                    found.append((t.state.step, _name))
-                return _real(self, *args, **kw)
-
-            setattr(torch.Tensor, name, counted)
     for method in ("_micro_step", "_optimizer_step"):
         real = getattr(Trainer, method)
 
@@ -89,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         t.run()
     except RuntimeError:
         ok = False
+    finally:
+        if counter is not None:
+            counter.__exit__(None, None, None)
     ok = ok and not found
     print(json.dumps({"device": a.device, "precision": a.precision, "syncs_in_steps": len(found),
                       "first": found[:5], "ok": ok}))

@@ -15,6 +15,13 @@
 The checkpointer sees a dict of objects with ``state_dict()`` / ``load_state_dict()``. Rank 0 writes the
 shared state (replicated under DDP); every rank writes its own ``rank_<R>.pt``. A SIGKILL at any moment
 leaves at most a ``*.tmp`` folder, which is ignored and cleaned up, never a half-written step folder.
+
+Asynchronous saves (``experiment.checkpoint_async``): the step waits only while the state is copied to
+host memory (pinned buffers reused from save to save); a background thread writes the files. Rank 0's
+thread declares the folder complete once every rank's ``rank_<R>.pt`` is on disk (it watches the
+folder, so no collective runs outside the training thread). One save is in flight at a time; the loop
+waits for it before the next save, before a requeue and at the end. Sharded (FSDP) state is written
+synchronously: its writer is itself a collective.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import pickle
 import random
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -131,25 +139,99 @@ def check_writable(folder: Path, expected_bytes: int = 0) -> None:
                     folder, free / 1e9, expected_bytes / 1e9)
 
 
+class Snapshot:
+    """Host copies of a nested state (dicts, lists, tuples of tensors and plain values) that training may
+    go on changing. Device tensors land in pinned buffers kept for the next snapshot of the same shapes;
+    their copies are asynchronous, and :meth:`ready` waits for them (in the writer, not the step)."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._events: list = []
+
+    def take(self, obj, key: str = ""):
+        self._events = []
+        out = self._copy(obj, key)
+        if torch.cuda.is_available() and any(t.device.type == "cuda" for t in _tensors(obj)):
+            event = torch.cuda.Event()
+            event.record()
+            self._events.append(event)
+        return out
+
+    def ready(self) -> None:
+        for event in self._events:
+            event.synchronize()
+
+    def _copy(self, obj, key: str):
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.device.type == "cpu":
+                return t.clone()
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                self._buffers[key] = buf
+            buf.copy_(t, non_blocking=True)
+            return buf
+        if isinstance(obj, dict):
+            return {k: self._copy(v, f"{key}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [self._copy(v, f"{key}/{i}") for i, v in enumerate(obj)]
+            return type(obj)(items) if type(obj) in (list, tuple) else type(obj)(*items)
+        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+            return obj
+        import copy
+
+        return copy.deepcopy(obj)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
 class Checkpointer:
-    def __init__(self, root: Path, keep_last: int = 2, keep_every: int | None = None):
+    def __init__(self, root: Path, keep_last: int = 2, keep_every: int | None = None, asynchronous: bool = False,
+                 rank_files_timeout_s: float = 1800.0):
         self.root = Path(root)
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.asynchronous = asynchronous
+        self.rank_files_timeout_s = rank_files_timeout_s
+        self.last_stall_s = 0.0  # how long the last save held the training thread
+        self._snapshot = Snapshot()
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def latest(self) -> Path | None:
         steps = complete_steps(self.root)
         return self.root / step_dir_name(steps[-1]) if steps else None
 
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk; re-raise its error here, in the training thread."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
     def save(
         self, step: int, shared: dict, per_rank: dict, train_state: dict, config_yaml: str, rank: int,
         write_sharded=None,
     ) -> Path:
-        """Collective: every rank calls it. Returns the final folder.
+        """Collective: every rank calls it. Returns the final folder (complete on return unless asynchronous;
+        then :meth:`wait` says when).
 
         ``write_sharded(folder)``, when given, is called on every rank to write sharded state (FSDP: DCP).
         """
-        t0 = time.time()
+        t0 = time.perf_counter()
+        self.wait()  # one save at a time: the previous one is complete (or its error raised) first
         final = self.root / step_dir_name(step)
         tmp = self.root / (step_dir_name(step) + ".tmp")
         if rank == 0:
@@ -157,25 +239,67 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         distributed.barrier()  # the folder exists before any rank writes into it
-        _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
-        if write_sharded is not None:
-            write_sharded(tmp / "sharded")
-        if rank == 0:
-            for name, obj in shared.items():
-                _atomic_torch_save(obj, tmp / f"{name}.pt")
-            # The files a loader may open: nothing else in the folder is ever read.
-            (tmp / "train_state.json").write_text(json.dumps({**train_state, "checkpoint_files": sorted(shared)}, indent=1))
-            (tmp / "config.yaml").write_text(config_yaml)
-        distributed.barrier()  # every rank's file is on disk before the folder is declared complete
-        if rank == 0:
-            (tmp / MARKER).write_text(f"{time.time()}\n")
-            if final.exists():  # a stale folder of the same step (e.g. written before a crash, then trained again)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._retain()
-            log.info("saved checkpoint %s in %.1fs", final, time.time() - t0)
-        distributed.barrier()
+        state_json = json.dumps({**train_state, "checkpoint_files": sorted(shared)}, indent=1)
+        if not self.asynchronous or write_sharded is not None:
+            _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
+            if write_sharded is not None:
+                write_sharded(tmp / "sharded")
+            if rank == 0:
+                self._write_shared(tmp, shared, state_json, config_yaml)
+            distributed.barrier()  # every rank's file is on disk before the folder is declared complete
+            if rank == 0:
+                self._complete(tmp, final)
+                log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
+            distributed.barrier()
+            self.last_stall_s = time.perf_counter() - t0
+            return final
+        both = self._snapshot.take({"shared": shared if rank == 0 else {}, "rank": per_rank})
+        shared_copy, rank_copy = both["shared"], both["rank"]
+        world = distributed.world_size()
+        self._writer = threading.Thread(
+            target=self._write_async, name=f"checkpoint-{step}",
+            args=(tmp, final, rank, world, shared_copy, rank_copy, state_json, config_yaml, t0),
+        )
+        self._writer.start()
+        self.last_stall_s = time.perf_counter() - t0
         return final
+
+    def _write_shared(self, tmp: Path, shared: dict, state_json: str, config_yaml: str) -> None:
+        for name, obj in shared.items():
+            _atomic_torch_save(obj, tmp / f"{name}.pt")
+        # The files a loader may open: nothing else in the folder is ever read.
+        (tmp / "train_state.json").write_text(state_json)
+        (tmp / "config.yaml").write_text(config_yaml)
+
+    def _complete(self, tmp: Path, final: Path) -> None:
+        (tmp / MARKER).write_text(f"{time.time()}\n")
+        if final.exists():  # a stale folder of the same step (e.g. written before a crash, then trained again)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._retain()
+
+    def _write_async(self, tmp: Path, final: Path, rank: int, world: int, shared: dict, per_rank: dict,
+                     state_json: str, config_yaml: str, t0: float) -> None:
+        try:
+            self._snapshot.ready()
+            _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
+            if rank != 0:
+                return
+            self._write_shared(tmp, shared, state_json, config_yaml)
+            deadline = time.monotonic() + self.rank_files_timeout_s
+            missing = [r for r in range(world) if not (tmp / f"rank_{r}.pt").exists()]
+            while missing:  # the other ranks' writers: their files appear complete (written, then renamed)
+                if time.monotonic() > deadline:
+                    raise CheckpointWriteError(
+                        f"{tmp}: rank file(s) {missing[:8]} did not appear within {self.rank_files_timeout_s:.0f}s; "
+                        "this checkpoint stays incomplete (ignored on resume); the previous one is intact")
+                time.sleep(0.05)
+                missing = [r for r in missing if not (tmp / f"rank_{r}.pt").exists()]
+            self._complete(tmp, final)
+            log.info("saved checkpoint %s in %.1fs (training waited %.3fs)", final, time.perf_counter() - t0,
+                     self.last_stall_s)
+        except BaseException as e:  # raised in the training thread at the next wait()
+            self._error = e
 
     def _retain(self) -> None:
         steps = complete_steps(self.root)

@@ -79,6 +79,7 @@ class ExperimentConfig:
     save_only_most_recent: bool = f(True, "keep only the newest exported pipeline (pipelines/current)")
     checkpoint_every: Optional[int] = f(None, "optimizer steps between resume checkpoints (None: save_every)")
     save_every_minutes: Optional[float] = f(None, "also write a resume checkpoint after this many minutes since the last one")
+    checkpoint_async: bool = f(True, "write resume checkpoints in a background thread: the step waits only for a copy to host memory (FSDP's sharded state is written synchronously)")
     keep_last_checkpoints: int = f(2, "complete resume checkpoints kept (older ones are deleted)")
     keep_checkpoint_every: Optional[int] = f(None, "optimizer steps: checkpoints at multiples of this are kept forever")
     resume: bool = f(True, "continue from the newest complete checkpoint in the run directory, if any")

@@ -171,6 +171,10 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -99,6 +99,7 @@ class Trainer:
         self.state = TrainState()
         self.config_yaml = to_yaml(cfg)
         self.bar = None  # the live progress bar (rank 0, interactive terminals)
+        self._side_times: dict[str, float] = {}  # seconds of saves and exports since the last log line
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -207,7 +208,8 @@ class Trainer:
             cfg.dataset, tokenizer=self.models.tokenizer, rank=info.rank, world_size=info.world_size, seed=cfg.system.seed
         )
         self.checkpointer = Checkpointer(
-            self.run_dir.checkpoints, cfg.experiment.keep_last_checkpoints, cfg.experiment.keep_checkpoint_every
+            self.run_dir.checkpoints, cfg.experiment.keep_last_checkpoints, cfg.experiment.keep_checkpoint_every,
+            asynchronous=cfg.experiment.checkpoint_async, rank_files_timeout_s=60 * cfg.distributed.timeout_minutes,
         )
         # Weights, two AdamW moments, the EMA: found unwritable or nearly full now, not at the first save.
         weight_bytes = sum(p.numel() * 4 for p in self.net.parameters())
@@ -607,19 +609,29 @@ class Trainer:
                 timed = minutes is not None and (time.time() - last_ckpt_time) >= minutes * 60
                 stop_now = distributed.any_rank(stop.requested, self.device)
                 timed = distributed.any_rank(timed, self.device)
+            # Saves and exports are timed apart from the steps (step_time, images/s and MFU exclude them);
+            # the next log line carries their times since the previous one.
+            side = self._side_times
             if stop_now or timed or last or state.step % plan.checkpoint_every == 0:
                 self._save_checkpoint()
                 last_ckpt_time = time.time()
+                stall = self.checkpointer.last_stall_s
+                side["time/checkpoint_stall_s"] = side.get("time/checkpoint_stall_s", 0.0) + stall
             if self.val_batches is not None and (last or state.step % val_every == 0):
                 self._validate()
             if last or state.step % cfg.experiment.save_every == 0:
+                t_export = time.perf_counter()
                 self._export()
+                took = time.perf_counter() - t_export
+                side["time/export_s"] = side.get("time/export_s", 0.0) + took
+                log.info("step %d: exports, sample grid and eval images took %.1fs", state.step, took)
             if stop_now:
                 stopped_by = stop.signal_name or "signal on another rank"
                 break
         if not stopped_by and state.last_export_step < state.step:
             # Resumed from a checkpoint written at the last step but killed before its export finished.
             self._export()
+        self.checkpointer.wait()  # the last checkpoint is on disk before a requeue or the end
         requeued = False
         if stopped_by:
             log.warning("stopped at step %d by %s after saving", state.step, stopped_by)
@@ -653,6 +665,7 @@ class Trainer:
         """Save the last good weights (skipped steps never changed them) and stop with advice."""
         self._log(window)
         self._save_checkpoint()
+        self.checkpointer.wait()
         raise NonFiniteLossError(
             f"{int(self.nonfinite_streak)} consecutive optimizer steps up to step {self.state.step} had a non-finite "
             f"loss or gradient (last loss {float(window.last_loss):.4g}); the updates were skipped and the last good "
@@ -665,7 +678,8 @@ class Trainer:
     def _log(self, w: "_Window") -> None:
         loss = distributed.all_reduce_mean(w.loss_sum / max(w.loss_count, 1)).item()
         n_images = w.steps * self.plan.global_batch
-        metrics = {"loss": loss}
+        metrics = {"loss": loss, **self._side_times}
+        self._side_times.clear()
         if self.net_name == "unet":
             q = distributed.all_reduce_mean(w.q_sum / w.q_count.clamp(min=1)).tolist()
             metrics.update({f"loss_q{i}": q[i] for i in range(4)})
