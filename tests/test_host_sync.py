@@ -7,7 +7,6 @@ the micro-steps and optimizer steps of a bf16 run with EMA and a fused optimizer
 ``scripts/gpu_check.sh`` runs the same window under ``torch.cuda.set_sync_debug_mode("error")``."""
 
 import pytest
-import torch
 from conftest import train_args
 
 from sd_training import distributed
