@@ -29,6 +29,22 @@ from .objective import ObjectiveConfig, validate_objective_config
 from .text_encoders import TextEncoderConfig, validate_text_encoder_config
 from .vae_objective import VAEObjectiveConfig, validate_vae_objective_config
 
+# Files that ship inside the package (sd_training/assets/NAME): a config names them ${asset:NAME}, which
+# resolves to an absolute path wherever the package is installed and whatever the working directory.
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+
+
+def _asset(name: str) -> str:
+    path = os.path.join(ASSETS, str(name))
+    if not os.path.exists(path):
+        raise ConfigError(f"${{asset:{name}}}: no such file or folder in {ASSETS} "
+                          f"(shipped: {', '.join(sorted(os.listdir(ASSETS))) if os.path.isdir(ASSETS) else 'none'})")
+    return path
+
+
+# omegaconf 2.4 renamed register_new_resolver (which it deprecates) to register_resolver.
+(getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver)("asset", _asset, replace=True)
+
 # ----------------------------------------------------------------------------------------------
 # Schema. Every field: f(default, "one-line help with its unit").
 # ----------------------------------------------------------------------------------------------
@@ -290,7 +306,7 @@ def _unbool_strings(user: DictConfig) -> None:
     for path, tp, _default, _help, is_section in schema_entries():
         if is_section or tp is not str:
             continue
-        value = OmegaConf.select(user, path, default=None, throw_on_missing=False)
+        value = OmegaConf.select(user, path, default=None, throw_on_missing=False, throw_on_resolution_failure=False)
         if isinstance(value, bool):
             OmegaConf.update(user, path, "yes" if value else "no", force_add=True)
 

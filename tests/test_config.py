@@ -191,3 +191,17 @@ def test_an_open_diffusion_alias_set_alone_is_the_users_value():
     assert cfg.distributed.dist_backend == "gloo"
     with pytest.raises(ConfigError, match="differs from 'distributed.dist_backend'"):
         load(base + ["system.dist_backend=gloo", "distributed.dist_backend=nccl"])
+
+
+def test_asset_interpolation_finds_packaged_files_from_any_folder(tmp_path, monkeypatch):
+    import os
+
+    from sd_training.config import ASSETS
+
+    monkeypatch.chdir(tmp_path)
+    base = [f"config={write(tmp_path, MINIMAL)}"]
+    cfg = load(base + ["model.vae.pretrained=${asset:quickstart_vae}"])
+    assert cfg.model.vae.pretrained == os.path.join(ASSETS, "quickstart_vae")
+    assert os.path.isfile(os.path.join(cfg.model.vae.pretrained, "config.json"))
+    with pytest.raises(ConfigError, match=r"model.vae.pretrained.*asset:nope.*shipped: quickstart_vae"):
+        load(base + ["model.vae.pretrained=${asset:nope}"])
