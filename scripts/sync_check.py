@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if counter is not None:
             counter.__exit__(None, None, None)
+        shutil.rmtree(work, ignore_errors=True)  # the tiny pipeline, shards and run folder (~400 MB)
     ok = ok and not found
     print(json.dumps({"device": a.device, "precision": a.precision, "syncs_in_steps": len(found),
                       "first": found[:5], "ok": ok}))
