@@ -146,20 +146,20 @@ class Snapshot:
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
-        self._events: list = []
+        self._event = None  # recorded after the device-to-host copies of the last snapshot, if any
 
-    def take(self, obj, key: str = ""):
-        self._events = []
-        out = self._copy(obj, key)
-        if torch.cuda.is_available() and any(t.device.type == "cuda" for t in _tensors(obj)):
-            event = torch.cuda.Event()
-            event.record()
-            self._events.append(event)
+    def take(self, obj):
+        self._event = None
+        self._device_copies = False
+        out = self._copy(obj, "")
+        if self._device_copies:
+            self._event = torch.cuda.Event()
+            self._event.record()
         return out
 
     def ready(self) -> None:
-        for event in self._events:
-            event.synchronize()
+        if self._event is not None:
+            self._event.synchronize()
 
     def _copy(self, obj, key: str):
         if isinstance(obj, torch.Tensor):
@@ -171,6 +171,7 @@ class Snapshot:
                 buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
                 self._buffers[key] = buf
             buf.copy_(t, non_blocking=True)
+            self._device_copies = True
             return buf
         if isinstance(obj, dict):
             return {k: self._copy(v, f"{key}/{k}") for k, v in obj.items()}
@@ -182,17 +183,6 @@ class Snapshot:
         import copy
 
         return copy.deepcopy(obj)
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 class Checkpointer:

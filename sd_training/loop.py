@@ -83,7 +83,6 @@ def main(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
     info = distributed.setup(
         cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url, cfg.distributed.timeout_minutes
     )
-    distributed.configure_math(info.device, cfg.system.tf32)
     try:
         return Trainer(cfg, info).run(stop)
     finally:
@@ -94,6 +93,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, info: distributed.DistInfo):
         self.cfg, self.info = cfg, info
         self.device = info.device
+        distributed.configure_math(self.device, cfg.system.tf32)  # also for Trainers built by tests and benchmarks
         self.plan = Plan.make(cfg, info.world_size)
         self.run_dir = RunDir(cfg.experiment.log_dir, cfg.experiment.name)
         self.state = TrainState()

@@ -21,10 +21,13 @@ BLOCKING = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"
 class BlockingCalls:
     """Patch the blocking ``torch.Tensor`` methods while active; ``label()`` tags each call found."""
 
-    def __init__(self, label: Callable[[], object] = lambda: None):
+    def __init__(self, label: Callable[[], object] = lambda: None, active: bool = True):
+        """``active``: count from the start of the ``with`` block; False: only while ``active`` is set
+        (e.g. by a wrapper around the step methods)."""
         self.label = label
         self.found: list[tuple[object, str]] = []
         self.active = False
+        self._start_active = active
         self._saved: dict[str, Callable] = {}
 
     def __enter__(self) -> "BlockingCalls":
@@ -38,7 +41,7 @@ class BlockingCalls:
                 return _real(tensor, *args, **kw)
 
             setattr(torch.Tensor, name, counted)
-        self.active = True
+        self.active = self._start_active
         return self
 
     def __exit__(self, *exc) -> None:
