@@ -503,6 +503,12 @@ class SlurmCluster:
             return None
 
         info = self.wait_until(requeued, timeout, f"job {job_id} to be requeued ({restarts})", job_id)
+        # slurmd revokes the old launch credential when it kills the first run, at one-second
+        # resolution, and refuses ("Job N already killed, do not launch batch job") a new
+        # credential created in the same second; the job then fails. Wait until every node has
+        # finished the kill (no COMPLETING) and let the clock move past the revocation.
+        self.wait_until(self._nodes_idle, timeout, f"node(s) idle after job {job_id} requeued", job_id)
+        time.sleep(2.5)
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
         return info
 
