@@ -1,8 +1,10 @@
 """Training data: sources (WebDataset, parquet, CSV, folders), filters, captions, buckets, resumable loader.
 
     loader = build_train_loader(cfg.dataset, tokenizer=tok, rank=r, world_size=n, seed=cfg.seed)
+    # SDXL: tokenizer=(tok, tok_2) adds batch["input_ids_2"] (tok_2's length and padding)
     for batch in loader:            # forever
         batch["pixel_values"], batch["input_ids"], batch["captions"]
+        batch["original_size"], batch["crop_top_left"], batch["target_size"]  # int64 [B, 2], (h, w) / (y, x)
         # dataset.type=latents: batch["latents"] (scaled) instead of pixel_values, and with
         # dataset.params.text_embeddings batch["encoder_hidden_states"]; see data/latents.py
     ckpt["data"] = loader.state_dict()      # ... later: loader.load_state_dict(ckpt["data"])
@@ -80,7 +82,12 @@ def _check_local_units(kind: str, sources: List[Source]) -> None:
 
 
 def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: int, seed: int) -> TrainLoader:
-    """The training loader of one rank (see :class:`TrainLoader` for batches, resume and stats)."""
+    """The training loader of one rank (see :class:`TrainLoader` for batches, resume and stats).
+
+    ``tokenizer``: one tokenizer, or a tuple/list of them (SDXL: ``(tokenizer, tokenizer_2)``): the first
+    gives ``input_ids``, the second ``input_ids_2`` (its own ``model_max_length`` and pad token). Latent
+    shards (``dataset.type=latents``) use the first only.
+    """
     cfg = plain_config(cfg)
     validate_dataset_config(cfg)
     kind = canonical_type(cfg.type)

@@ -196,6 +196,8 @@ def check_latents_match(loader, vae, text_encoder=None, tokenizer=None) -> None:
     if int(info["latent_channels"]) != int(vae.config.latent_channels):
         problems.append(f"{info['latent_channels']} latent channels (the run's VAE: {vae.config.latent_channels})")
     if loader.proc.text_embeddings and text_encoder is not None:
+        if isinstance(tokenizer, (tuple, list)):  # SDXL's pair: the shards hold the first encoder's embeddings
+            tokenizer = tokenizer[0] if tokenizer else None
         want = [int(tokenizer.model_max_length) if tokenizer is not None else int(info["text_shape"][0]),
                 int(text_encoder.config.hidden_size)]
         if list(info["text_shape"]) != want:
@@ -215,7 +217,11 @@ def check_latents_match(loader, vae, text_encoder=None, tokenizer=None) -> None:
 
 class LatentSampleProcessor(SampleProcessor):
     """Latent samples: ``select`` as for images (metadata, filters, captions), then ``process`` decodes the
-    stored arrays instead of an image, and ``collate`` stacks ``latents`` (and ``encoder_hidden_states``)."""
+    stored arrays instead of an image, and ``collate`` stacks ``latents`` (and ``encoder_hidden_states``).
+
+    Given several tokenizers (SDXL's pair), only the first is used: batches carry ``input_ids`` and no
+    ``input_ids_2`` nor the image path's size fields (``original_size`` ...); the shards store neither
+    the second encoder's embeddings nor the crops yet."""
 
     missing_payload = "missing_latents"
 

@@ -1,11 +1,25 @@
 """Per-sample stages, cheapest first: ``select`` (metadata, filters, captions: no pixel is decoded) and
 ``process`` (image header, size checks, bucket, reduced-scale decode, resize/crop/flip, caption
-augmentation), then ``collate`` (stack, tokenize). Each stage counts what it drops, by reason."""
+augmentation), then ``collate`` (stack, tokenize). Each stage counts what it drops, by reason.
+
+Besides pixels and token ids, every image batch carries SDXL's micro-conditioning, all (height, width)
+or (y, x) in pixels, int64 [B, 2] (families that do not use them ignore them):
+
+* ``original_size``: the source image's size, from the metadata's ``original_height`` /
+  ``original_width`` (img2dataset's json) when both are there, else the image's own (full, EXIF-turned)
+  size;
+* ``crop_top_left``: the corner of the crop in the resized (cover-scaled) image, measured in the
+  flipped image for flipped samples (see :class:`.transforms.Decoded`);
+* ``target_size``: the bucket the sample was resized to (the pixel tensor's H, W).
+
+The tokenizer may be one tokenizer or a sequence of them (SDXL: CLIP ViT-L's then OpenCLIP bigG's):
+the first gives ``input_ids``, the k-th (k >= 2) ``input_ids_k``, each padded/truncated to its own
+``model_max_length`` with its own pad token."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -14,7 +28,7 @@ from .captions import CaptionAugment, TagRules, decode_caption, load_idx_to_prom
 from .filters import parse_filters
 from .sources import read_image_path
 from .stats import Stats
-from .transforms import ImageError, decode_resized, open_image, to_pixel_values
+from .transforms import ImageError, decode_cropped, open_image, shown_size, to_pixel_values
 
 
 class SampleProcessor:
@@ -38,8 +52,10 @@ class SampleProcessor:
         )
         sep = str(params.tags.tag_separator)
         self.captions = CaptionAugment(params.shuffle_tags, params.keep_tags, params.caption_dropout, separator=sep)
-        self.tokenizer = tokenizer
-        self.max_length = int(tokenizer.model_max_length)
+        self.tokenizers = as_tokenizers(tokenizer)
+        self.tokenizer = self.tokenizers[0]  # the first: ``input_ids``
+        self.max_lengths = tuple(int(t.model_max_length) for t in self.tokenizers)  # each pads to its own
+        self.max_length = self.max_lengths[0]
 
     # -- stage 1: cheap checks on metadata and caption ---------------------------------------------
     def select(self, raw: Dict[str, Any], stats: Stats) -> Optional[Dict[str, Any]]:
@@ -107,7 +123,14 @@ class SampleProcessor:
             except UnicodeError as exn:
                 stats.skip("bad_caption_encoding", f"{where}: caption is not UTF-8 ({exn})")
                 return None
-        return {"key": raw["key"], "url": raw["url"], **payload, "caption": caption, "tags": tags}
+        return {
+            "key": raw["key"],
+            "url": raw["url"],
+            **payload,
+            "caption": caption,
+            "tags": tags,
+            "meta_size": meta_size(meta),
+        }
 
     # What select() carries to process(), None when the sample lacks it (counted as ``missing_payload``).
     missing_payload = "missing_image"
@@ -133,12 +156,12 @@ class SampleProcessor:
                 return None
         try:
             img = open_image(data)
-            width, height = img.size
-            if min(width, height) < self.min_size:
+            if min(img.size) < self.min_size:
                 stats.add("skipped/too_small")  # a size filter doing its job: counted, not logged
                 return None
-            bucket = self.buckets[0] if len(self.buckets) == 1 else assign_bucket(width, height, self.buckets)
-            pixels = decode_resized(
+            # The bucket of the picture as shown: a phone photo stored landscape with an EXIF turn is portrait.
+            bucket = self.buckets[0] if len(self.buckets) == 1 else assign_bucket(*shown_size(img), self.buckets)
+            decoded = decode_cropped(
                 img,
                 bucket[0],
                 bucket[1],
@@ -155,24 +178,71 @@ class SampleProcessor:
             prompts = self.idx_to_prompt[caption]
             caption = prompts[int(caption_rng.integers(len(prompts)))] if len(prompts) > 1 else prompts[0]
         caption = self.captions(caption, s["tags"], caption_rng)
-        return {"pixels": pixels, "caption": caption, "key": s["key"], "bucket": bucket}
+        return {
+            "pixels": decoded.pixels,
+            "caption": caption,
+            "key": s["key"],
+            "bucket": bucket,  # (width, height), as buckets.py has them
+            # SDXL's micro-conditioning, (height, width) and (y, x): plain int tuples (picklable).
+            "original_size": s.get("meta_size") or decoded.original_size,
+            "crop_top_left": decoded.crop_top_left,
+            "target_size": (int(bucket[1]), int(bucket[0])),
+        }
 
     # -- stage 3: batch ---------------------------------------------------------------------------------
     def collate(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+        import torch
+
         captions = [s["caption"] for s in samples]
         batch = {
             "pixel_values": to_pixel_values(np.stack([s["pixels"] for s in samples])),
             "input_ids": self.tokenize(captions),
-            "captions": captions,
-            "keys": [s["key"] for s in samples],
-            "epochs": [s["epoch"] for s in samples],
         }
+        for k in range(1, len(self.tokenizers)):
+            batch[f"input_ids_{k + 1}"] = self.tokenize(captions, k)
+        for name in SIZE_FIELDS:
+            batch[name] = torch.tensor([s[name] for s in samples], dtype=torch.int64).reshape(len(samples), 2)
+        batch.update(captions=captions, keys=[s["key"] for s in samples], epochs=[s["epoch"] for s in samples])
         return batch
 
-    def tokenize(self, captions: List[str]):
+    def tokenize(self, captions: List[str], which: int = 0):
+        """Token ids int64 [B, model_max_length] of tokenizer ``which`` (0: the first), padded and truncated
+        to that tokenizer's ``model_max_length`` with its own pad token."""
         import torch
 
-        ids = self.tokenizer(
-            captions, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        ids = self.tokenizers[which](
+            captions, padding="max_length", truncation=True, max_length=self.max_lengths[which], return_tensors="pt"
         ).input_ids
         return ids.to(torch.long)
+
+
+# The micro-conditioning fields of an image sample and batch: (height, width) or (y, x), int64 [B, 2].
+SIZE_FIELDS = ("original_size", "crop_top_left", "target_size")
+
+
+def as_tokenizers(tokenizer) -> Tuple[Any, ...]:
+    """One tokenizer, or a tuple/list of them (SDXL: two), as a non-empty tuple."""
+    toks = tuple(tokenizer) if isinstance(tokenizer, (tuple, list)) else (tokenizer,)
+    if not toks or any(t is None for t in toks):
+        raise ValueError(f"data: tokenizer must be a tokenizer or a non-empty tuple/list of them, got {tokenizer!r}")
+    return toks
+
+
+def _positive_int(value: Any) -> Optional[int]:
+    """``value`` as a positive int when it is one (json ints, integral floats, numpy ints), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value) if value > 0 else None
+    if isinstance(value, (float, np.floating)) and np.isfinite(value) and float(value).is_integer() and value > 0:
+        return int(value)
+    return None
+
+
+def meta_size(meta: Optional[Dict[str, Any]]) -> Optional[Tuple[int, int]]:
+    """(height, width) of the source image from its metadata (img2dataset's ``original_height`` /
+    ``original_width``), None unless both are positive integers."""
+    if not isinstance(meta, dict):
+        return None
+    h, w = _positive_int(meta.get("original_height")), _positive_int(meta.get("original_width"))
+    return (h, w) if h is not None and w is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 from PIL import Image
@@ -79,6 +79,40 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+class Decoded(NamedTuple):
+    """What :func:`decode_cropped` made. Sizes and positions are (height, width) / (y, x), as SDXL's
+    micro-conditioning wants them.
+
+    * ``pixels``: uint8 [out_h, out_w, 3];
+    * ``original_size``: (height, width) of the source as shown (EXIF orientation applied), at full size:
+      a JPEG decoded at reduced scale (``fast_decode``) still reports its full size;
+    * ``crop_top_left``: (y, x) of the crop's top-left corner in the resized (cover-scaled) image, in
+      pixels. With ``flip`` x is measured in the flipped resized image (``resized_w - x - out_w``, as
+      diffusers' SDXL training example does): the crop's corner in the picture the model is shown.
+    """
+
+    pixels: np.ndarray
+    original_size: Tuple[int, int]
+    crop_top_left: Tuple[int, int]
+
+
+def shown_size(img: Image.Image) -> Tuple[int, int]:
+    """(width, height) of ``img`` (from :func:`open_image`) as shown: swapped when its EXIF orientation
+    turns it by 90 degrees. Reads the header only; raises :class:`ImageError` as a decode would."""
+    width, height = img.size
+    return (height, width) if _orientation(img) in (5, 6, 7, 8) else (width, height)
+
+
+def _orientation(img: Image.Image) -> int:
+    """The EXIF orientation (1-8; 1: as stored) of ``img`` (from :func:`open_image`)."""
+    if img.format not in ("JPEG", "TIFF", "WEBP", "PNG"):
+        return 1
+    try:
+        return img.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception as exn:  # an unreadable EXIF block: as a failed decode (PIL raises many types)
+        raise ImageError("corrupt_image", f"decode failed ({exn})") from exn
+
+
 def decode_resized(
     img: Image.Image,
     out_w: int,
@@ -89,18 +123,34 @@ def decode_resized(
     rng: Optional[np.random.Generator],
     fast_decode: bool = True,
 ) -> np.ndarray:
+    """The pixels of :func:`decode_cropped` (uint8 HxWx3), for callers that need no crop geometry."""
+    return decode_cropped(img, out_w, out_h, center_crop=center_crop, flip=flip, rng=rng, fast_decode=fast_decode).pixels
+
+
+def decode_cropped(
+    img: Image.Image,
+    out_w: int,
+    out_h: int,
+    *,
+    center_crop: bool,
+    flip: bool,
+    rng: Optional[np.random.Generator],
+    fast_decode: bool = True,
+) -> Decoded:
     """Decode ``img`` (from :func:`open_image`), resize to cover ``out_w x out_h``, crop, maybe flip.
 
-    Returns uint8 HxWx3. ``rng`` picks the random crop offset (``center_crop=False``). The crop is taken
-    in source coordinates and resized in one step (PIL ``resize(box=...)``): the same pixels as resizing
-    the whole image and cropping, without computing the pixels that would be cropped away.
+    Returns the pixels (uint8 HxWx3) with the source's size and the crop's corner (see :class:`Decoded`).
+    ``rng`` picks the random crop offset (``center_crop=False``): two draws, whatever is reported. The
+    crop is taken in source coordinates and resized in one step (PIL ``resize(box=...)``): the same
+    pixels as resizing the whole image and cropping, without computing the pixels that would be cropped
+    away.
     """
     width, height = img.size
     try:
-        orientation = img.getexif().get(EXIF_ORIENTATION, 1) if img.format in ("JPEG", "TIFF", "WEBP", "PNG") else 1
+        orientation = _orientation(img)
         turned = orientation in (5, 6, 7, 8)  # stored rotated by 90 degrees: width and height swap when shown
+        shown_w, shown_h = (height, width) if turned else (width, height)
         if fast_decode and img.format == "JPEG":
-            shown_w, shown_h = (height, width) if turned else (width, height)
             need_w, need_h = cover_size(shown_w, shown_h, out_w, out_h)
             if turned:
                 need_w, need_h = need_h, need_w
@@ -125,10 +175,11 @@ def decode_resized(
         img = img.resize((out_w, out_h), Image.BICUBIC, box=box, reducing_gap=None)
     if flip:
         img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        left = rw - left - out_w  # the crop's corner in the flipped resized image (diffusers' SDXL example)
     arr = np.asarray(img, dtype=np.uint8)
     if arr.shape != (out_h, out_w, 3):  # defensive: PIL modes we did not foresee
         raise ImageError("corrupt_image", f"unexpected decoded shape {arr.shape}")
-    return arr
+    return Decoded(arr, (int(shown_h), int(shown_w)), (int(top), int(left)))
 
 
 def to_pixel_values(images: np.ndarray):
