@@ -3,7 +3,7 @@
     python benchmarks/bench_step.py                       # CPU: tiny pipeline, batch 8, fp32
     python benchmarks/bench_step.py --device cuda         # + SD 1.x UNet at 256 and 512 px in bf16
 
-Ours: ``sd_training.loop.Trainer`` after ``_setup()`` (tiny config from ``sd_training.config.load``),
+Ours: ``sd_training.loop.Trainer`` after ``_setup()`` (tiny config from ``sd_training.configure.load``),
 one ``_micro_step(batch, sync=True)`` then ``_optimizer_step()``. Baseline: what diffusers'
 train_text_to_image.py does per step - VAE encode, text encode, noise, add_noise, UNet, MSE,
 backward, clip_grad_norm_, AdamW step, LR scheduler step, zero_grad - on its own copy of the same
@@ -72,7 +72,7 @@ def make_trainer(root: Path, pipeline: Path, shards: str, device: str, precision
                  yaml_text: str | None = None, name: str | None = None):
     """A real Trainer after ``_setup()`` on a tiny config (as tests/conftest.py's train_args)."""
     from sd_training import distributed
-    from sd_training.config import load
+    from sd_training.configure import load
     from sd_training.loop import Trainer
 
     args = {

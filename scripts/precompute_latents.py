@@ -148,7 +148,7 @@ def encode_captions(tokenizer, text_encoder, captions: List[str]) -> np.ndarray:
 
 
 def input_params(args):
-    from sd_training.data.config import DatasetConfig, validate_dataset_config
+    from sd_training.data import DatasetConfig, validate_dataset_config
 
     cfg = DatasetConfig()
     p = cfg.params

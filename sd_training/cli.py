@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .config import ConfigError, help_text, load
+from .config import ConfigError, help_text
+from .configure import load
 from .preemption import EXIT_STOPPED_NOT_REQUEUED, StopFlag
 
 # Problems found while building models or data from the config (DatasetConfigError included): one

@@ -23,11 +23,11 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from .data.config import DatasetConfig
 from .fields import ConfigError, f
-from .objective import ObjectiveConfig, validate_objective_config
-from .text_encoders import TextEncoderConfig, validate_text_encoder_config
-from .vae_objective import VAEObjectiveConfig, validate_vae_objective_config
+from .schema.dataset import DatasetConfig
+from .schema.objective import ObjectiveConfig
+from .schema.text_encoder import TextEncoderConfig
+from .schema.vae_training import VAEObjectiveConfig
 
 # Files that ship inside the package (sd_training/assets/NAME): a config names them ${asset:NAME}, which
 # resolves to an absolute path wherever the package is installed and whatever the working directory.
@@ -190,10 +190,13 @@ class EMAConfig:
 @dataclass
 class ModelConfig:
     pretrained: Optional[str] = f(None, "diffusers pipeline: local folder or hub id (the default for every component)")
+    family: str = f("auto", "auto (from the pipeline's model_index.json) | sd (SD 1.x/2.x) | sdxl")
     revision: Optional[str] = f(None, "hub revision of the pretrained pipeline")
     vae: VAEConfig = f(VAEConfig, "the frozen autoencoder")
     text_encoder: TextEncoderConfig = f(TextEncoderConfig, "the text encoder (frozen unless train)")
     tokenizer: ComponentConfig = f(ComponentConfig, "the tokenizer")
+    text_encoder_2: ComponentConfig = f(ComponentConfig, "sdxl: the second text encoder (OpenCLIP bigG, CLIPTextModelWithProjection)")
+    tokenizer_2: ComponentConfig = f(ComponentConfig, "sdxl: the second tokenizer")
     noise_scheduler_training: ComponentConfig = f(ComponentConfig, "scheduler config for training noise (built as DDPMScheduler)")
     noise_scheduler_inference: ComponentConfig = f(ComponentConfig, "scheduler of exported pipelines and samples (its own class)")
     unet: UNetConfig = f(UNetConfig, "the trained UNet")
@@ -348,8 +351,10 @@ def parse_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return config_paths, overrides
 
 
-def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
-    """Build the resolved, validated ``TrainConfig`` from the command line (and/or YAML text)."""
+def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
+    """The resolved ``TrainConfig`` from the command line (and/or YAML text), with the schema's own checks.
+
+    The sections' owners check the rest: use ``sd_training.configure.load`` for a config to train with."""
     argv = sys.argv[1:] if argv is None else argv
     config_paths, overrides = parse_argv(argv)
     layers = []
@@ -490,8 +495,6 @@ def check_ranges(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Checks that need several keys or a closed set of values; world-size checks come at start-up."""
     check_ranges(cfg)
-    from .data import validate_dataset_config
-
     _choice("wandb.mode", cfg.wandb.mode, ("auto", "online", "offline", "disabled"))
     _choice("system.device", cfg.system.device, ("auto", "cpu", "cuda"))
     _choice("distributed.dist_backend", cfg.distributed.dist_backend, ("auto", "nccl", "gloo"))
@@ -505,14 +508,8 @@ def validate(cfg: TrainConfig) -> None:
     _choice("model.train_target", cfg.model.train_target, ("unet", "vae"))
     _choice("model.vae.latent_sampling", cfg.model.vae.latent_sampling, ("sample", "mean"))
     latents = cfg.dataset.type.lower() in ("latents", "latent")
-    if latents and cfg.model.train_target == "vae":
-        raise ConfigError("model.train_target=vae needs images: dataset.type=latents holds no pixels")
     if latents and getattr(cfg.dataset.params, "text_embeddings", False) and cfg.model.text_encoder.train:
         raise ConfigError("dataset.params.text_embeddings=true cannot train the text encoder (model.text_encoder.train)")
-    if cfg.model.train_target == "vae":
-        _check_vae_stage(cfg)
-    elif cfg.vae_training != VAEObjectiveConfig():
-        raise ConfigError("the 'vae_training' section applies to model.train_target=vae only")
     _choice("model.ema.device", cfg.model.ema.device, ("auto", "cpu"))
     _choice("model.init_weights", cfg.model.init_weights, ("ema", "raw"))
     _choice("experiment.export_weights", cfg.experiment.export_weights, ("auto", "raw", "ema", "both"))
@@ -577,8 +574,6 @@ def validate(cfg: TrainConfig) -> None:
     m = cfg.model
     if m.unet.params and m.unet.pretrained is not None:
         raise ConfigError("set either 'model.unet.pretrained' or 'model.unet.params' (from scratch), not both")
-    if m.unet.params:
-        _check_unet_params(m.unet.target, m.unet.params)
     if not m.pretrained:
         for name in ("vae", "text_encoder", "tokenizer", "noise_scheduler_training", "noise_scheduler_inference"):
             if name in ("text_encoder", "tokenizer") and m.text_encoder.type == "open_clip":
@@ -603,8 +598,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("'experiment.num_eval_images' > 0 needs 'experiment.eval_caption_file' (the prompts)")
     if cfg.experiment.eval_caption_file and not os.path.exists(cfg.experiment.eval_caption_file):
         raise ConfigError(f"'experiment.eval_caption_file' {cfg.experiment.eval_caption_file} does not exist")
-    validate_objective_config(cfg.objective)
-    validate_text_encoder_config(cfg.model.text_encoder)
     if cfg.model.text_encoder.train and cfg.distributed.strategy == "fsdp":
         raise ConfigError("'model.text_encoder.train' is not supported with distributed.strategy=fsdp (use ddp): the "
                           "text encoder is not sharded, and one gradient norm cannot mix sharded and plain gradients")
@@ -612,30 +605,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("'model.mixed_precision=fp16' is not supported with distributed.strategy=fsdp: each rank "
                           "would find fp16 overflows in its own shards and skip steps the others take. Use "
                           "model.mixed_precision=bf16 (GPUs since A100), or distributed.strategy=ddp for fp16")
-    validate_dataset_config(cfg.dataset)
-
-
-def _check_vae_stage(cfg: "TrainConfig") -> None:
-    from .objective import ObjectiveConfig
-    from .vae_objective import check_vae_precision
-
-    validate_vae_objective_config(cfg.vae_training)
-    if cfg.objective != ObjectiveConfig():
-        raise ConfigError("the 'objective' section applies to UNet training; remove it for model.train_target=vae")
-    try:
-        check_vae_precision(cfg.model.mixed_precision)
-    except ValueError as e:
-        raise ConfigError(f"'model.mixed_precision': {e}") from None
-    if cfg.distributed.strategy == "fsdp":
-        raise ConfigError("model.train_target=vae trains with distributed.strategy=ddp (autoencoders fit one device)")
-    if cfg.model.vae.dtype not in ("auto", "fp32"):
-        raise ConfigError("model.train_target=vae keeps the trained VAE in fp32: set model.vae.dtype=fp32 (or auto)")
-    for key in ("text_encoder.train", "compile", "channels_last"):
-        obj = cfg.model
-        for part in key.split("."):
-            obj = getattr(obj, part)
-        if obj:
-            raise ConfigError(f"'model.{key}' applies to UNet training, not model.train_target=vae")
 
 
 # Keys of optimizer.params each optimizer reads (learning_rate, weight_decay, max_grad_norm: all).
@@ -657,21 +626,6 @@ def _check_optimizer_keys(cfg: OptimizerConfig) -> None:
         raise ConfigError(f"'optimizer.implementation' only applies to adamw, not {cfg.name}")
     if cfg.name != "sgd" and cfg.nesterov:
         raise ConfigError("'optimizer.nesterov' only applies to optimizer.name=sgd")
-
-
-def _check_unet_params(target: str, params: dict) -> None:
-    """Reject UNet constructor arguments the target class does not take, naming the closest one."""
-    import inspect
-
-    from .models import resolve_unet_class
-
-    cls = resolve_unet_class(target)
-    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    for key in params:
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean 'model.unet.params.{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key 'model.unet.params.{key}' ({cls.__name__} has no such argument){hint}")
 
 
 # ----------------------------------------------------------------------------------------------

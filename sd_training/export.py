@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -51,17 +52,29 @@ def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = N
     )
 
 
-def export_pipeline(models, unet: torch.nn.Module, out: Path, vae: torch.nn.Module | None = None) -> Path:
+def export_pipeline(pipe, out: Path) -> Path:
     """Write a complete pipeline to ``out`` atomically: a crash mid-write leaves the previous one intact."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
-    make_pipeline(models, unet, vae, for_export=True).save_pretrained(tmp, safe_serialization=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
     replace_dir(tmp, out)
     return out
+
+
+@contextlib.contextmanager
+def eval_mode(pipe):
+    """The pipeline's UNet and text encoders in eval mode while it samples, their modes restored after."""
+    modules = [m for m in (getattr(pipe, n, None) for n in ("unet", "text_encoder", "text_encoder_2")) if m is not None]
+    was = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield pipe
+    finally:
+        for m, mode in zip(modules, was):
+            m.train(mode)
 
 
 def inference_autocast(device: torch.device, dtype: torch.dtype | None):
@@ -98,20 +111,16 @@ def reconstruction_grid(vae, pixels: torch.Tensor) -> Image.Image:
 
 @torch.no_grad()
 def sample_grid(
-    models, unet, prompts: list[str], per_prompt: int, seed: int, steps: int, guidance: float, resolution: int,
+    pipe, prompts: list[str], per_prompt: int, seed: int, steps: int, guidance: float, resolution: int,
     device: torch.device, dtype: torch.dtype | None = None,
 ) -> Image.Image:
     """One row per prompt, ``per_prompt`` columns with seeds seed, seed+1, ... (fixed across steps).
 
     The generators are CPU generators so a grid is the same image on any device given the same weights.
     """
-    pipe = make_pipeline(models, unet)
     pipe.set_progress_bar_config(disable=True)
-    was_training = pipe.unet.training, pipe.text_encoder.training
-    pipe.unet.eval()
-    pipe.text_encoder.eval()
     images = []
-    try:
+    with eval_mode(pipe):
         for prompt in prompts:
             gens = [torch.Generator("cpu").manual_seed(seed + i) for i in range(per_prompt)]
             with inference_autocast(device, dtype):
@@ -120,9 +129,6 @@ def sample_grid(
                     guidance_scale=guidance, generator=gens,
                 )
             images.extend(out.images)
-    finally:
-        pipe.unet.train(was_training[0])
-        pipe.text_encoder.train(was_training[1])
     return _grid(images, per_prompt)
 
 
@@ -143,26 +149,3 @@ def read_prompts(path: str) -> list[str]:
     if not prompts:
         raise ValueError(f"{p} holds no prompts")
     return prompts
-
-
-@torch.no_grad()
-def generate_eval_images(
-    models, unet, prompts: list[str], n: int, out: Path, seed: int, steps: int, guidance: float, resolution: int,
-    device: torch.device, rank: int, world_size: int, batch: int = 8, dtype: torch.dtype | None = None,
-) -> list[Path]:
-    """Image i uses prompt i (cycling) and seed ``seed + i``; rank r makes images r, r+W, r+2W, ...
-
-    The run's components with ``unet`` through ``evaluation.generate.generate_images`` (the same loop
-    and file convention as ``python -m sd_training.evaluation`` and scripts/generate_examples.py)."""
-    from .evaluation.generate import generate_images
-
-    pipe = make_pipeline(models, unet)
-    pipe.set_progress_bar_config(disable=True)
-    was_training = pipe.text_encoder.training
-    pipe.text_encoder.eval()  # generate_images puts the UNet in eval mode and back
-    try:
-        with inference_autocast(device, dtype):
-            return generate_images(pipe, prompts, n, out, seed, steps, guidance, resolution, rank, world_size,
-                                   batch_size=batch, progress=False)
-    finally:
-        pipe.text_encoder.train(was_training)

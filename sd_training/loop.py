@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import json
 import logging
 import math
@@ -14,21 +16,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed, progress, quickstart
+from . import distributed, families, progress, quickstart
 from .checkpoint import Checkpointer, check_writable, complete_steps, rng_state, set_rng_state
 from .config import ConfigError, TrainConfig, public_dict, to_yaml
-from .data.transforms import unit_range
+from .data import build_train_loader
 from .ema import EMA, decay_from_strength
-from .export import export_pipeline, generate_eval_images, read_prompts, sample_grid, unwrap
-from .models import build_models, component_sources
-from .objective import configure_schedulers, diffusion_loss, encode_images, encode_text
+from .evaluation.async_eval import AsyncEvaluator
+from .evaluation.evaluate import EvalSettings, evaluate_images
+from .evaluation.fid import image_files
+from .export import read_prompts
+from .families.base import SampleSettings
+from .flops import mfu, peak_flops
+from .loading import load_component
+from .models import component_sources
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
 from .preemption import StopFlag, requeue_job, under_slurm
 from .progress import PROGRESS
 from .run_dir import RunDir, copy_dir_atomically, repair_swaps
 from .run_guard import check_resume_config, cut_metrics_back, lock_run_folder, prepare_fresh_start
-from .text_encoders import text_encoder_param_groups
 from .trackers import build_trackers
 
 log = logging.getLogger(__name__)
@@ -131,27 +137,16 @@ class Trainer:
         # Seeded after the generated inputs: building them (on the first run only) must not move the
         # training RNG, or a first run and a rerun of the same config would train differently.
         seed_everything(cfg.system.seed + info.rank)
-        self.models = build_models(cfg.model, self.device, seed=cfg.system.seed)
+        self.family = families.create(cfg, self.device, cfg.system.seed, info.is_main)
+        self.models = self.family.models
         if info.is_main:  # the run directory says where its components came from
             sources = component_sources(cfg.model)
             (self.run_dir.root / "sources.json").write_text(json.dumps(sources, indent=1) + "\n")
             for name, entry in sources.items():
                 if "provenance" in entry:
                     log.info("%s from %s: %s", name, entry["source"], entry["provenance"].get("what", "see sources.json"))
-        # Prediction type and zero terminal SNR go to both schedulers: exports sample as they trained.
-        self.models.noise_scheduler, self.models.inference_scheduler = configure_schedulers(
-            self.models.noise_scheduler, self.models.inference_scheduler, cfg.objective
-        )
-        self.net_name = cfg.model.train_target  # "unet" | "vae": the trained module
-        if self.net_name == "vae":
-            # Autoencoder stage: the VAE trains (fp32 weights), the UNet and text encoder stay frozen.
-            self.models.unet.requires_grad_(False).eval()
-            self.net = self.models.vae.float().train().requires_grad_(True)
-            self.loss_module = VAELossModule(self.net, cfg.vae_training)
-            self.fixed_images = self._fixed_images() if info.is_main else None
-        else:
-            self.net = unwrap(self.models.unet)
-            self.loss_module = self.net
+        self.net_name = self.family.net_name  # the trained module's name in checkpoints
+        self.net = self.family.net
         if cfg.model.init_from:
             self._init_from(cfg.model.init_from)
         self.ema = None
@@ -164,9 +159,7 @@ class Trainer:
             ema_device = torch.device("cpu") if e.device == "cpu" else self.device
             self.ema = EMA(self.net, decay, e.update_every, e.start_step, e.warmup, ema_device)
             if e.path:
-                from .models import _load
-
-                src = _load(type(self.net).from_pretrained, e.path, self.net_name, "model.ema.path")
+                src = load_component(type(self.net).from_pretrained, e.path, self.net_name, "model.ema.path")
                 self.ema.load_weights(src)
         mp = cfg.model.mixed_precision
         self.autocast_dtype = AUTOCAST_DTYPES.get(mp)
@@ -175,7 +168,7 @@ class Trainer:
         # Only the trained UNet (and its EMA) is wrapped; the frozen VAE and text encoder never are.
         self.strategy = Strategy(cfg.distributed.strategy, info.is_distributed, self.device, self.autocast_dtype,
                                  cfg.distributed)
-        self.model = self.strategy.wrap(self.loss_module, self.ema.shadow if self.ema is not None else None)
+        self.model = self.strategy.wrap(self.family.loss_module, self.ema.shadow if self.ema is not None else None)
         if cfg.model.compile:
             # The compiled wrapper is only called; weights are always read from self.net (no _orig_mod keys).
             self.model = torch.compile(self.model)
@@ -186,15 +179,15 @@ class Trainer:
             log.info("optimizer.scale_lr: peak LR %.3g = %.3g x (global batch %d)^0.55",
                      self.peak_lr, o.params.learning_rate, self.plan.global_batch)
         groups = param_groups(self.net, o.params.weight_decay, o.no_decay_norm_and_bias)
-        groups += text_encoder_param_groups(
-            self.models.text_encoder, cfg.model.text_encoder, self.peak_lr, o.params.weight_decay,
-            o.no_decay_norm_and_bias, lr_scale(o, self.plan.global_batch),
-        )
-        self.train_text_encoder = cfg.model.text_encoder.train
-        self.text_encoder_model = self.models.text_encoder
-        if self.train_text_encoder and info.is_distributed:
+        groups += self.family.extra_param_groups(self.peak_lr, lr_scale(o, self.plan.global_batch))
+        # Encoders trained with the net (a text encoder) are replicated with plain DDP, never sharded.
+        self.encoders = self.family.trained_encoders()
+        self.encoder_models = dict(self.encoders)
+        if info.is_distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.text_encoder_model = torch.nn.parallel.DistributedDataParallel(self.models.text_encoder, device_ids=ids)
+            self.encoder_models = {name: torch.nn.parallel.DistributedDataParallel(m, device_ids=ids)
+                                   for name, m in self.encoders.items()}
+        self.family.use_wrapped_encoders(self.encoder_models)
         self.optimizer = build_optimizer(groups, o, self.device, self.peak_lr)
         # A fused optimizer takes the non-finite flag as a device tensor: no host sync per step.
         self.device_side_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False)) and any(
@@ -202,10 +195,8 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.plan.total_steps)
         self.nonfinite_streak = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skips
         self.nonfinite_total = torch.zeros((), dtype=torch.long, device=self.device)  # since the last check
-        from .data import build_train_loader
-
         self.loader = build_train_loader(
-            cfg.dataset, tokenizer=self.models.tokenizer, rank=info.rank, world_size=info.world_size, seed=cfg.system.seed
+            cfg.dataset, tokenizer=self.family.tokenizers, rank=info.rank, world_size=info.world_size, seed=cfg.system.seed
         )
         self.checkpointer = Checkpointer(
             self.run_dir.checkpoints, cfg.experiment.keep_last_checkpoints, cfg.experiment.keep_checkpoint_every,
@@ -214,22 +205,11 @@ class Trainer:
         # Weights, two AdamW moments, the EMA: found unwritable or nearly full now, not at the first save.
         weight_bytes = sum(p.numel() * 4 for p in self.net.parameters())
         check_writable(self.run_dir.checkpoints, weight_bytes * (3 + (self.ema is not None)))
-        if self.net_name == "unet" and cfg.dataset.type.lower() in ("latents", "latent"):
-            from .data.latents import check_latents_match
-
-            # Shards made with another VAE, scaling factor or text encoder would train silently wrong.
-            check_latents_match(self.loader, self.models.vae, self.models.text_encoder, self.models.tokenizer)
+        self.family.check_data(self.loader)
         self.val_batches = self._validation_batches() if cfg.validation.path else None
-        self.step_flops, self.peak = None, None
-        if self.net_name == "unet":
-            from .flops import count_step_flops, peak_flops
-
-            # Counted once, on the meta device (no compute): model FLOPs = 3 x UNet forward per image;
-            # hardware FLOPs add the frozen encoders and the recomputation of gradient checkpointing.
-            self.step_flops = count_step_flops(
-                self.models, cfg.dataset.params.resolution, cfg.model.gradient_checkpointing,
-                encode_images=cfg.dataset.type.lower() not in ("latents", "latent"),
-            )
+        self.peak = None
+        self.step_flops = self.family.step_flops()
+        if self.step_flops is not None:
             dtype = self.autocast_dtype or torch.float32
             self.peak = peak_flops(self.device, dtype, cfg.experiment.peak_tflops * 1e12 if cfg.experiment.peak_tflops else None)
             log.info("FLOPs per training image: model %.3g, hardware %.3g; device peak %s",
@@ -245,9 +225,7 @@ class Trainer:
             self.state.wandb_id = self.trackers.wandb_id
 
     def _init_from(self, src: str) -> None:
-        """Stage 2: UNet weights from another run (dir or checkpoint) or an exported pipeline."""
-        from .models import ConfigError, _load
-
+        """Stage 2: the trained module's weights from another run (dir or checkpoint) or an exported pipeline."""
         path = Path(src)
         want_ema = self.cfg.model.init_weights == "ema"
         ckpt = None
@@ -270,74 +248,43 @@ class Trainer:
             folder = path.parent / "current_pipeline_ema"
         elif (path / "current_pipeline").is_dir():  # a run directory without checkpoints
             folder = path / ("current_pipeline_ema" if want_ema and (path / "current_pipeline_ema").is_dir() else "current_pipeline")
-        src_net = _load(type(self.net).from_pretrained, str(folder), self.net_name, "model.init_from")
+        src_net = load_component(type(self.net).from_pretrained, str(folder), self.net_name, "model.init_from")
         self.net.load_state_dict(src_net.state_dict())
         log.info("model.init_from: %s weights from %s", self.net_name, folder)
 
     def _validation_batches(self) -> list[dict]:
-        """The first ``validation.num_batches`` batches of this rank's part of the held-out shards, with
-        fixed noise and evenly spread timesteps attached (no augmentation, no caption dropout)."""
-        import dataclasses
-
-        from .data import build_train_loader
-
+        """The first ``validation.num_batches`` batches of this rank's part of the held-out shards, made
+        deterministic by the family (fixed latents, noise, timesteps; no augmentation, no caption dropout)."""
         v, d = self.cfg.validation, self.cfg.dataset
         params = dataclasses.replace(d.params, path=v.path, workers=0, resampled=False, caption_dropout=0.0,
                                      random_flip=0.0, center_crop=True, num_examples_to_see=None)
-        loader = build_train_loader(dataclasses.replace(d, params=params), tokenizer=self.models.tokenizer,
+        loader = build_train_loader(dataclasses.replace(d, params=params), tokenizer=self.family.tokenizers,
                                     rank=self.info.rank, world_size=self.info.world_size, seed=v.seed)
         it = iter(loader)
         g = torch.Generator().manual_seed(v.seed + self.info.rank)
-        T = self.models.noise_scheduler.config.num_train_timesteps
-        batches = []
-        for _ in range(v.num_batches):
-            b = {k: x for k, x in next(it).items() if isinstance(x, torch.Tensor)}
-            n = len(b["input_ids"])
-            b["timesteps"] = torch.linspace(0, T - 1, n).round().long()
-            if "latents" not in b and self.net_name == "unet":
-                # The posterior mean, not a sample: the same latents at every validation and restart.
-                vae = self.models.vae
-                with torch.autocast(self.device.type, enabled=False):
-                    px = unit_range(b.pop("pixel_values").to(self.device))
-                    b["latents"] = encode_images(vae, px, self.models.latent_scale, mean=True).float().cpu()
-            if self.net_name == "unet":
-                b["noise"] = torch.randn(b["latents"].shape, generator=g)
-            batches.append(b)
-        return batches
+        return [self.family.validation_batch(next(it), g, i) for i in range(v.num_batches)]
 
     @torch.no_grad()
     def _validate(self) -> None:
         """Held-out loss at fixed noise and timesteps (all ranks; the mean over ranks is logged)."""
-        cfg = self.cfg
-        self.loss_module.eval()
+        model = self.family.loss_module
+        model.eval()
         total = torch.zeros((), device=self.device)
         try:
-            for i, b in enumerate(self.val_batches):
-                if self.net_name == "vae":
-                    from .vae_objective import vae_loss
-
-                    g = torch.Generator(self.device).manual_seed(cfg.validation.seed + i)
-                    loss, _, _ = vae_loss(self.net, unit_range(b["pixel_values"].to(self.device)), cfg.vae_training, generator=g)
-                else:
-                    dev = {k: v.to(self.device) for k, v in b.items()}
-                    hidden = dev.get("encoder_hidden_states")
-                    if hidden is None:
-                        hidden = encode_text(self.models.text_encoder, dev["input_ids"])
-                    autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-                    with autocast:
-                        loss, _, _ = diffusion_loss(self.model, self.models.noise_scheduler, dev["latents"].float(), hidden,
-                                                    cfg.objective, noise=dev["noise"], timesteps=dev["timesteps"])
-                total += loss.float()
+            for b in self.val_batches:
+                fixed = {k: b[k].to(self.device) for k in ("noise", "timesteps") if k in b}
+                total += self.family.loss(self.model, b, self._autocast(), fixed, validation=True).loss.float()
         finally:
-            self.loss_module.train()
+            model.train()
         val = distributed.all_reduce_mean(total / len(self.val_batches)).item()
         if self.info.is_main:
             self.trackers.log({"val/loss": val}, self.state.step)
             log.info("step %d validation loss %.5f", self.state.step, val)
 
-    def _eval_settings(self):
-        from .evaluation.evaluate import EvalSettings
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
+    def _eval_settings(self):
         ev = self.cfg.evaluation
         if not (ev.ref_stats or ev.ref_images or ev.clip_model):
             return None
@@ -353,15 +300,10 @@ class Trainer:
             return
         if self.cfg.evaluation.asynchronous:
             if self.info.is_main:
-                from .evaluation.async_eval import AsyncEvaluator
-
                 if self.evaluator is None:
                     self.evaluator = AsyncEvaluator(self.run_dir.root / "eval" / "results", settings, threads=self.cfg.evaluation.threads)
                 self.evaluator.submit(self.state.step, images=folder)
             return
-        from .evaluation.evaluate import evaluate_images
-        from .evaluation.fid import image_files
-
         result = evaluate_images(image_files(folder), settings)
         if self.info.is_main:
             self.trackers.log({**result, "eval/step": self.state.step}, self.state.step)
@@ -384,8 +326,7 @@ class Trainer:
     def _resumable(self) -> dict:
         """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
         objs = {"lr_scheduler": self.lr_scheduler, "grad_scaler": self.scaler}
-        if self.train_text_encoder:
-            objs["text_encoder"] = self.models.text_encoder
+        objs.update(self.encoders)
         if not self.strategy.sharded:
             objs.update({self.net_name: self.net, "optimizer": self.optimizer})
             if self.ema is not None:
@@ -463,56 +404,19 @@ class Trainer:
             self._lock = None
 
     def _micro_step(self, batch: dict, sync: bool):
-        """Forward and backward of one micro-batch; gradients are all-reduced only when ``sync``.
-
-        A batch carries ``pixel_values`` (encoded here by the frozen VAE) or ``latents`` (precomputed,
-        already scaled). ``noise`` / ``timesteps`` may be given (validation at fixed ones); else drawn.
-        """
-        cfg = self.cfg
-        no_sync = contextlib.ExitStack()
-        no_sync.enter_context(self.strategy.sync_context(self.model, sync))
-        if self.train_text_encoder and self.info.is_distributed and not sync:
-            no_sync.enter_context(self.text_encoder_model.no_sync())
-        autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-        if self.net_name == "vae":
-            pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
-            with no_sync:
-                with autocast:
-                    loss, per_sample, parts = self.model(pixels)
-                self.scaler.scale(loss / cfg.system.gradient_accumulation).backward()
-            self._parts = parts
-            return loss.detach(), per_sample.detach(), None
+        """Forward (the family's loss) and backward of one micro-batch; gradients are all-reduced only
+        when ``sync``. Returns the family's ``LossOut``. A batch may carry fixed ``noise`` / ``timesteps``
+        (tests compare runs at the same ones); else they are drawn."""
         fixed = {k: batch[k].to(self.device) for k in ("noise", "timesteps") if k in batch}
-        if "latents" in batch:
-            latents = batch["latents"].to(self.device, non_blocking=True).float()
-        else:
-            latents = self._encode(unit_range(batch["pixel_values"].to(self.device, non_blocking=True)))
-        if self.cfg.model.channels_last:
-            latents = latents.contiguous(memory_format=torch.channels_last)
-        with no_sync:
-            with autocast:
-                if "encoder_hidden_states" in batch:  # precomputed text-encoder outputs (latent shards)
-                    hidden = batch["encoder_hidden_states"].to(self.device, non_blocking=True).float()
-                else:
-                    hidden = encode_text(self.text_encoder_model, batch["input_ids"].to(self.device, non_blocking=True))
-                loss, per_sample, timesteps = diffusion_loss(
-                    self.model, self.models.noise_scheduler, latents, hidden, cfg.objective, **fixed
-                )
-            self.scaler.scale(loss / cfg.system.gradient_accumulation).backward()
-        return loss.detach(), per_sample, timesteps
-
-    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """VAE-encode in the VAE's own dtype, outside autocast (autocast would recast an fp32 VAE)."""
-        vae = self.models.vae
-        mean = self.cfg.model.vae.latent_sampling == "mean"
-        with torch.autocast(self.device.type, enabled=False):
-            latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean)
-            if vae.dtype == torch.float16 and not bool(torch.isfinite(latents).all()):
-                # The SD VAE overflows in fp16 on some images (seed 000's NaNs): keep it in fp32 from now on.
-                log.warning("the fp16 VAE overflowed (non-finite latents): keeping the VAE in fp32 from now on")
-                vae.to(torch.float32)
-                latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean)
-        return latents.float()
+        with contextlib.ExitStack() as no_sync:
+            no_sync.enter_context(self.strategy.sync_context(self.model, sync))
+            if not sync:
+                for wrapped in self.encoder_models.values():
+                    if hasattr(wrapped, "no_sync"):  # DDP
+                        no_sync.enter_context(wrapped.no_sync())
+            out = self.family.loss(self.model, batch, self._autocast(), fixed or None)
+            self.scaler.scale(out.loss / self.cfg.system.gradient_accumulation).backward()
+        return out
 
     def _optimizer_step(self) -> torch.Tensor:
         """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted).
@@ -579,10 +483,11 @@ class Trainer:
                 t_data = time.perf_counter()
                 batch = next(data_iter)
                 window.data_time += time.perf_counter() - t_data
-                loss, per_sample, timesteps = self._micro_step(batch, sync=(micro == accum - 1))
-                window.add_loss(loss, per_sample, timesteps, self.models.noise_scheduler.config.num_train_timesteps)
-                if self.net_name == "vae":
-                    window.add_parts(self._parts)
+                out = self._micro_step(batch, sync=(micro == accum - 1))
+                window.add_loss(out.loss.detach(), out.per_sample, out.timesteps,
+                                self.models.noise_scheduler.config.num_train_timesteps)
+                if out.parts:
+                    window.add_parts(out.parts)
             grad_norm = self._optimizer_step()
             state.step += 1
             if self.bar is not None:
@@ -680,11 +585,11 @@ class Trainer:
         n_images = w.steps * self.plan.global_batch
         metrics = {"loss": loss, **self._side_times}
         self._side_times.clear()
-        if self.net_name == "unet":
+        if self.family.timestep_quartiles:
             q = distributed.all_reduce_mean(w.q_sum / w.q_count.clamp(min=1)).tolist()
             metrics.update({f"loss_q{i}": q[i] for i in range(4)})
         for k, v in w.parts.items():  # this rank's mean (the total loss above is the all-rank one)
-            metrics[f"vae/{k}"] = float(v) / max(w.parts_count, 1)
+            metrics[f"{self.family.metric_prefix}{k}"] = float(v) / max(w.parts_count, 1)
         metrics.update({
             "lr": self.lr_scheduler.get_last_lr()[0],
             "grad_norm": float(w.grad_norm),
@@ -698,8 +603,6 @@ class Trainer:
         if self.ema is not None:
             metrics["ema_decay"] = self.ema.current_decay()
         if self.step_flops is not None:
-            from .flops import mfu
-
             per_device = metrics["images_per_sec_per_device"]
             metrics["model_tflops_per_image"] = self.step_flops.model / 1e12
             if self.peak:
@@ -751,11 +654,10 @@ class Trainer:
         if self.info.is_main:
             cfg = self.cfg.experiment
             for is_ema, net in targets:
-                if self.net_name == "vae":
-                    net = self._with_measured_scale(net)
-                    out = export_pipeline(self.models, self.models.unet, self.run_dir.pipeline(None, ema=is_ema), vae=net)
-                else:
-                    out = export_pipeline(self.models, net, self.run_dir.pipeline(None, ema=is_ema))
+                out = self.run_dir.pipeline(None, ema=is_ema)
+                metrics = self.family.export(net, out)
+                if metrics:
+                    self.trackers.log(metrics, self.state.step)
                 if not cfg.save_only_most_recent:
                     copy_dir_atomically(out, self.run_dir.pipeline(self.state.step, ema=is_ema))
                 log.info("exported pipeline %s", out)
@@ -763,7 +665,7 @@ class Trainer:
                 self._write_samples(plain[w], suffix="" if w == samples_from[0] else f"_{w}")
         self.state.last_export_step = self.state.step
         distributed.barrier()
-        if self.net_name == "unet":
+        if self.family.makes_eval_images:
             self._write_eval_images(plain[samples_from[0]])
 
     def _weights(self, choice: str, default_both: bool) -> list[str]:
@@ -774,61 +676,22 @@ class Trainer:
             return ["raw", "ema"] if default_both else ["ema"]
         return {"raw": ["raw"], "ema": ["ema"], "both": ["ema", "raw"]}[choice]
 
-    def _fixed_images(self) -> torch.Tensor:
-        """The first images of the data (seed fixed, no workers): the autoencoder's reconstruction grid
-        and scaling-factor sample, the same across steps and restarts."""
-        import dataclasses
-
-        from .data import build_train_loader
-
-        d = self.cfg.dataset
-        params = dataclasses.replace(d.params, workers=0, batch_size=max(self.cfg.experiment.sample_per_prompt * 2, 8))
-        loader = build_train_loader(dataclasses.replace(d, params=params), tokenizer=self.models.tokenizer, rank=0,
-                                    world_size=1, seed=self.cfg.system.seed)
-        return unit_range(next(iter(loader))["pixel_values"])
-
-    def _with_measured_scale(self, vae):
-        """A copy of the trained VAE whose config carries the latent scaling factor measured on data
-        (1 / std of the latents, the convention behind SD's 0.18215)."""
-        import copy
-
-        from .vae_objective import measure_scaling_factor
-
-        vae = copy.deepcopy(vae).to(self.device).eval()
-        scale = measure_scaling_factor(vae, [self.fixed_images.to(self.device)])
-        vae.register_to_config(scaling_factor=float(scale))
-        self.trackers.log({"vae/scaling_factor": float(scale)}, self.state.step)
-        log.info("measured latent scaling factor %.5f on %d images", scale, len(self.fixed_images))
-        return vae
-
-    def _write_reconstructions(self, vae, suffix: str) -> None:
-        from .export import reconstruction_grid
-
-        net = vae if next(vae.parameters()).device == self.device else vae.to(self.device)
-        grid = reconstruction_grid(net, self.fixed_images.to(self.device))
-        path = self.run_dir.samples / f"step_{self.state.step:08d}{suffix}.png"
-        grid.save(path)
-        self.trackers.log_image(f"reconstructions{suffix}", path, self.state.step)
-
-    def _write_samples(self, unet, suffix: str = "") -> None:
-        if self.net_name == "vae":
-            return self._write_reconstructions(unet, suffix)
+    def _sample_settings(self) -> SampleSettings:
         cfg = self.cfg.experiment
-        if not cfg.sample_prompts or cfg.sample_per_prompt < 1:
-            return
-        if next(unet.parameters()).device != self.device:  # an EMA kept on the CPU (model.ema.device=cpu)
-            import copy
+        return SampleSettings(list(cfg.sample_prompts or []), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
+                              cfg.sample_guidance_scale, self._sample_resolution(), self._sample_dtype())
 
-            unet = copy.deepcopy(unet).to(self.device)
+    def _write_samples(self, net, suffix: str = "") -> None:
+        if next(net.parameters()).device != self.device:  # an EMA kept on the CPU (model.ema.device=cpu)
+            net = copy.deepcopy(net).to(self.device)
         # Sampling draws from its own generators; the training RNG stream is left untouched.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            grid = sample_grid(
-                self.models, unet, list(cfg.sample_prompts), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
-                cfg.sample_guidance_scale, self._sample_resolution(), self.device, self._sample_dtype(),
-            )
+            grid = self.family.sample_image(net, self._sample_settings())
+        if grid is None:
+            return
         path = self.run_dir.samples / f"step_{self.state.step:08d}{suffix}.png"
         grid.save(path)
-        self.trackers.log_image(f"samples{suffix}", path, self.state.step)
+        self.trackers.log_image(f"{self.family.samples_tag}{suffix}", path, self.state.step)
 
     def _sample_dtype(self) -> torch.dtype | None:
         """Samples and eval images run under autocast in the training precision, or in the frozen VAE's
@@ -847,13 +710,9 @@ class Trainer:
         if cfg.num_eval_images < 1:
             return
         out = self.run_dir.root / "eval" / f"step_{self.state.step:08d}"
-        rank, world = self.info.rank, self.info.world_size
+        settings = self._sample_settings()._replace(prompts=read_prompts(cfg.eval_caption_file))
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            generate_eval_images(
-                self.models, unet, read_prompts(cfg.eval_caption_file), cfg.num_eval_images, out, cfg.sample_seed,
-                cfg.sample_steps, cfg.sample_guidance_scale, self._sample_resolution(), self.device, rank, world,
-                dtype=self._sample_dtype(),
-            )
+            self.family.eval_images(unet, settings, cfg.num_eval_images, out, self.info.rank, self.info.world_size)
         distributed.barrier()
         self._score_eval_images(out)
 
@@ -861,21 +720,6 @@ class Trainer:
 def _hms(seconds: float) -> str:
     s = int(max(seconds, 0))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-class VAELossModule(torch.nn.Module):
-    """The autoencoder stage's forward: what DDP wraps, so its gradient hooks see every VAE call."""
-
-    def __init__(self, vae: torch.nn.Module, cfg):
-        super().__init__()
-        self.vae = vae
-        self.cfg = cfg
-
-    def forward(self, pixels: torch.Tensor):
-        from .vae_objective import vae_loss
-
-        loss, per_sample, parts = vae_loss(self.vae, pixels, self.cfg)
-        return loss, per_sample, parts
 
 
 class NonFiniteLossError(RuntimeError):

@@ -8,7 +8,9 @@ instead be built from scratch from ``model.unet.target`` + ``model.unet.params``
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -16,7 +18,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
+from .fields import ConfigError
 from .loading import load_component as _load
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,9 @@ class Models:
     unet: torch.nn.Module  # trained
     noise_scheduler: Any  # DDPMScheduler: adds training noise, defines the target
     inference_scheduler: Any  # the scheduler exported pipelines and sample grids use
+    # SDXL's second text encoder (CLIPTextModelWithProjection) and tokenizer; None for SD 1.x/2.x
+    text_encoder_2: Optional[torch.nn.Module] = None
+    tokenizer_2: Any = None
     # component name -> a fresh fp32 copy from its source, for exports of half-precision frozen components
     reload_fp32: Optional[Callable[[str], torch.nn.Module]] = None
     _fp32_copies: dict = field(default_factory=dict, repr=False)
@@ -93,6 +99,17 @@ def resolve_unet_class(target: str):
         raise ConfigError(f"'model.unet.target': '{target}' is not a model class (a torch.nn.Module with "
                           "diffusers' from_config)")
     return cls
+
+
+def check_unet_params(target: str, params: dict) -> None:
+    """Reject UNet constructor arguments the target class does not take, naming the closest one."""
+    cls = resolve_unet_class(target)
+    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    for key in params:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean 'model.unet.params.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key 'model.unet.params.{key}' ({cls.__name__} has no such argument){hint}")
 
 
 def component_sources(cfg: ModelConfig) -> dict:
@@ -177,7 +194,9 @@ def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype = 
     return module.to(device=device, dtype=dtype)
 
 
-def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Models:
+def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_context_dim: int = 0) -> Models:
+    """The components of an SD pipeline. ``extra_context_dim``: cross-attention width the UNet expects
+    beyond the text encoder's hidden size (SDXL concatenates a second encoder's states)."""
     import diffusers
     from diffusers import AutoencoderKL, DDPMScheduler
 
@@ -216,10 +235,11 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0) -> Model
         unet.enable_gradient_checkpointing()
     set_attention_backend(unet, cfg, device)
 
-    if unet.config.cross_attention_dim != text_encoder.config.hidden_size:
+    width = text_encoder.config.hidden_size + extra_context_dim
+    if unet.config.cross_attention_dim != width:
         raise ConfigError(
-            f"UNet cross_attention_dim {unet.config.cross_attention_dim} != text encoder hidden size "
-            f"{text_encoder.config.hidden_size}: set model.unet.params.cross_attention_dim={text_encoder.config.hidden_size}"
+            f"UNet cross_attention_dim {unet.config.cross_attention_dim} != the text conditioning's width {width}: "
+            f"set model.unet.params.cross_attention_dim={width}"
         )
     if unet.config.in_channels != vae.config.latent_channels:
         raise ConfigError(

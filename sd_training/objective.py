@@ -20,13 +20,12 @@ References, for the formulas below:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .fields import f
+from .fields import ConfigError
+from .schema.objective import ObjectiveConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,26 +36,9 @@ TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")
 PYRAMID_MAX_LEVELS = 10
 
 
-@dataclass
-class ObjectiveConfig:
-    prediction_type: Optional[str] = f(
-        None, "epsilon | v_prediction | sample: what the UNet predicts (None: the training scheduler's own prediction_type)"
-    )
-    loss_weighting: str = f("none", "none | min_snr: per-sample loss weight (min_snr: min(SNR, snr_gamma) in x0 units)")
-    snr_gamma: float = f(5.0, "min_snr: the SNR cap gamma (dimensionless; 5 in Hang et al.)")
-    noise_offset: float = f(0.0, "std of the per-channel constant (zero-frequency) noise added to the unit noise (0: off)")
-    pyramid_noise_discount: float = f(0.0, "multi-resolution noise: weight ratio between successive coarser levels, in [0, 1) (0: off)")
-    input_perturbation: float = f(0.0, "std of extra noise added to the UNet input only, in units of the noise (0: off)")
-    zero_terminal_snr: bool = f(False, "rescale betas to SNR 0 at the last timestep (Lin et al.); needs v_prediction or sample")
-    timestep_sampling: str = f("uniform", "uniform | logit_normal: distribution of training timesteps")
-    logit_mean: float = f(0.0, "logit_normal: mean of the normal in logit(t / num_train_timesteps) units")
-    logit_std: float = f(1.0, "logit_normal: std of the normal in logit(t / num_train_timesteps) units")
 
 
 def _error(message: str) -> ValueError:
-    # ConfigError lives in config.py, which imports this module for the schema: import it late.
-    from .config import ConfigError
-
     return ConfigError(message)
 
 
@@ -305,8 +287,11 @@ _DEFAULTS = ObjectiveConfig()
 def diffusion_loss(
     unet, noise_scheduler, latents: torch.Tensor, encoder_hidden_states: torch.Tensor,
     cfg: ObjectiveConfig | None = None, noise: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
+    added_cond_kwargs: dict | None = None,
 ):
     """Mean-squared error of the UNet's prediction; also returns the per-sample losses and timesteps.
+
+    ``added_cond_kwargs``: extra UNet conditioning (SDXL's pooled text embedding and size/crop ids).
 
     Noise and timesteps not given are drawn from the global torch RNG of the latents' device, which the
     checkpoint saves and restores, so a resumed run draws the same ones. Fixed ones give a loss that is
@@ -333,7 +318,8 @@ def diffusion_loss(
         model_noise = noise + cfg.input_perturbation * torch.randn_like(noise)
     noisy = noise_scheduler.add_noise(latents, model_noise, timesteps)
     target = training_target(noise_scheduler, latents, noise, timesteps)
-    pred = unet(noisy, timesteps, encoder_hidden_states, return_dict=False)[0]
+    extra = {"added_cond_kwargs": added_cond_kwargs} if added_cond_kwargs is not None else {}
+    pred = unet(noisy, timesteps, encoder_hidden_states, return_dict=False, **extra)[0]
     # The loss in fp32 even under autocast: a bf16 mean over millions of elements loses precision.
     per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
     if cfg.loss_weighting == "min_snr":

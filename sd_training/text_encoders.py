@@ -30,13 +30,13 @@ import difflib
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from .fields import ConfigError, f
+from .fields import ConfigError
 from .loading import load_component as _load
+from .optim import param_groups
+from .schema.text_encoder import TextEncoderConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +48,6 @@ CLIP_VOCAB_SIZE = 49408  # the BPE vocabulary of OpenAI CLIP and of open_clip's 
 OPEN_CLIP_PAD = "!"  # id 0: open_clip pads with 0, and SD 2's tokenizer does the same
 
 
-@dataclass
-class TextEncoderConfig:
-    pretrained: Optional[str] = f(
-        None, "type clip: pipeline root or text_encoder folder, local path or hub id (None: model.pretrained)"
-    )
-    type: str = f("clip", "clip (transformers CLIPTextModel folder: SD 1.x, SD 2.x) | open_clip (open_clip_model + open_clip_weights)")
-    open_clip_model: Optional[str] = f(None, "type open_clip: architecture name, e.g. ViT-H-14, or local-dir:FOLDER with open_clip_config.json")
-    open_clip_weights: Optional[str] = f(None, "type open_clip: local path of the checkpoint file (.bin / .pt / .safetensors)")
-    clip_skip: int = f(0, "layers counted back from the last: 0 or 1 = last, 2 = penultimate (kohya/EveryDream); baked into exports")
-    max_length: Optional[int] = f(None, "tokens per caption, start and end tokens included (None: the tokenizer's model_max_length, 77)")
-    train: bool = f(False, "train the text encoder with the UNet (False: frozen, eval mode, no gradients)")
-    learning_rate: Optional[float] = f(None, "train: peak learning rate of the text encoder, same schedule (None: optimizer.params.learning_rate)")
-    dtype: str = f("auto", "frozen text encoder weights: auto (the training precision: bf16 under bf16, fp16 under fp16, else fp32) | fp32 | fp16 | bf16 (train: fp32 or auto)")
 
 
 def frozen_text_dtype(requested: str, mixed_precision: str) -> torch.dtype:
@@ -420,8 +407,6 @@ def text_encoder_param_groups(
     """
     if not cfg.train:
         return []
-    from .optim import param_groups  # late: optim imports config, which imports this module
-
     lr = cfg.learning_rate * lr_scale if cfg.learning_rate is not None else base_lr
     groups = param_groups(text_encoder, weight_decay, exclude_norm_and_bias, lr=lr)
     return [dict(g, name="text_encoder") for g in groups]

@@ -33,14 +33,15 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
 from .data.transforms import unit_range
-from .fields import ConfigError, f
+from .fields import ConfigError
+from .schema.objective import ObjectiveConfig
+from .schema.vae_training import VAEObjectiveConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,6 @@ RECONSTRUCTIONS = ("l1", "l2")
 FP16_MAX = 65504.0  # largest finite float16
 
 
-@dataclass
-class VAEObjectiveConfig:
-    reconstruction: str = f("l1", "l1 | l2: pixel reconstruction loss, mean over pixel values in [-1, 1] units")
-    kl_weight: float = f(1e-6, "weight of KL(posterior || N(0, I)) summed over the latent, per 3*H*W pixel values (LDM KL-f8: 1e-6)")
-    perceptual_weight: float = f(0.0, "weight of the VGG16 perceptual distance, added per image (0: off; LDM uses 1.0 with LPIPS)")
-    perceptual_weights: Optional[str] = f(None, "local path of a torchvision VGG16 state_dict (.pth/.pt/.safetensors) for the perceptual loss")
 
 
 class VAEPrecisionError(ValueError):
@@ -346,3 +341,26 @@ __all__ = [
     "VGGPerceptual", "build_perceptual", "kl_divergence", "vae_loss", "latent_statistics",
     "measure_scaling_factor", "export_vae",
 ]
+
+
+def validate_vae_stage(cfg) -> None:
+    """The run-level checks of ``model.train_target=vae`` (``cfg``: the whole ``TrainConfig``)."""
+    validate_vae_objective_config(cfg.vae_training)
+    if cfg.dataset.type.lower() in ("latents", "latent"):
+        raise ConfigError("model.train_target=vae needs images: dataset.type=latents holds no pixels")
+    if cfg.objective != ObjectiveConfig():
+        raise ConfigError("the 'objective' section applies to UNet training; remove it for model.train_target=vae")
+    try:
+        check_vae_precision(cfg.model.mixed_precision)
+    except ValueError as e:
+        raise ConfigError(f"'model.mixed_precision': {e}") from None
+    if cfg.distributed.strategy == "fsdp":
+        raise ConfigError("model.train_target=vae trains with distributed.strategy=ddp (autoencoders fit one device)")
+    if cfg.model.vae.dtype not in ("auto", "fp32"):
+        raise ConfigError("model.train_target=vae keeps the trained VAE in fp32: set model.vae.dtype=fp32 (or auto)")
+    for key in ("text_encoder.train", "compile", "channels_last"):
+        obj = cfg.model
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        if obj:
+            raise ConfigError(f"'model.{key}' applies to UNet training, not model.train_target=vae")

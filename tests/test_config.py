@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sd_training.config import ConfigError, help_text, load, to_yaml
+from sd_training.config import ConfigError, help_text, to_yaml
+from sd_training.configure import load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,7 +151,8 @@ def test_bare_no_is_a_string_where_the_schema_wants_one(tmp_path):
 
 @pytest.mark.faults
 def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
-    from sd_training.config import load, public_dict, to_yaml
+    from sd_training.config import public_dict, to_yaml
+    from sd_training.configure import load
 
     cfg = load(["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8",
                 "wandb.api_key=sk-secret-123"])
@@ -175,7 +177,8 @@ def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
 ])
 @pytest.mark.faults
 def test_numeric_keys_are_range_checked_at_start_up(override, words):
-    from sd_training.config import ConfigError, load
+    from sd_training.config import ConfigError
+    from sd_training.configure import load
 
     base = ["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8"]
     load(base)  # the base is fine
@@ -184,7 +187,8 @@ def test_numeric_keys_are_range_checked_at_start_up(override, words):
 
 
 def test_an_open_diffusion_alias_set_alone_is_the_users_value():
-    from sd_training.config import ConfigError, load
+    from sd_training.config import ConfigError
+    from sd_training.configure import load
 
     base = ["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8"]
     cfg = load(base + ["system.dist_backend=gloo"])

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from conftest import train_args
 
-from sd_training.config import ConfigError, load
+from sd_training.config import ConfigError
+from sd_training.configure import load
 from sd_training.loop import main as train
 
 

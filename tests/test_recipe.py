@@ -8,7 +8,8 @@ import torch
 from conftest import train_args
 
 from sd_training import distributed
-from sd_training.config import ConfigError, LRSchedulerConfig, LRSchedulerParams, OptimizerConfig, OptimizerParams, load
+from sd_training.config import ConfigError, LRSchedulerConfig, LRSchedulerParams, OptimizerConfig, OptimizerParams
+from sd_training.configure import load
 from sd_training.ema import EMA, decay_from_strength
 from sd_training.loop import NonFiniteLossError, Trainer
 from sd_training.loop import main as train
@@ -162,7 +163,7 @@ def test_vae_fp16_overflow_falls_back_to_fp32(tmp_path, tiny_pipeline, shapes_sh
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.vae.dtype": "fp16"})
     assert t.models.vae.dtype == torch.float16
     pixels = torch.full((1, 3, 64, 64), 6.0e4)  # overflows fp16 activations
-    latents = t._encode(pixels)
+    latents = t.family.encode(pixels)
     assert t.models.vae.dtype == torch.float32 and "keeping the VAE in fp32" in caplog.text
     assert latents.dtype == torch.float32
 
@@ -170,7 +171,7 @@ def test_vae_fp16_overflow_falls_back_to_fp32(tmp_path, tiny_pipeline, shapes_sh
 def test_vae_dtype_auto_follows_bf16(tmp_path, tiny_pipeline, shapes_shards):
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.mixed_precision": "bf16"})
     assert t.models.vae.dtype == torch.bfloat16
-    loss, _, _ = t._micro_step(fixed_batch(t), sync=True)
+    loss, *_ = t._micro_step(fixed_batch(t), sync=True)
     assert torch.isfinite(loss)
 
 
@@ -180,7 +181,7 @@ def test_sliced_attention_and_channels_last(tmp_path, tiny_pipeline, shapes_shar
     assert procs == {"SlicedAttnProcessor"}
     conv = t.net.conv_in.weight
     assert conv.is_contiguous(memory_format=torch.channels_last)
-    loss, _, _ = t._micro_step(fixed_batch(t), sync=True)
+    loss, *_ = t._micro_step(fixed_batch(t), sync=True)
     assert torch.isfinite(loss)
 
 

@@ -11,7 +11,8 @@ import pytest
 from conftest import train_args
 
 from sd_training.checkpoint import complete_steps
-from sd_training.config import ConfigError, load
+from sd_training.config import ConfigError
+from sd_training.configure import load
 from sd_training.loop import main as train
 from sd_training.run_guard import config_changes, lock_run_folder
 

@@ -16,15 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any, List
 
-from .config import (
-    DatasetConfig,
-    DatasetConfigError,
-    DatasetParams,
-    TagParams,
-    canonical_type,
-    plain_config,
-    validate_dataset_config,
-)
+from ..schema.dataset import DatasetConfig, DatasetConfigError, DatasetParams, TagParams, canonical_type, plain_config
+from .checks import validate_dataset_config
 from .loader import TrainLoader, describe
 from .samples import SampleProcessor
 from .sources import REMOTE, Source, build_sources

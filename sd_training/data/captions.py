@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .config import DatasetConfigError
+from ..schema.dataset import DatasetConfigError
 
 PACKAGE_METADATA = Path(__file__).resolve().parent.parent / "metadata"
 

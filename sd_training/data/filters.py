@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from .config import DatasetConfigError
+from ..schema.dataset import DatasetConfigError
 
 _ORDER_OPS: Dict[str, Callable[[Any, Any], bool]] = {
     "<=": operator.le,

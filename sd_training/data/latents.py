@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .config import DatasetConfigError
+from ..schema.dataset import DatasetConfigError
 from .samples import SampleProcessor
 from .sources import REMOTE, ShardError, WebDatasetSource, iter_tar_samples, open_stream
 from .stats import Stats, log

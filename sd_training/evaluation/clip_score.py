@@ -78,7 +78,7 @@ def _open(item) -> Image.Image:
 
 def prompts_for(files: Iterable[Path], prompts: Sequence[str] | None) -> list[str]:
     """The prompt of each generated image: its ``.txt`` sidecar when present, else image ``i`` (named
-    ``{i:06d}.png`` by the generators here and by ``export.generate_eval_images``) has prompt i % len."""
+    ``{i:06d}.png`` by the generators here and by the training run's eval images (``families.sd``)) has prompt i % len."""
     out = []
     for f in files:
         f = Path(f)

@@ -1,6 +1,6 @@
 """Images from prompts with a diffusers pipeline, split across ranks, resumable, with a progress bar.
 
-The convention is ``sd_training.export.generate_eval_images``'s, so a folder made here and the eval
+The convention is that of the training run's eval images, so a folder made here and the eval
 images a training run writes are interchangeable: image ``i`` uses prompt ``i % len(prompts)`` and a
 CPU generator seeded ``seed + i`` (the same picture on any device and any number of ranks), is written
 as ``{i:06d}.png`` with its prompt in ``{i:06d}.txt``, and rank ``r`` makes images r, r+W, r+2W, ...

@@ -1,0 +1,106 @@
+"""What a model family tells the trainer.
+
+The trainer (``loop.py``), checkpointing, the strategies and the export code name no family: they hold
+a :class:`Family` and call the methods below. A family is one module (``sd.py``, ``sdxl.py``,
+``autoencoder.py``) that says how its components are built from ``model.*``, which module trains, how a
+batch becomes a loss (its conditioning included), what the exported diffusers pipeline is, how samples
+are made, and its FLOPs per image for MFU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from PIL import Image
+
+from ..config import TrainConfig
+from ..flops import StepFlops
+
+
+class LossOut(NamedTuple):
+    loss: torch.Tensor  # the micro-batch's mean loss (what is back-propagated)
+    per_sample: torch.Tensor  # detached per-sample losses
+    timesteps: torch.Tensor | None  # the per-sample timesteps (None: no timesteps, e.g. the autoencoder)
+    parts: dict | None  # named loss terms logged as ``<family>/<name>`` (None: none)
+
+
+class SampleSettings(NamedTuple):
+    """What the trainer asks of a sample grid or of eval images; families read what applies."""
+
+    prompts: list[str]
+    per_prompt: int
+    seed: int
+    steps: int
+    guidance: float
+    resolution: int
+    dtype: torch.dtype | None  # autocast dtype of sampling (None: fp32)
+
+
+class Family:
+    """One model family, built for one run. Subclasses set the class attributes and implement the methods."""
+
+    name = ""  # the model.family value
+    net_name = "unet"  # the trained module's name in checkpoints, init_from and logs
+    samples_tag = "samples"  # wandb key of the sample grid
+    makes_eval_images = True  # experiment.num_eval_images applies
+    timestep_quartiles = True  # the loss is logged per timestep quartile
+    metric_prefix = ""  # prefix of the named loss terms in the logs
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
+        self.cfg, self.device, self.seed, self.is_main = cfg, device, seed, is_main
+        self.models: Any = None
+        self.net: torch.nn.Module | None = None  # the trained module (bare: no DDP / FSDP / compile wrapper)
+        self.loss_module: torch.nn.Module | None = None  # what the strategy wraps and the loss calls
+        self._encoders: dict[str, torch.nn.Module] = {}  # trained encoders as the loss calls them (maybe DDP)
+
+    # -- config -----------------------------------------------------------------------------------
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        """Config checks of this family (raise ``ConfigError`` naming the key and what to use instead)."""
+
+    # -- what trains besides the net --------------------------------------------------------------
+    def trained_encoders(self) -> dict[str, torch.nn.Module]:
+        """Modules trained with the net (a text encoder), by checkpoint name; {} when frozen."""
+        return {}
+
+    def use_wrapped_encoders(self, wrapped: dict[str, torch.nn.Module]) -> None:
+        """The trainer's (DDP-)wrapped copies of :meth:`trained_encoders`, for the training forward."""
+        self._encoders = dict(wrapped)
+
+    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
+        return []
+
+    # -- the step ---------------------------------------------------------------------------------
+    def loss(self, model: torch.nn.Module, batch: dict, autocast: contextlib.AbstractContextManager,
+             fixed: dict | None = None, validation: bool = False) -> LossOut:
+        """Forward of one micro-batch through ``model`` (the wrapped loss module). ``fixed``: given noise
+        and timesteps (validation). The trainer back-propagates ``loss``."""
+        raise NotImplementedError
+
+    def validation_batch(self, batch: dict, generator: torch.Generator, index: int) -> dict:
+        """A held-out batch made deterministic once (fixed latents, noise, timesteps), kept on the CPU."""
+        raise NotImplementedError
+
+    def check_data(self, loader) -> None:
+        """Refuse data made for other models (latent shards of another VAE or text encoder)."""
+
+    def step_flops(self) -> StepFlops | None:
+        """FLOPs per training image (for MFU); None where MFU is not defined."""
+        return None
+
+    # -- artifacts --------------------------------------------------------------------------------
+    def export(self, net: torch.nn.Module, out: Path) -> dict:
+        """Write the diffusers pipeline with ``net`` to ``out`` (atomically); returns metrics to log."""
+        raise NotImplementedError
+
+    def sample_image(self, net: torch.nn.Module, settings: SampleSettings) -> Image.Image | None:
+        """The sample grid (or reconstructions) of ``net`` at this step; None: nothing to show."""
+        raise NotImplementedError
+
+    def eval_images(self, net: torch.nn.Module, settings: SampleSettings, n: int, out: Path, rank: int,
+                    world_size: int) -> list[Path]:
+        """Images ``rank``, ``rank + world_size``, ... of ``n`` eval images from ``settings.prompts``."""
+        raise NotImplementedError

@@ -1,0 +1,158 @@
+"""Stable Diffusion 1.x / 2.x: one CLIP text encoder, a UNet conditioned on its hidden states.
+
+Also the base of SDXL (``sdxl.py``), which changes the components, the conditioning and the pipeline
+class, and keeps everything else: online VAE encoding, the diffusion loss, validation batches,
+exports, sample grids and eval images.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from ..config import TrainConfig
+from ..data.transforms import unit_range
+from ..evaluation.generate import generate_images
+from ..export import eval_mode, export_pipeline, inference_autocast, make_pipeline, sample_grid, unwrap
+from ..flops import StepFlops, count_step_flops
+from ..models import build_models
+from ..objective import configure_schedulers, diffusion_loss, encode_images, encode_text
+from ..text_encoders import text_encoder_param_groups
+from .base import Family, LossOut, SampleSettings
+
+log = logging.getLogger(__name__)
+
+LATENT_TYPES = ("latents", "latent")
+
+
+def is_latent_data(cfg: TrainConfig) -> bool:
+    return cfg.dataset.type.lower() in LATENT_TYPES
+
+
+class StableDiffusion(Family):
+    name = "sd"
+    pipeline_classes = ("StableDiffusionPipeline",)
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
+        super().__init__(cfg, device, seed, is_main)
+        self.models = self.build_models()
+        # Prediction type and zero terminal SNR go to both schedulers: exports sample as they trained.
+        self.models.noise_scheduler, self.models.inference_scheduler = configure_schedulers(
+            self.models.noise_scheduler, self.models.inference_scheduler, cfg.objective
+        )
+        self.net = unwrap(self.models.unet)
+        self.loss_module = self.net
+        if cfg.model.text_encoder.train:
+            self._encoders = {"text_encoder": self.models.text_encoder}
+
+    def build_models(self):
+        return build_models(self.cfg.model, self.device, seed=self.seed)
+
+    @property
+    def tokenizers(self):
+        """What the data loader tokenizes captions with."""
+        return self.models.tokenizer
+
+    # -- what trains besides the UNet -------------------------------------------------------------
+    def trained_encoders(self) -> dict[str, torch.nn.Module]:
+        return {"text_encoder": self.models.text_encoder} if self.cfg.model.text_encoder.train else {}
+
+    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
+        o = self.cfg.optimizer
+        return text_encoder_param_groups(self.models.text_encoder, self.cfg.model.text_encoder, peak_lr,
+                                         o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, dict | None]:
+        """The UNet's conditioning of a batch on the device: cross-attention states, added kwargs."""
+        if "encoder_hidden_states" in batch:  # precomputed text-encoder outputs (latent shards)
+            return batch["encoder_hidden_states"].to(self.device, non_blocking=True).float(), None
+        encoder = self.models.text_encoder if validation else self._encoders.get("text_encoder", self.models.text_encoder)
+        return encode_text(encoder, batch["input_ids"].to(self.device, non_blocking=True)), None
+
+    def latents(self, batch: dict) -> torch.Tensor:
+        if "latents" in batch:
+            latents = batch["latents"].to(self.device, non_blocking=True).float()
+        else:
+            latents = self.encode(unit_range(batch["pixel_values"].to(self.device, non_blocking=True)))
+        if self.cfg.model.channels_last:
+            latents = latents.contiguous(memory_format=torch.channels_last)
+        return latents
+
+    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
+        latents = self.latents(batch)
+        with autocast:
+            hidden, added = self.condition(batch, validation)
+            loss, per_sample, timesteps = diffusion_loss(
+                model, self.models.noise_scheduler, latents, hidden, self.cfg.objective,
+                added_cond_kwargs=added, **(fixed or {}),
+            )
+        return LossOut(loss, per_sample, timesteps, None)
+
+    def encode(self, pixels: torch.Tensor, mean: bool | None = None) -> torch.Tensor:
+        """VAE-encode in the VAE's own dtype, outside autocast (autocast would recast an fp32 VAE)."""
+        vae = self.models.vae
+        mean = self.cfg.model.vae.latent_sampling == "mean" if mean is None else mean
+        with torch.autocast(self.device.type, enabled=False):
+            latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean)
+            if vae.dtype == torch.float16 and not bool(torch.isfinite(latents).all()):
+                # The SD VAE overflows in fp16 on some images (seed 000's NaNs): keep it in fp32 from now on.
+                log.warning("the fp16 VAE overflowed (non-finite latents): keeping the VAE in fp32 from now on")
+                vae.to(torch.float32)
+                latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean)
+        return latents.float()
+
+    def validation_batch(self, batch, generator, index) -> dict:
+        b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
+        n = len(b["input_ids"])
+        T = self.models.noise_scheduler.config.num_train_timesteps
+        b["timesteps"] = torch.linspace(0, T - 1, n).round().long()
+        if "latents" not in b:
+            # The posterior mean, not a sample: the same latents at every validation and restart.
+            b["latents"] = self.encode(unit_range(b.pop("pixel_values").to(self.device)), mean=True).cpu()
+        b["noise"] = torch.randn(b["latents"].shape, generator=generator)
+        return b
+
+    def check_data(self, loader) -> None:
+        if is_latent_data(self.cfg):
+            from ..data.latents import check_latents_match
+
+            # Shards made with another VAE, scaling factor or text encoder would train silently wrong.
+            check_latents_match(loader, self.models.vae, self.models.text_encoder, self.models.tokenizer)
+
+    def step_flops(self) -> StepFlops:
+        # Counted once, on the meta device (no compute): model FLOPs = 3 x UNet forward per image;
+        # hardware FLOPs add the frozen encoders and the recomputation of gradient checkpointing.
+        return count_step_flops(self.models, self.cfg.dataset.params.resolution, self.cfg.model.gradient_checkpointing,
+                                encode_images=not is_latent_data(self.cfg))
+
+    # -- artifacts --------------------------------------------------------------------------------
+    def pipeline(self, unet: torch.nn.Module, for_export: bool = False, vae: torch.nn.Module | None = None):
+        return make_pipeline(self.models, unet, vae, for_export=for_export)
+
+    def export(self, net, out: Path) -> dict:
+        export_pipeline(self.pipeline(net, for_export=True), out)
+        return {}
+
+    def export_with_vae(self, unet, vae, out: Path) -> None:
+        """The pipeline with another VAE (the autoencoder stage's)."""
+        export_pipeline(self.pipeline(unet, for_export=True, vae=vae), out)
+
+    def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
+        if not settings.prompts or settings.per_prompt < 1:
+            return None
+        return sample_grid(self.pipeline(net), settings.prompts, settings.per_prompt, settings.seed, settings.steps,
+                           settings.guidance, settings.resolution, self.device, settings.dtype)
+
+    def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
+        """Image i uses prompt i (cycling) and seed ``seed + i``; rank r makes images r, r+W, r+2W, ...
+        (the loop and file convention of ``python -m sd_training.evaluation``)."""
+        pipe = self.pipeline(net)
+        pipe.set_progress_bar_config(disable=True)
+        with eval_mode(pipe), inference_autocast(self.device, settings.dtype):
+            return generate_images(pipe, settings.prompts, n, out, settings.seed, settings.steps, settings.guidance,
+                                   settings.resolution, rank, world_size, batch_size=8, progress=False)
+

@@ -1,0 +1,165 @@
+"""Stable Diffusion XL: two text encoders and micro-conditioning on sizes and crops.
+
+As ``StableDiffusionXLPipeline`` conditions at inference, so the UNet trains:
+
+* the penultimate hidden states (no final layer norm) of CLIP ViT-L (``text_encoder``, a
+  ``CLIPTextModel``) and OpenCLIP bigG (``text_encoder_2``, a ``CLIPTextModelWithProjection``),
+  concatenated along the channels: the cross-attention states;
+* the projected pooled embedding of the second encoder (``text_embeds``);
+* six "time ids" per image: ``original_size`` (h, w; from the sample's metadata when present, else the
+  decoded image), ``crops_coords_top_left`` (y, x of the crop the transform made) and ``target_size``
+  (h, w of the bucket);
+* an empty caption (caption dropout, or a sample without one) gets all-zero states and pooled embedding:
+  what the pipeline uses for the unconditional branch (``force_zeros_for_empty_prompt``), so
+  classifier-free guidance at inference meets what was trained.
+
+The VAE: SDXL's overflows in fp16, so ``model.vae.dtype`` fp16 is refused; fp32 or bf16, or a
+user-supplied fp16-safe VAE through ``model.vae.pretrained`` with ``model.vae.dtype=fp32``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from ..config import TrainConfig
+from ..export import unwrap
+from ..fields import ConfigError
+from ..flops import StepFlops, count_step_flops, text_encode_flops
+from ..loading import load_component
+from ..models import build_models
+from ..text_encoders import frozen_text_dtype, text_encoder_for_pipeline
+from .sd import StableDiffusion, is_latent_data
+
+log = logging.getLogger(__name__)
+
+N_TIME_IDS = 6  # original (h, w), crop top-left (y, x), target (h, w)
+
+
+def time_ids(batch: dict, height: int, width: int) -> torch.Tensor:
+    """[B, 6] float: original_size + crops_coords_top_left + target_size per sample. A batch without
+    the data pipeline's size fields (an older loader) conditions as the pipeline does by default:
+    original = target = the trained size, crop (0, 0)."""
+    n = len(batch["input_ids"])
+    if "original_size" in batch:
+        ids = torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
+    else:
+        ids = torch.tensor([[height, width, 0, 0, height, width]]).expand(n, N_TIME_IDS)
+    return ids.float()
+
+
+def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor, input_ids_2: torch.Tensor,
+                   eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-attention states [B, L, d1 + d2], pooled [B, p]) in fp32, zeros for empty captions."""
+    with torch.no_grad():
+        h1 = text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
+        out2 = text_encoder_2(input_ids_2, output_hidden_states=True)
+        pooled, h2 = out2[0], out2.hidden_states[-2]
+    states = torch.cat([h1.float(), h2.float()], dim=-1)
+    pooled = pooled.float()
+    # "" tokenizes to [start, end, pad ...]: the caption was dropped (or the sample had none).
+    keep = (input_ids[:, 1] != eos_token_id).to(states.dtype)
+    return states * keep[:, None, None], pooled * keep[:, None]
+
+
+class StableDiffusionXL(StableDiffusion):
+    name = "sdxl"
+    pipeline_classes = ("StableDiffusionXLPipeline",)
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        m = cfg.model
+        refusals = [
+            (m.text_encoder.train, "'model.text_encoder.train' is not supported for SDXL yet: train the UNet with "
+                                   "frozen encoders (model.text_encoder.train=false)"),
+            (m.text_encoder.type != "clip", "SDXL's text encoders are read from the pipeline (text_encoder/, "
+                                            "text_encoder_2/): model.text_encoder.type must be clip"),
+            (m.text_encoder.clip_skip not in (0, 1), "SDXL already conditions on the penultimate layers of both "
+                                                     "encoders: leave model.text_encoder.clip_skip at 0"),
+            (m.vae.dtype == "fp16", "SDXL's VAE overflows in fp16: set model.vae.dtype to auto, bf16 or fp32 (or give "
+                                    "an fp16-safe VAE through model.vae.pretrained with model.vae.dtype=fp32)"),
+            (is_latent_data(cfg), "dataset.type=latents does not carry SDXL's second text encoder and size "
+                                  "conditioning yet: train SDXL from images"),
+        ]
+        for refused, message in refusals:
+            if refused:
+                raise ConfigError(message)
+        if m.unet.params and m.unet.params.get("addition_embed_type") != "text_time":
+            raise ConfigError("model.unet.params builds an SDXL UNet from scratch: it needs addition_embed_type: "
+                              "text_time (and addition_time_embed_dim, projection_class_embeddings_input_dim)")
+
+    def build_models(self):
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+        cfg = self.cfg.model
+
+        def source(component):
+            own = getattr(cfg, component).pretrained
+            return own or cfg.pretrained, dict(revision=cfg.revision) if cfg.revision and not own else {}
+
+        src, kw = source("text_encoder_2")
+        if src is None:
+            raise ConfigError("SDXL's second text encoder has no source: set model.pretrained or model.text_encoder_2.pretrained")
+        text_encoder_2 = load_component(CLIPTextModelWithProjection.from_pretrained, src, "text_encoder_2",
+                                        "model.text_encoder_2.pretrained", **kw)
+        tok_src, tok_kw = source("tokenizer_2")
+        tokenizer_2 = load_component(CLIPTokenizer.from_pretrained, tok_src, "tokenizer_2", "model.tokenizer_2.pretrained",
+                                     **tok_kw)
+        models = build_models(cfg, self.device, seed=self.seed, extra_context_dim=text_encoder_2.config.hidden_size)
+        dtype = frozen_text_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)
+        models.text_encoder_2 = text_encoder_2.requires_grad_(False).eval().to(self.device, dtype)
+        models.tokenizer_2 = tokenizer_2
+        unet = unwrap(models.unet)
+        if unet.config.get("addition_embed_type") != "text_time":
+            raise ConfigError(f"the UNet of {cfg.unet.pretrained or cfg.pretrained} is not an SDXL UNet "
+                              "(addition_embed_type is not text_time): set model.family to match the pipeline")
+        want = text_encoder_2.config.projection_dim + N_TIME_IDS * unet.config.addition_time_embed_dim
+        if unet.config.projection_class_embeddings_input_dim != want:
+            raise ConfigError(f"the SDXL UNet's projection_class_embeddings_input_dim is "
+                              f"{unet.config.projection_class_embeddings_input_dim}, but text_encoder_2's projection_dim "
+                              f"{text_encoder_2.config.projection_dim} + 6 x addition_time_embed_dim "
+                              f"{unet.config.addition_time_embed_dim} = {want}")
+        reload = models.reload_fp32
+
+        def reload_fp32(name: str) -> torch.nn.Module:
+            if name == "text_encoder_2":
+                return load_component(CLIPTextModelWithProjection.from_pretrained, src, "text_encoder_2",
+                                      "model.text_encoder_2.pretrained", **kw)
+            return reload(name)
+
+        return replace(models, reload_fp32=reload_fp32)
+
+    @property
+    def tokenizers(self):
+        return (self.models.tokenizer, self.models.tokenizer_2)
+
+    def condition(self, batch: dict, validation: bool):
+        dev = self.device
+        states, pooled = encode_prompts(
+            self.models.text_encoder, self.models.text_encoder_2, batch["input_ids"].to(dev, non_blocking=True),
+            batch["input_ids_2"].to(dev, non_blocking=True), int(self.models.tokenizer.eos_token_id),
+        )
+        res = self.cfg.dataset.params.resolution
+        return states, {"text_embeds": pooled, "time_ids": time_ids(batch, res, res).to(dev, non_blocking=True)}
+
+    def step_flops(self) -> StepFlops:
+        flops = count_step_flops(self.models, self.cfg.dataset.params.resolution, self.cfg.model.gradient_checkpointing,
+                                 encode_images=True)
+        seq = int(self.models.tokenizer_2.model_max_length)
+        return replace(flops, text_encode=flops.text_encode + text_encode_flops(self.models.text_encoder_2, seq))
+
+    def pipeline(self, unet, for_export: bool = False, vae=None):
+        from diffusers import StableDiffusionXLPipeline
+
+        m = self.models
+        if vae is None:
+            vae = m.full_precision("vae") if for_export else m.vae
+        encoders = [m.full_precision(n) if for_export else getattr(m, n) for n in ("text_encoder", "text_encoder_2")]
+        return StableDiffusionXLPipeline(
+            vae=unwrap(vae), text_encoder=text_encoder_for_pipeline(encoders[0]),
+            text_encoder_2=text_encoder_for_pipeline(encoders[1]), tokenizer=m.tokenizer, tokenizer_2=m.tokenizer_2,
+            unet=unwrap(unet), scheduler=m.inference_scheduler, force_zeros_for_empty_prompt=True,
+            add_watermarker=False,
+        )
