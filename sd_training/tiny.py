@@ -1,4 +1,4 @@
-"""Tiny random-weight Stable Diffusion pipelines built offline from the real classes.
+"""Tiny random-weight Stable Diffusion (1.x-style and SDXL) pipelines built offline from the real classes.
 
 Used by the quickstart and the tests: every component is the real diffusers / transformers class,
 saved with ``save_pretrained`` and loadable with ``StableDiffusionPipeline.from_pretrained`` with no
@@ -44,10 +44,11 @@ def clip_bpe_path() -> Path:
     return path
 
 
-def write_clip_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 77) -> Path:
+def write_clip_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 77, pad_token: str = "<|endoftext|>") -> Path:
     """Write a transformers ``CLIPTokenizer`` folder (vocab.json, merges.txt, configs) to ``out_dir``.
 
     Its ids equal OpenAI CLIP's and open_clip's ("a photo of a cat" -> 49406 320 1125 539 320 2368 49407).
+    ``pad_token``: CLIP pads with the end token; SDXL's second tokenizer (OpenCLIP's) pads with "!" (id 0).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,7 @@ def write_clip_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 77)
         "bos_token": "<|startoftext|>",
         "eos_token": "<|endoftext|>",
         "unk_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
+        "pad_token": pad_token,
     }
     (out / "special_tokens_map.json").write_text(json.dumps(special))
     (out / "tokenizer_config.json").write_text(
@@ -73,7 +74,8 @@ def write_clip_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 77)
     return out
 
 
-def build_clip_tokenizer(cache_dir: str | os.PathLike | None = None, model_max_length: int = 77):
+def build_clip_tokenizer(cache_dir: str | os.PathLike | None = None, model_max_length: int = 77,
+                         pad_token: str = "<|endoftext|>"):
     """A ``CLIPTokenizer`` built offline; files are written to ``cache_dir`` (a temp dir if None)."""
     import tempfile
 
@@ -81,7 +83,7 @@ def build_clip_tokenizer(cache_dir: str | os.PathLike | None = None, model_max_l
 
     folder = Path(cache_dir) if cache_dir else Path(tempfile.mkdtemp(prefix="clip_tokenizer_"))
     if not (folder / "vocab.json").exists():
-        write_clip_tokenizer(folder, model_max_length)
+        write_clip_tokenizer(folder, model_max_length, pad_token)
     # Load from the folder: passing vocab/merges paths as keyword arguments silently builds a broken
     # tokenizer in transformers 5 (see shared/notes/environment.md).
     return CLIPTokenizer.from_pretrained(str(folder))
@@ -137,14 +139,78 @@ SD_SCHEDULER = dict(
 )
 
 
-def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, scaling_factor: float = 0.18215) -> Path:
-    """Save a random-weight ``StableDiffusionPipeline`` to ``out_dir`` and return the path."""
+# SDXL's layout at toy width: two text encoders whose hidden states are concatenated (64 + 64 = 128
+# channels of cross-attention), the second with a projection whose pooled output joins the six size /
+# crop ids (8 channels each) in the added embedding: 64 + 6 x 8 = 112.
+TINY_TEXT_ENCODER_2 = dict(TINY_TEXT_ENCODER, pad_token_id=0)
+TINY_SDXL_UNET = dict(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=1,
+    block_out_channels=(64, 128, 256),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    cross_attention_dim=TINY_TEXT_ENCODER["hidden_size"] + TINY_TEXT_ENCODER_2["hidden_size"],
+    attention_head_dim=(2, 4, 8),
+    transformer_layers_per_block=(1, 1, 1),
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=TINY_TEXT_ENCODER_2["projection_dim"] + 6 * 8,
+    norm_num_groups=32,
+)
+# SDXL's scheduler: Euler with "leading" spacing; the same betas as SD.
+SDXL_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    steps_offset=1,
+    timestep_spacing="leading",
+    prediction_type="epsilon",
+)
+SDXL_SCALING_FACTOR = 0.13025
+FAMILIES = ("sd", "sdxl")
+
+
+def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, scaling_factor: float | None = None,
+                       family: str = "sd") -> Path:
+    """Save a random-weight ``StableDiffusionPipeline`` (``family="sdxl"``: ``StableDiffusionXLPipeline``)
+    to ``out_dir`` and return the path."""
     import torch
 
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
     out = Path(out_dir)
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
         torch.manual_seed(seed)
-        return _build_tiny(out, out / "_tokenizer_files", scaling_factor)
+        if family == "sdxl":
+            return _build_tiny_sdxl(out, scaling_factor or SDXL_SCALING_FACTOR)
+        return _build_tiny(out, out / "_tokenizer_files", scaling_factor or 0.18215)
+
+
+def _build_tiny_sdxl(out: Path, scaling_factor: float) -> Path:
+    import shutil
+
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    pipe = StableDiffusionXLPipeline(
+        vae=AutoencoderKL(**TINY_VAE, scaling_factor=scaling_factor, force_upcast=False),
+        text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)),
+        text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**TINY_TEXT_ENCODER_2)),
+        tokenizer=build_clip_tokenizer(out / "_tokenizer_files"),
+        tokenizer_2=build_clip_tokenizer(out / "_tokenizer_2_files", pad_token="!"),
+        unet=UNet2DConditionModel(**TINY_SDXL_UNET),
+        scheduler=EulerDiscreteScheduler(**SDXL_SCHEDULER),
+        force_zeros_for_empty_prompt=True,
+        add_watermarker=False,
+    )
+    pipe.save_pretrained(out)
+    for tmp in ("_tokenizer_files", "_tokenizer_2_files"):
+        shutil.rmtree(out / tmp, ignore_errors=True)
+    return out
 
 
 def _build_tiny(out: Path, tokenizer_dir: Path, scaling_factor: float) -> Path:

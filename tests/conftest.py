@@ -20,6 +20,14 @@ def tiny_pipeline(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sdxl_pipeline(tmp_path_factory):
+    """A tiny random-weight StableDiffusionXLPipeline (two text encoders, size conditioning)."""
+    from sd_training.tiny import make_tiny_pipeline
+
+    return make_tiny_pipeline(tmp_path_factory.mktemp("tiny_sdxl") / "pipeline", family="sdxl")
+
+
+@pytest.fixture(scope="session")
 def shapes_shards(tmp_path_factory):
     """4 shards x 32 generated 64 px images; returns the brace pattern."""
     from sd_training.data.synthetic import write_shapes_shards

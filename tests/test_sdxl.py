@@ -1,0 +1,126 @@
+"""SDXL as a family: its conditioning equals StableDiffusionXLPipeline's, and training, validation,
+exports, sample grids, eval images and exact resume work as for SD (bf16 autocast, loader workers,
+two ranks under FSDP)."""
+
+import json
+
+import pytest
+import torch
+from conftest import train_args
+from test_resume import N, args_for, assert_same, final_state, finish, kill_after_checkpoint, launch, losses
+
+from sd_training import families
+from sd_training.checkpoint import complete_steps
+from sd_training.config import ConfigError
+from sd_training.configure import load
+from sd_training.families.sdxl import encode_prompts, time_ids
+from sd_training.loop import main
+
+
+def test_family_is_read_from_the_pipeline(sdxl_pipeline, tiny_pipeline, shapes_shards, tmp_path):
+    xl = load(train_args(tmp_path, sdxl_pipeline, shapes_shards))
+    sd = load(train_args(tmp_path, tiny_pipeline, shapes_shards))
+    assert families.detect(xl.model) == "sdxl" and families.detect(sd.model) == "sd"
+    forced = load(train_args(tmp_path, tiny_pipeline, shapes_shards, model__family="sdxl"))
+    assert families.detect(forced.model) == "sdxl"
+    with pytest.raises(ConfigError, match="model.family"):
+        load(train_args(tmp_path, tiny_pipeline, shapes_shards, model__family="sd3"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"model.text_encoder.train": "true"}, "not supported for SDXL"),
+    ({"model.vae.dtype": "fp16"}, "overflows in fp16"),
+    ({"model.text_encoder.clip_skip": 2}, "penultimate"),
+])
+def test_sdxl_refuses_what_it_does_not_support_with_the_reason(sdxl_pipeline, shapes_shards, tmp_path, override,
+                                                                 message):
+    with pytest.raises(ConfigError, match=message):
+        load(train_args(tmp_path, sdxl_pipeline, shapes_shards, **{k.replace(".", "__"): v for k, v in override.items()}))
+
+
+def test_sdxl_an_sd_pipeline_named_sdxl_is_refused_at_build(tiny_pipeline, shapes_shards, tmp_path):
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, model__family="sdxl"))
+    with pytest.raises(ConfigError, match="text_encoder_2"):
+        families.create(cfg, torch.device("cpu"), 0, True)
+
+
+def test_conditioning_equals_the_pipelines_own(sdxl_pipeline):
+    from diffusers import StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_pipeline)
+    prompts = ["a red circle on a blue background", ""]
+    ids = [tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True,
+               return_tensors="pt").input_ids for tok in (pipe.tokenizer, pipe.tokenizer_2)]
+    assert ids[0][1, 1] == pipe.tokenizer.eos_token_id and ids[1][1, 2] == 0  # the second pads with "!"
+    states, pooled = encode_prompts(pipe.text_encoder, pipe.text_encoder_2, ids[0], ids[1], pipe.tokenizer.eos_token_id)
+    want, _, want_pooled, _ = pipe.encode_prompt(prompts[0], device="cpu", do_classifier_free_guidance=False)
+    assert states.shape == (2, 77, 128) and pooled.shape == (2, 64)
+    torch.testing.assert_close(states[:1], want.float())
+    torch.testing.assert_close(pooled[:1], want_pooled.float())
+    # The empty caption is the pipeline's unconditional branch: zeros (force_zeros_for_empty_prompt).
+    _, neg, _, neg_pooled = pipe.encode_prompt(prompts[0], device="cpu", do_classifier_free_guidance=True)
+    assert torch.equal(states[1:], neg.float()) and torch.equal(pooled[1:], neg_pooled.float())
+    assert not neg.abs().sum() and states[0].abs().sum() > 0
+
+
+def test_time_ids_are_original_crop_target_per_sample():
+    batch = {"input_ids": torch.zeros(2, 77), "original_size": torch.tensor([[300, 200], [64, 64]]),
+             "crop_top_left": torch.tensor([[10, 0], [0, 0]]), "target_size": torch.tensor([[64, 48], [64, 64]])}
+    assert time_ids(batch, 64, 64).tolist() == [[300, 200, 10, 0, 64, 48], [64, 64, 0, 0, 64, 64]]
+    del batch["original_size"]
+    assert time_ids(batch, 64, 64).tolist() == [[64, 64, 0, 0, 64, 64]] * 2
+
+
+@pytest.mark.slow
+def test_sdxl_trains_validates_exports_samples_in_bf16_with_workers(sdxl_pipeline, shapes_shards, tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    cfg = load(train_args(
+        tmp_path, sdxl_pipeline, shapes_shards, name="xl", model__mixed_precision="bf16", system__workers=2,
+        experiment__num_examples_to_see=16, experiment__save_every=2, model__use_ema="true",
+        validation__path=shapes_shards, validation__num_batches=1, experiment__num_eval_images=2,
+        experiment__eval_caption_file=str(prompts), dataset__params__caption_dropout=0.5,
+    ))
+    out = main(cfg)
+    run = tmp_path / "runs" / "xl"
+    assert out["step"] == 4
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
+    assert [r["step"] for r in rows if "val/loss" in r] == [0, 2, 4]
+    assert any(r.get("model_tflops_per_image", 0) > 0 for r in rows)  # MFU is defined for SDXL
+    assert (run / "samples" / "step_00000004.png").is_file()
+    assert len(list((run / "eval" / "step_00000004").glob("*.png"))) == 2
+    for folder in ("current_pipeline", "current_pipeline_ema"):
+        index = json.loads((run / folder / "model_index.json").read_text())
+        assert index["_class_name"] == "StableDiffusionXLPipeline"
+        pipe = StableDiffusionXLPipeline.from_pretrained(run / folder)  # plain diffusers, offline
+        image = pipe("a red circle", height=64, width=64, num_inference_steps=2,
+                     generator=torch.Generator().manual_seed(0)).images[0]
+        assert image.size == (64, 64)
+    # The frozen encoders are exported in fp32 as loaded (the run kept them in bf16).
+    te2 = StableDiffusionXLPipeline.from_pretrained(run / "current_pipeline").text_encoder_2
+    source = StableDiffusionXLPipeline.from_pretrained(sdxl_pipeline).text_encoder_2
+    assert te2.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(te2.state_dict().values(), source.state_dict().values()))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sdxl_fsdp_two_ranks_kill_and_resume_is_bit_identical(tmp_path, sdxl_pipeline, shapes_shards):
+    kw = {"system.batch_size": 2, "distributed.strategy": "fsdp", "system.workers": 1, "model.mixed_precision": "bf16"}
+    finish(launch(tmp_path, args_for(tmp_path, sdxl_pipeline, shapes_shards, "straight", **kw), 2))
+    resumed = args_for(tmp_path, sdxl_pipeline, shapes_shards, "resumed", **kw)
+    run = tmp_path / "runs" / "resumed"
+    kill_after_checkpoint(launch(tmp_path, resumed, 2), run / "checkpoints", 3)
+    first = complete_steps(run / "checkpoints")
+    assert "resumed from" in finish(launch(tmp_path, resumed, 2))
+    a, ta = final_state(tmp_path / "runs" / "straight")
+    b, tb = final_state(run)
+    for name in ("unet", "ema", "optimizer", "lr_scheduler"):
+        assert_same(a[name], b[name], name)
+    assert ta["step"] == tb["step"] == N
+    la, lb = losses(tmp_path / "runs" / "straight"), losses(run)
+    for s in range(max(first) + 1, N + 1):
+        assert la[s] == lb[s], (s, la[s], lb[s])
