@@ -81,6 +81,7 @@ class DistributedConfig:
     static_graph: bool = f(False, "ddp: the graph is the same every step (no unused parameters): lets DDP overlap more")
     grad_reduce_dtype: str = f("fp32", "dtype gradients are reduced in: fp32 | bf16 (half the traffic; ddp: a compression hook, fsdp: reduce_dtype)")
     fsdp_unit: str = f("layer", "fsdp: shard units: layer (each resnet and transformer block) | block (each down/mid/up block)")
+    fsdp_cpu_offload: bool = f(False, "fsdp: keep the weight, gradient, optimizer and EMA shards in pinned CPU memory (CPUOffloadPolicy; the optimizer steps on the CPU): fits larger models in less GPU memory, slower")
     reshard_after_forward: bool = f(True, "fsdp: free the gathered parameters after the forward (less memory; False: no re-gather in backward)")
     flag_sync_every: int = f(10, "optimizer steps between the host checks: the ranks agree on a stop signal or a timed save, the non-finite counters are read (1: every step)")
 
@@ -601,6 +602,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.model.text_encoder.train and cfg.distributed.strategy == "fsdp":
         raise ConfigError("'model.text_encoder.train' is not supported with distributed.strategy=fsdp (use ddp): the "
                           "text encoder is not sharded, and one gradient norm cannot mix sharded and plain gradients")
+    if cfg.distributed.fsdp_cpu_offload and cfg.distributed.strategy != "fsdp":
+        raise ConfigError("'distributed.fsdp_cpu_offload' applies to distributed.strategy=fsdp; set the strategy or remove it")
     if cfg.model.mixed_precision == "fp16" and cfg.distributed.strategy == "fsdp":
         raise ConfigError("'model.mixed_precision=fp16' is not supported with distributed.strategy=fsdp: each rank "
                           "would find fp16 overflows in its own shards and skip steps the others take. Use "

@@ -26,32 +26,6 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
             return module
 
 
-def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = None, for_export: bool = False):
-    """A StableDiffusionPipeline of the run's components with ``unet`` (and ``vae``, when the VAE is trained).
-
-    ``for_export``: the frozen VAE and text encoder in fp32 as loaded from their sources (a bf16 run
-    keeps them in bf16 for speed; an export must not round them)."""
-    from diffusers import StableDiffusionPipeline
-
-    from .text_encoders import text_encoder_for_pipeline
-
-    if vae is None:
-        vae = models.full_precision("vae") if for_export else models.vae
-    text_encoder = unwrap(models.text_encoder)
-    if for_export and not any(p.requires_grad for p in text_encoder.parameters()):
-        text_encoder = models.full_precision("text_encoder")
-    return StableDiffusionPipeline(
-        vae=unwrap(vae),
-        text_encoder=text_encoder_for_pipeline(text_encoder),
-        tokenizer=models.tokenizer,
-        unet=unwrap(unet),
-        scheduler=models.inference_scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-
-
 def export_pipeline(pipe, out: Path) -> Path:
     """Write a complete pipeline to ``out`` atomically: a crash mid-write leaves the previous one intact."""
     out = Path(out)
@@ -65,8 +39,8 @@ def export_pipeline(pipe, out: Path) -> Path:
 
 @contextlib.contextmanager
 def eval_mode(pipe):
-    """The pipeline's UNet and text encoders in eval mode while it samples, their modes restored after."""
-    modules = [m for m in (getattr(pipe, n, None) for n in ("unet", "text_encoder", "text_encoder_2")) if m is not None]
+    """The pipeline's modules in eval mode while it samples, their modes restored after."""
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
     was = [m.training for m in modules]
     for m in modules:
         m.eval()
@@ -85,28 +59,13 @@ def inference_autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def _grid(images: list[Image.Image], cols: int) -> Image.Image:
+def image_grid(images: list[Image.Image], cols: int) -> Image.Image:
     w, h = images[0].size
     rows = (len(images) + cols - 1) // cols
     grid = Image.new("RGB", (cols * w, rows * h), "white")
     for i, im in enumerate(images):
         grid.paste(im, ((i % cols) * w, (i // cols) * h))
     return grid
-
-
-@torch.no_grad()
-def reconstruction_grid(vae, pixels: torch.Tensor) -> Image.Image:
-    """Top row: the images; bottom row: the VAE's reconstructions (posterior mean, decoded)."""
-    was_training = vae.training
-    vae.eval()
-    try:
-        x = pixels.to(vae.dtype)
-        rec = vae.decode(vae.encode(x).latent_dist.mode()).sample
-    finally:
-        vae.train(was_training)
-    to_img = lambda t: Image.fromarray(((t.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy())  # noqa: E731
-    images = [to_img(t) for t in pixels] + [to_img(t) for t in rec]
-    return _grid(images, len(pixels))
 
 
 @torch.no_grad()
@@ -129,7 +88,7 @@ def sample_grid(
                     guidance_scale=guidance, generator=gens,
                 )
             images.extend(out.images)
-    return _grid(images, per_prompt)
+    return image_grid(images, per_prompt)
 
 
 def read_prompts(path: str) -> list[str]:

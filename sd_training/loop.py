@@ -28,6 +28,7 @@ from .export import read_prompts
 from .families.base import SampleSettings
 from .flops import mfu, peak_flops
 from .loading import load_component
+from .memory_plan import as_dicts, format_plan, memory_plan
 from .models import component_sources
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
@@ -168,7 +169,9 @@ class Trainer:
         # Only the trained UNet (and its EMA) is wrapped; the frozen VAE and text encoder never are.
         self.strategy = Strategy(cfg.distributed.strategy, info.is_distributed, self.device, self.autocast_dtype,
                                  cfg.distributed)
-        self.model = self.strategy.wrap(self.family.loss_module, self.ema.shadow if self.ema is not None else None)
+        self._log_memory_plan()
+        self.model = self.strategy.wrap(self.family.loss_module, self.ema.shadow if self.ema is not None else None,
+                                        self.family.shard_units)
         if cfg.model.compile:
             # The compiled wrapper is only called; weights are always read from self.net (no _orig_mod keys).
             self.model = torch.compile(self.model)
@@ -188,7 +191,7 @@ class Trainer:
             self.encoder_models = {name: torch.nn.parallel.DistributedDataParallel(m, device_ids=ids)
                                    for name, m in self.encoders.items()}
         self.family.use_wrapped_encoders(self.encoder_models)
-        self.optimizer = build_optimizer(groups, o, self.device, self.peak_lr)
+        self.optimizer = build_optimizer(groups, o, self.strategy.optimizer_device, self.peak_lr)
         # A fused optimizer takes the non-finite flag as a device tensor: no host sync per step.
         self.device_side_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False)) and any(
             g.get("fused") for g in self.optimizer.param_groups)
@@ -223,6 +226,20 @@ class Trainer:
                 cfg, self.run_dir.root, self.run_dir.metrics, self.state.wandb_id, public_dict(cfg)
             )
             self.state.wandb_id = self.trackers.wandb_id
+
+    def _log_memory_plan(self) -> None:
+        """Per-GPU bytes of the trained and frozen modules under each strategy, before the first step."""
+        cfg = self.cfg
+        rows = memory_plan(
+            self.net, self.family.frozen_modules(), cfg.optimizer.name, self.info.world_size, self.ema is not None,
+            cfg.model.ema.device == "cpu", 2 if self.autocast_dtype is not None else 4, self.family.shard_units,
+            cfg.distributed.fsdp_unit, replicated=self.family.trained_encoders().values(),
+        )
+        if self.info.is_main:
+            log.info("%s", format_plan(rows, self.strategy.plan_name, self.info.world_size))
+            (self.run_dir.root / "memory_plan.json").write_text(json.dumps(
+                {"strategy": self.strategy.plan_name, "world_size": self.info.world_size, "rows": as_dicts(rows)},
+                indent=1) + "\n")
 
     def _init_from(self, src: str) -> None:
         """Stage 2: the trained module's weights from another run (dir or checkpoint) or an exported pipeline."""
@@ -446,8 +463,9 @@ class Trainer:
         if self.ema is not None:
             # After a skipped step the weights are unchanged: the EMA moves towards the last good weights.
             self.ema.update(self.net, self.state.step + 1)
-        self.nonfinite_total = self.nonfinite_total + bad.long()
-        self.nonfinite_streak = (self.nonfinite_streak + 1) * bad.long()
+        bad = bad.long().to(self.nonfinite_total.device, non_blocking=True)  # CPU under FSDP offload
+        self.nonfinite_total = self.nonfinite_total + bad
+        self.nonfinite_streak = (self.nonfinite_streak + 1) * bad
         return grad_norm
 
     def _loop(self, stop: StopFlag) -> dict:
@@ -484,8 +502,7 @@ class Trainer:
                 batch = next(data_iter)
                 window.data_time += time.perf_counter() - t_data
                 out = self._micro_step(batch, sync=(micro == accum - 1))
-                window.add_loss(out.loss.detach(), out.per_sample, out.timesteps,
-                                self.models.noise_scheduler.config.num_train_timesteps)
+                window.add_loss(out.loss.detach(), out.per_sample, out.timesteps, self.family.num_timesteps)
                 if out.parts:
                     window.add_parts(out.parts)
             grad_norm = self._optimizer_step()
@@ -585,7 +602,7 @@ class Trainer:
         n_images = w.steps * self.plan.global_batch
         metrics = {"loss": loss, **self._side_times}
         self._side_times.clear()
-        if self.family.timestep_quartiles:
+        if self.family.num_timesteps is not None:
             q = distributed.all_reduce_mean(w.q_sum / w.q_count.clamp(min=1)).tolist()
             metrics.update({f"loss_q{i}": q[i] for i in range(4)})
         for k, v in w.parts.items():  # this rank's mean (the total loss above is the all-rank one)
@@ -679,7 +696,7 @@ class Trainer:
     def _sample_settings(self) -> SampleSettings:
         cfg = self.cfg.experiment
         return SampleSettings(list(cfg.sample_prompts or []), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
-                              cfg.sample_guidance_scale, self._sample_resolution(), self._sample_dtype())
+                              cfg.sample_guidance_scale, self._sample_resolution(), self.family.sample_dtype(self.autocast_dtype))
 
     def _write_samples(self, net, suffix: str = "") -> None:
         if next(net.parameters()).device != self.device:  # an EMA kept on the CPU (model.ema.device=cpu)
@@ -693,18 +710,10 @@ class Trainer:
         grid.save(path)
         self.trackers.log_image(f"{self.family.samples_tag}{suffix}", path, self.state.step)
 
-    def _sample_dtype(self) -> torch.dtype | None:
-        """Samples and eval images run under autocast in the training precision, or in the frozen VAE's
-        dtype when only the VAE is stored in half precision (model.vae.dtype=bf16 with fp32 training)."""
-        if self.autocast_dtype is not None:
-            return self.autocast_dtype
-        vae_dtype = self.models.vae.dtype
-        return vae_dtype if vae_dtype != torch.float32 else None
-
     def _sample_resolution(self) -> int:
         return self.cfg.experiment.sample_resolution or self.cfg.dataset.params.resolution
 
-    def _write_eval_images(self, unet) -> None:
+    def _write_eval_images(self, net) -> None:
         """``num_eval_images`` images from the eval prompts, split across ranks (collective)."""
         cfg = self.cfg.experiment
         if cfg.num_eval_images < 1:
@@ -712,7 +721,7 @@ class Trainer:
         out = self.run_dir.root / "eval" / f"step_{self.state.step:08d}"
         settings = self._sample_settings()._replace(prompts=read_prompts(cfg.eval_caption_file))
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self.family.eval_images(unet, settings, cfg.num_eval_images, out, self.info.rank, self.info.world_size)
+            self.family.eval_images(net, settings, cfg.num_eval_images, out, self.info.rank, self.info.world_size)
         distributed.barrier()
         self._score_eval_images(out)
 

@@ -1,7 +1,8 @@
-"""Data-parallel strategies for the trained UNet: DDP (replicated) or FSDP2 (``fully_shard`` per block).
+"""Data-parallel strategies for the trained module: DDP (replicated) or FSDP2 (``fully_shard`` per unit
+the model family names).
 
-Only the UNet (and its EMA copy) is ever wrapped; the frozen VAE and text encoder stay plain modules.
-The strategy also owns how the UNet's state is saved and gathered:
+Only the trained module (and its EMA copy) is ever wrapped; frozen components stay plain modules.
+The strategy also owns how the trained module's state is saved and gathered:
 
 - ``ddp``: every rank holds the full weights; rank 0 writes them (``shared`` state in the checkpoint).
 - ``fsdp``: each rank holds a shard; all ranks write their shards with torch.distributed.checkpoint
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,28 +27,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def unet_blocks(unet: torch.nn.Module) -> list[torch.nn.Module]:
-    """The units FSDP shards separately: each down/up block and the mid block (diffusers layout)."""
-    blocks = []
-    for name in ("down_blocks", "up_blocks"):
-        blocks.extend(getattr(unet, name, []) or [])
-    if getattr(unet, "mid_block", None) is not None:
-        blocks.append(unet.mid_block)
-    return blocks
-
-
-def fsdp_units(unet: torch.nn.Module, level: str) -> list[torch.nn.Module]:
-    """The modules FSDP2 shards separately, innermost first. ``block``: each down/mid/up block (an SD UNet's
-    largest is about 30% of the weights, all gathered at once). ``layer``: each resnet and transformer
-    block inside them too (the blocks keep only their up/downsamplers), so at most one layer's weights
-    are gathered beyond the shards, and the next layer's all-gather overlaps this one's compute."""
-    units = []
-    for block in unet_blocks(unet):
-        if level == "layer":
-            for name in ("resnets", "attentions"):
-                units.extend(getattr(block, name, None) or [])
-        units.append(block)
-    return units
+NET_KEY = "unet"  # the trained module's entry in a sharded checkpoint
 
 
 class Strategy:
@@ -62,9 +43,25 @@ class Strategy:
     def sharded(self) -> bool:
         return self.name == "fsdp"
 
-    def wrap(self, unet: torch.nn.Module, ema_shadow: torch.nn.Module | None) -> torch.nn.Module:
-        """Returns the module to call in the forward pass."""
-        self.module_cls = type(unet)  # FSDP2 swaps the class of a module it shards
+    @property
+    def cpu_offload(self) -> bool:
+        return self.sharded and self.cfg is not None and bool(self.cfg.fsdp_cpu_offload)
+
+    @property
+    def plan_name(self) -> str:
+        """The strategy's row in the memory plan (one process counts as ddp: the full state on one GPU)."""
+        return "fsdp_offload" if self.cpu_offload else ("fsdp" if self.sharded else "ddp")
+
+    @property
+    def optimizer_device(self) -> torch.device:
+        """Where the optimizer's state and step live: the CPU when FSDP offloads the shards there."""
+        return torch.device("cpu") if self.cpu_offload else self.device
+
+    def wrap(self, net: torch.nn.Module, ema_shadow: torch.nn.Module | None,
+             shard_units: Callable[[torch.nn.Module, str], list[torch.nn.Module]] | None = None) -> torch.nn.Module:
+        """Returns the module to call in the forward pass. ``shard_units(module, distributed.fsdp_unit)``:
+        the submodules FSDP2 shards separately, innermost first (the model family knows its layout)."""
+        self.module_cls = type(net)  # FSDP2 swaps the class of a module it shards
         c = self.cfg
         bf16_reduce = c is not None and c.grad_reduce_dtype == "bf16"
         if self.name == "ddp":
@@ -72,7 +69,7 @@ class Strategy:
             # Gradients live in the all-reduce buckets (no second copy); the bucket size and static graph
             # are the user's (distributed.bucket_cap_mb, distributed.static_graph).
             ddp = torch.nn.parallel.DistributedDataParallel(
-                unet, device_ids=ids, gradient_as_bucket_view=True,
+                net, device_ids=ids, gradient_as_bucket_view=True,
                 bucket_cap_mb=c.bucket_cap_mb if c is not None else 25.0,
                 static_graph=bool(c is not None and c.static_graph),
             )
@@ -82,19 +79,21 @@ class Strategy:
                 ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
             return ddp
         if self.name == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
             # Parameters are gathered in the compute dtype; gradients reduced in fp32 (or bf16).
             mp = MixedPrecisionPolicy(param_dtype=self.param_dtype,
                                       reduce_dtype=torch.bfloat16 if bf16_reduce else torch.float32)
-            reshard = bool(c.reshard_after_forward) if c is not None else True
+            kw = dict(mp_policy=mp, reshard_after_forward=bool(c.reshard_after_forward) if c is not None else True)
+            if self.cpu_offload:  # shards in pinned CPU memory, each unit copied in for its compute
+                kw["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
             level = c.fsdp_unit if c is not None else "layer"
-            for module in [unet] + ([ema_shadow] if ema_shadow is not None else []):
-                for unit in fsdp_units(module, level):
-                    fully_shard(unit, mp_policy=mp, reshard_after_forward=reshard)
-                fully_shard(module, mp_policy=mp, reshard_after_forward=reshard)
-            return unet
-        return unet
+            for module in [net] + ([ema_shadow] if ema_shadow is not None else []):
+                for unit in (shard_units(module, level) if shard_units is not None else []):
+                    fully_shard(unit, **kw)
+                fully_shard(module, **kw)
+            return net
+        return net
 
     def sync_context(self, model: torch.nn.Module, sync: bool):
         """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation."""
@@ -105,12 +104,13 @@ class Strategy:
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state
-    def sharded_state(self, unet, optimizer, ema_shadow) -> dict:
-        """FSDP: the sharded state DCP writes (collective)."""
+    def sharded_state(self, net, optimizer, ema_shadow) -> dict:
+        """FSDP: the sharded state DCP writes (collective). The trained module's key stays "unet", as
+        in checkpoints written before model families (they resume)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(unet, optimizer)
-        state = {"unet": model_sd, "optimizer": optim_sd}
+        model_sd, optim_sd = get_state_dict(net, optimizer)
+        state = {NET_KEY: model_sd, "optimizer": optim_sd}
         if ema_shadow is not None:
             state["ema"] = get_model_state_dict(ema_shadow)
         return state
@@ -120,13 +120,13 @@ class Strategy:
 
         dcp.save(state, checkpoint_id=str(folder))
 
-    def load_sharded(self, folder: Path, unet, optimizer, ema_shadow) -> None:
+    def load_sharded(self, folder: Path, net, optimizer, ema_shadow) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        state = self.sharded_state(unet, optimizer, ema_shadow)  # the layout to load into
+        state = self.sharded_state(net, optimizer, ema_shadow)  # the layout to load into
         dcp.load(state, checkpoint_id=str(folder))
-        set_state_dict(unet, optimizer, model_state_dict=state["unet"], optim_state_dict=state["optimizer"])
+        set_state_dict(net, optimizer, model_state_dict=state[NET_KEY], optim_state_dict=state["optimizer"])
         if ema_shadow is not None:
             set_model_state_dict(ema_shadow, state["ema"])
 

@@ -28,12 +28,17 @@ def main(out: str, argv: list[str]) -> None:
         accum, b = cfg.system.gradient_accumulation, cfg.system.batch_size
         assert b * accum * info.world_size == GLOBAL_BATCH, "the config must split the global batch exactly"
         g = torch.Generator().manual_seed(1234)
-        ids = t.models.tokenizer(
-            [f"a {c} shape number {i}" for i, c in enumerate(["red", "green", "blue", "black"] * 2)],
-            padding="max_length", max_length=t.models.tokenizer.model_max_length, truncation=True, return_tensors="pt",
-        ).input_ids
+        captions = [f"a {c} shape number {i}" for i, c in enumerate(["red", "green", "blue", "black"] * 2)]
+        ids = t.models.tokenizer(captions, padding="max_length", max_length=t.models.tokenizer.model_max_length,
+                                 truncation=True, return_tensors="pt").input_ids
+        extra = {}
+        if t.models.tokenizer_2 is not None:  # SDXL: the second tokenizer's ids (sizes: the trained resolution)
+            tok = t.models.tokenizer_2
+            extra["input_ids_2"] = tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True,
+                                       return_tensors="pt").input_ids
         for _ in range(STEPS):
             full = {
+                **extra,
                 "latents": torch.randn(GLOBAL_BATCH, 4, 8, 8, generator=g),
                 "input_ids": ids,
                 "noise": torch.randn(GLOBAL_BATCH, 4, 8, 8, generator=g),

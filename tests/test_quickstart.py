@@ -96,6 +96,7 @@ def quickstart_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the fixture trains the whole quickstart (~2 min idle; 15+ min on a loaded machine)
 def test_quickstart_samples_take_their_colours_from_their_prompts(quickstart_run):
     from diffusers import StableDiffusionPipeline
 
@@ -122,6 +123,7 @@ def test_quickstart_samples_take_their_colours_from_their_prompts(quickstart_run
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # may be the first to need the quickstart fixture (test selection)
 def test_an_untrained_unet_fails_the_same_bar(quickstart_run):
     """The bar above means something: the same pipeline with the UNet and text encoder untrained (the
     quickstart's step-0 weights) does not draw the prompts' colours."""

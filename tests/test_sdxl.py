@@ -121,6 +121,16 @@ def test_sdxl_fsdp_two_ranks_kill_and_resume_is_bit_identical(tmp_path, sdxl_pip
     for name in ("unet", "ema", "optimizer", "lr_scheduler"):
         assert_same(a[name], b[name], name)
     assert ta["step"] == tb["step"] == N
+    # The memory plan at start-up: this run's strategy, each rank holding half of the trained state.
+    plan = json.loads((run / "memory_plan.json").read_text())
+    rows = {r["strategy"]: r for r in plan["rows"]}
+    assert plan["strategy"] == "fsdp" and plan["world_size"] == 2
+    n_params = sum(v.numel() for v in a["unet"].values())
+    assert rows["ddp"]["weights"] * 2**30 == n_params * 4
+    for key in ("weights", "gradients", "optimizer", "ema"):
+        assert rows["fsdp"][key] == rows["ddp"][key] / 2 and rows["fsdp_offload"][key] == 0
+    assert rows["ddp"]["optimizer"] == 2 * rows["ddp"]["weights"]  # AdamW: two fp32 moments
+    assert 0 < rows["fsdp"]["gathered"] < rows["ddp"]["weights"] and rows["ddp"]["frozen"] > 0
     la, lb = losses(tmp_path / "runs" / "straight"), losses(run)
     for s in range(max(first) + 1, N + 1):
         assert la[s] == lb[s], (s, la[s], lb[s])

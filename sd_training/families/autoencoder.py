@@ -17,11 +17,26 @@ from PIL import Image
 from ..config import TrainConfig
 from ..data import build_train_loader
 from ..data.transforms import unit_range
-from ..export import reconstruction_grid
+from ..export import image_grid
 from ..vae_objective import measure_scaling_factor, vae_loss, validate_vae_stage
 from .base import Family, LossOut, SampleSettings
 
 log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def reconstruction_grid(vae, pixels: torch.Tensor) -> Image.Image:
+    """Top row: the images; bottom row: the VAE's reconstructions (posterior mean, decoded)."""
+    was_training = vae.training
+    vae.eval()
+    try:
+        x = pixels.to(vae.dtype)
+        rec = vae.decode(vae.encode(x).latent_dist.mode()).sample
+    finally:
+        vae.train(was_training)
+    to_img = lambda t: Image.fromarray(((t.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy())  # noqa: E731
+    images = [to_img(t) for t in pixels] + [to_img(t) for t in rec]
+    return image_grid(images, len(pixels))
 
 
 class VAELossModule(torch.nn.Module):
@@ -41,7 +56,6 @@ class Autoencoder(Family):
     net_name = "vae"
     samples_tag = "reconstructions"
     makes_eval_images = False
-    timestep_quartiles = False
     metric_prefix = "vae/"
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool, pipeline_family: type[Family]):
@@ -61,6 +75,10 @@ class Autoencoder(Family):
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
         validate_vae_stage(cfg)
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        m = self.models
+        return [x for x in (m.unet, m.text_encoder, m.text_encoder_2) if x is not None]
 
     def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
         pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))

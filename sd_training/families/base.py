@@ -46,8 +46,9 @@ class Family:
     net_name = "unet"  # the trained module's name in checkpoints, init_from and logs
     samples_tag = "samples"  # wandb key of the sample grid
     makes_eval_images = True  # experiment.num_eval_images applies
-    timestep_quartiles = True  # the loss is logged per timestep quartile
     metric_prefix = ""  # prefix of the named loss terms in the logs
+    # FSDP2: (module, distributed.fsdp_unit) -> the submodules sharded separately, innermost first
+    shard_units = None
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         self.cfg, self.device, self.seed, self.is_main = cfg, device, seed, is_main
@@ -55,6 +56,15 @@ class Family:
         self.net: torch.nn.Module | None = None  # the trained module (bare: no DDP / FSDP / compile wrapper)
         self.loss_module: torch.nn.Module | None = None  # what the strategy wraps and the loss calls
         self._encoders: dict[str, torch.nn.Module] = {}  # trained encoders as the loss calls them (maybe DDP)
+
+    @property
+    def num_timesteps(self) -> int | None:
+        """The training scheduler's timesteps (the loss is logged per quartile); None: no timesteps."""
+        return None
+
+    def sample_dtype(self, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
+        """The autocast dtype samples and eval images run in (None: fp32)."""
+        return autocast_dtype
 
     # -- config -----------------------------------------------------------------------------------
     @classmethod
@@ -65,6 +75,10 @@ class Family:
     def trained_encoders(self) -> dict[str, torch.nn.Module]:
         """Modules trained with the net (a text encoder), by checkpoint name; {} when frozen."""
         return {}
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """The components that do not train (on the device for the whole run): for the memory plan."""
+        return []
 
     def use_wrapped_encoders(self, wrapped: dict[str, torch.nn.Module]) -> None:
         """The trainer's (DDP-)wrapped copies of :meth:`trained_encoders`, for the training forward."""

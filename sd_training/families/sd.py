@@ -16,11 +16,11 @@ from PIL import Image
 from ..config import TrainConfig
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
-from ..export import eval_mode, export_pipeline, inference_autocast, make_pipeline, sample_grid, unwrap
+from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
 from ..flops import StepFlops, count_step_flops
 from ..models import build_models
 from ..objective import configure_schedulers, diffusion_loss, encode_images, encode_text
-from ..text_encoders import text_encoder_param_groups
+from ..text_encoders import text_encoder_for_pipeline, text_encoder_param_groups
 from .base import Family, LossOut, SampleSettings
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,54 @@ LATENT_TYPES = ("latents", "latent")
 
 def is_latent_data(cfg: TrainConfig) -> bool:
     return cfg.dataset.type.lower() in LATENT_TYPES
+
+
+def diffusers_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """Each down/up block and the mid block of a diffusers UNet (or autoencoder half)."""
+    blocks = []
+    for name in ("down_blocks", "up_blocks"):
+        blocks.extend(getattr(net, name, []) or [])
+    if getattr(net, "mid_block", None) is not None:
+        blocks.append(net.mid_block)
+    return blocks
+
+
+def shard_units(net: torch.nn.Module, level: str) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards separately, innermost first. ``block``: each down/mid/up block (an SD UNet's
+    largest is about 30% of the weights, all gathered at once). ``layer``: each resnet and transformer
+    block inside them too (the blocks keep only their up/downsamplers), so at most one layer's weights
+    are gathered beyond the shards, and the next layer's all-gather overlaps this one's compute."""
+    units = []
+    for block in diffusers_blocks(net):
+        if level == "layer":
+            for name in ("resnets", "attentions"):
+                units.extend(getattr(block, name, None) or [])
+        units.append(block)
+    return units
+
+
+def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = None, for_export: bool = False):
+    """A StableDiffusionPipeline of the run's components with ``unet`` (and ``vae``, when the VAE is trained).
+
+    ``for_export``: the frozen VAE and text encoder in fp32 as loaded from their sources (a bf16 run
+    keeps them in bf16 for speed; an export must not round them)."""
+    from diffusers import StableDiffusionPipeline
+
+    if vae is None:
+        vae = models.full_precision("vae") if for_export else models.vae
+    text_encoder = unwrap(models.text_encoder)
+    if for_export and not any(p.requires_grad for p in text_encoder.parameters()):
+        text_encoder = models.full_precision("text_encoder")
+    return StableDiffusionPipeline(
+        vae=unwrap(vae),
+        text_encoder=text_encoder_for_pipeline(text_encoder),
+        tokenizer=models.tokenizer,
+        unet=unwrap(unet),
+        scheduler=models.inference_scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
 
 
 class StableDiffusion(Family):
@@ -51,6 +99,19 @@ class StableDiffusion(Family):
     def build_models(self):
         return build_models(self.cfg.model, self.device, seed=self.seed)
 
+    shard_units = staticmethod(shard_units)
+
+    @property
+    def num_timesteps(self) -> int:
+        return int(self.models.noise_scheduler.config.num_train_timesteps)
+
+    def sample_dtype(self, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
+        """Samples and eval images run under autocast in the training precision, or in the frozen VAE's
+        dtype when only the VAE is stored in half precision (model.vae.dtype=bf16 with fp32 training)."""
+        if autocast_dtype is not None:
+            return autocast_dtype
+        return self.models.vae.dtype if self.models.vae.dtype != torch.float32 else None
+
     @property
     def tokenizers(self):
         """What the data loader tokenizes captions with."""
@@ -59,6 +120,11 @@ class StableDiffusion(Family):
     # -- what trains besides the UNet -------------------------------------------------------------
     def trained_encoders(self) -> dict[str, torch.nn.Module]:
         return {"text_encoder": self.models.text_encoder} if self.cfg.model.text_encoder.train else {}
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        m = self.models
+        mods = [m.vae] + [e for e in (m.text_encoder, m.text_encoder_2) if e is not None]
+        return [x for x in mods if not any(p.requires_grad for p in x.parameters())]
 
     def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
         o = self.cfg.optimizer
