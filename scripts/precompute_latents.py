@@ -3,7 +3,8 @@
 with ``dataset.type=latents`` (no VAE encode, optionally no text encoder, in the training loop).
 
     python scripts/precompute_latents.py --input "shards/{00000..00009}.tar" --pipeline PIPE_DIR --output OUT_DIR
-        [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings [--clip-skip N] [--max-length 77]] [--resolution 256]
+        [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings [--clip-skip N] [--max-length 77]
+        [--family auto|sd|sdxl]] [--resolution 256]
         [--batch-size 32] [--workers 4] [--device auto|cpu|cuda] [--vae-dtype fp32|bf16] [--seed 0] [--no-progress]
     torchrun --nproc_per_node 8 scripts/precompute_latents.py ...       (the shards are split across ranks)
 
@@ -17,8 +18,9 @@ Output (format: ``sd_training/data/latents.py``): one tar per input shard with t
 std, the default, so training can draw a fresh posterior sample every epoch or use the mean;
 ``sample``: [C, h, w], one sample drawn here, half the bytes), ``KEY.txt``, ``KEY.json`` (the original
 metadata + ``latent_scaling_factor``, ``latent_store``), ``KEY.cls`` when present, and with
-``--text-embeddings`` ``KEY.text.npy`` (the text encoder's last hidden state [77, D]) plus
-``OUT_DIR/empty.text.npy`` (the empty caption's, substituted on caption dropout). ``OUT_DIR/latents_info.json``
+``--text-embeddings`` ``KEY.text.npy`` (the text encoder's last hidden state [77, D]; SDXL: both
+encoders' penultimate states [77, D1 + D2] and ``KEY.pooled.npy``) plus ``OUT_DIR/empty.text.npy``
+(the empty caption's, substituted on caption dropout; SDXL: zeros, and ``empty.pooled.npy``). ``OUT_DIR/latents_info.json``
 records the settings, the scaling factor and the counts; ``OUT_DIR/sizes.json`` the samples per shard.
 
 Distribution and resume: shard ``i`` (in brace order) belongs to rank ``i % WORLD_SIZE`` (torchrun or
@@ -49,6 +51,7 @@ import numpy as np
 import torch
 
 log = logging.getLogger("precompute_latents")
+from sd_training.data.samples import SIZE_FIELDS  # noqa: E402  (the image path's size conditioning fields)
 
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
 VAE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -63,6 +66,9 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--store", default="mean_std", choices=("mean_std", "sample"), help="posterior mean and std (default) or one sample")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="storage dtype of latents and text embeddings")
     p.add_argument("--text-embeddings", action="store_true", help="also store the text encoder's outputs of each caption")
+    p.add_argument("--family", default="auto", choices=("auto", "sd", "sdxl"),
+                   help="with --text-embeddings: what the embeddings are (auto: the pipeline's model_index.json; "
+                        "sdxl stores both encoders' states and the pooled embedding)")
     p.add_argument("--clip-skip", type=int, default=0, help="with --text-embeddings: layers counted back from the last (0/1: last, 2: penultimate)")
     p.add_argument("--max-length", type=int, default=None, help="with --text-embeddings: tokens per caption (default: the tokenizer's, 77)")
     p.add_argument("--resolution", type=int, default=256, help="pixels: short side resized then center-cropped to this square")
@@ -75,8 +81,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resolution < 8 or args.resolution % 8:
         p.error(f"--resolution {args.resolution} must be a multiple of 8 (VAE downsampling)")
-    if (args.clip_skip or args.max_length) and not args.text_embeddings:
-        p.error("--clip-skip and --max-length apply to --text-embeddings only")
+    if (args.clip_skip or args.max_length or args.family != "auto") and not args.text_embeddings:
+        p.error("--clip-skip, --max-length and --family apply to --text-embeddings only")
     if args.batch_size < 1 or args.workers < 0:
         p.error("--batch-size must be >= 1 and --workers >= 0")
     return args
@@ -87,8 +93,41 @@ def parse(argv: List[str]) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------
 
 
+class CaptionEncoder:
+    """Captions -> (hidden states [B, L, D], pooled [B, P] or None), float32 numpy, as training computes them.
+
+    SD: the text encoder's last hidden state (clip skip applied). SDXL: both encoders' penultimate states
+    concatenated and the second's pooled embedding, zeros for an empty caption (``families.sdxl``)."""
+
+    def __init__(self, family: str, tokenizers: list, encoders: list):
+        self.family, self.tokenizers, self.encoders = family, tokenizers, encoders
+
+    @torch.no_grad()
+    def __call__(self, captions: List[str]) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        from sd_training.families.sdxl import encode_prompts
+        from sd_training.objective import encode_text
+
+        device = next(self.encoders[0].parameters()).device
+        ids = [tok(captions, padding="max_length", truncation=True, max_length=tok.model_max_length,
+                   return_tensors="pt").input_ids.to(device) for tok in self.tokenizers]
+        if self.family == "sdxl":
+            states, pooled = encode_prompts(*self.encoders, *ids, int(self.tokenizers[0].eos_token_id))
+            return states.cpu().numpy(), pooled.cpu().numpy()
+        return encode_text(self.encoders[0], ids[0]).cpu().numpy(), None
+
+
+def pipeline_family(args) -> str:
+    """sd | sdxl: ``--family``, else the pipeline's model_index.json (a vae folder alone: sd)."""
+    if args.family != "auto":
+        return args.family
+    index = Path(args.pipeline) / "model_index.json"
+    if index.is_file() and json.loads(index.read_text()).get("_class_name") == "StableDiffusionXLPipeline":
+        return "sdxl"
+    return "sd"
+
+
 def load_models(args, device: torch.device):
-    """The VAE (and text encoder + tokenizer), frozen, and a fingerprint of the VAE's weights."""
+    """The VAE (and the caption encoder), frozen, and a fingerprint of the VAE's weights."""
     from diffusers import AutoencoderKL
 
     from sd_training.loading import load_component
@@ -100,15 +139,20 @@ def load_models(args, device: torch.device):
         fingerprint.update(name.encode())
         fingerprint.update(tensor.detach().float().contiguous().numpy().tobytes())
     vae = vae.to(device).eval().requires_grad_(False)
-    tokenizer = text_encoder = None
+    encoder = None
     if args.text_embeddings:
-        from transformers import CLIPTextModel, CLIPTokenizer
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
         from sd_training.text_encoders import apply_clip_skip
 
+        family = pipeline_family(args)
         tokenizer = load_component(CLIPTokenizer.from_pretrained, args.pipeline, "tokenizer", "--pipeline (tokenizer/)")
         text_encoder = load_component(CLIPTextModel.from_pretrained, args.pipeline, "text_encoder", "--pipeline (text_encoder/)")
-        apply_clip_skip(text_encoder, args.clip_skip)
+        if family == "sd":
+            apply_clip_skip(text_encoder, args.clip_skip)
+        elif args.clip_skip or args.max_length:
+            raise SystemExit("precompute_latents: SDXL conditions on both encoders' penultimate layers at 77 tokens: "
+                             "--clip-skip and --max-length do not apply")
         # As the training's text encoder (model.text_encoder.clip_skip / max_length) would see the caption.
         limit = text_encoder.config.max_position_embeddings
         if args.max_length is not None:
@@ -117,8 +161,14 @@ def load_models(args, device: torch.device):
             tokenizer.model_max_length = args.max_length
         elif tokenizer.model_max_length > limit:  # a tokenizer saved without it reports a huge sentinel
             tokenizer.model_max_length = limit
-        text_encoder = text_encoder.to(device).eval().requires_grad_(False)
-    return vae, fingerprint.hexdigest(), tokenizer, text_encoder
+        tokenizers, encoders = [tokenizer], [text_encoder]
+        if family == "sdxl":
+            tokenizers.append(load_component(CLIPTokenizer.from_pretrained, args.pipeline, "tokenizer_2",
+                                             "--pipeline (tokenizer_2/)"))
+            encoders.append(load_component(CLIPTextModelWithProjection.from_pretrained, args.pipeline, "text_encoder_2",
+                                           "--pipeline (text_encoder_2/)"))
+        encoder = CaptionEncoder(family, tokenizers, [e.to(device).eval().requires_grad_(False) for e in encoders])
+    return vae, fingerprint.hexdigest(), encoder
 
 
 @torch.no_grad()
@@ -129,17 +179,6 @@ def encode_images(vae, pixels: torch.Tensor, scale: float) -> Tuple[torch.Tensor
     param = next(vae.parameters())
     dist = vae.encode(unit_range(pixels.to(param.device)).to(param.dtype)).latent_dist
     return (dist.mean.float() * scale).cpu(), (dist.std.float() * scale).cpu()
-
-
-@torch.no_grad()
-def encode_captions(tokenizer, text_encoder, captions: List[str]) -> np.ndarray:
-    """The text encoder's last hidden state [B, L, D] (float32), tokenized as the training loader does."""
-    from sd_training.objective import encode_text
-
-    ids = tokenizer(captions, padding="max_length", truncation=True, max_length=tokenizer.model_max_length,
-                    return_tensors="pt").input_ids
-    device = next(text_encoder.parameters()).device
-    return encode_text(text_encoder, ids.to(device)).cpu().numpy()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +241,7 @@ class ShardSamples(torch.utils.data.IterableDataset):
                     cls = raw.get("cls")
                     yield ("sample", name, {"key": out["key"], "caption": out["caption"], "meta": meta,
                                             "cls": bytes(cls) if isinstance(cls, (bytes, bytearray)) else cls,
-                                            "pixels": out["pixels"]})
+                                            "pixels": out["pixels"], **{k: out[k] for k in SIZE_FIELDS}})
             except ShardError as exn:
                 error = str(exn)
             yield ("end", name, {"counts": dict(stats.counts), "error": error})
@@ -236,7 +275,7 @@ class ShardWriter:
         from sd_training.data.stats import Stats
 
         self.out, self.name, self.args, self.scale = out, name, args, scale
-        self.vae, self.tokenizer, self.text_encoder = models
+        self.vae, self.encoder = models
         self.tmp = out / f"{name}.tmp"
         self.tar = tarfile.open(self.tmp, "w")
         self.pending: List[Dict[str, Any]] = []
@@ -259,7 +298,7 @@ class ShardWriter:
             return 0
         dtype = DTYPES[self.args.dtype]
         mean, std = encode_images(self.vae, to_pixel_values(np.stack([s["pixels"] for s in batch])), self.scale)
-        texts = encode_captions(self.tokenizer, self.text_encoder, [s["caption"] for s in batch]) if self.text_encoder else None
+        texts, pooled = self.encoder([s["caption"] for s in batch]) if self.encoder else (None, None)
         n = 0
         for i, s in enumerate(batch):
             index, self.encoded = self.encoded, self.encoded + 1
@@ -273,12 +312,15 @@ class ShardWriter:
                 self.stats.skip("latents_nonfinite", f"{self.name} sample {s['key']!r}: non-finite latents in {self.args.dtype}")
                 continue
             text = texts[i].astype(dtype) if texts is not None else None
-            if text is not None and not np.isfinite(text).all():
+            pool = pooled[i].astype(dtype) if pooled is not None else None
+            if text is not None and not (np.isfinite(text).all() and (pool is None or np.isfinite(pool).all())):
                 self.stats.skip("text_nonfinite", f"{self.name} sample {s['key']!r}: non-finite text embedding in {self.args.dtype}")
                 continue
             key = s["key"]
             meta = dict(s["meta"])
-            meta.update(latent_scaling_factor=self.scale, latent_store=self.args.store)
+            # SDXL's micro-conditioning of this crop: (h, w) of the source, (y, x) of the crop, (h, w) out.
+            meta.update(latent_scaling_factor=self.scale, latent_store=self.args.store,
+                        **{k: list(s[k]) for k in SIZE_FIELDS})
             _add(self.tar, f"{key}.latents.npy", npy_bytes(arr), self.mtime)
             _add(self.tar, f"{key}.txt", s["caption"].encode("utf-8"), self.mtime)
             _add(self.tar, f"{key}.json", json.dumps(meta).encode("utf-8"), self.mtime)
@@ -286,6 +328,8 @@ class ShardWriter:
                 _add(self.tar, f"{key}.cls", s["cls"] if isinstance(s["cls"], bytes) else str(s["cls"]).encode(), self.mtime)
             if texts is not None:
                 _add(self.tar, f"{key}.text.npy", npy_bytes(text), self.mtime)
+            if pool is not None:
+                _add(self.tar, f"{key}.pooled.npy", npy_bytes(pool), self.mtime)
             self.written += 1
             n += 1
         return n
@@ -313,7 +357,7 @@ class ShardWriter:
 PROVENANCE = ("input", "vae_source", "text_encoder_source", "batch_size", "workers", "device")
 
 
-def make_info(args, vae, fingerprint: str, names: List[str], text_shape) -> Dict[str, Any]:
+def make_info(args, vae, fingerprint: str, names: List[str], text_shape, pooled_shape=None) -> Dict[str, Any]:
     from sd_training.data.latents import EMPTY_TEXT_FILE, FORMAT, FORMAT_VERSION
 
     cfg = vae.config
@@ -336,6 +380,9 @@ def make_info(args, vae, fingerprint: str, names: List[str], text_shape) -> Dict
         "seed": args.seed if args.store == "sample" else None,
         "text_embeddings": bool(args.text_embeddings),
         "text_shape": list(text_shape) if text_shape else None,
+        "pooled_shape": list(pooled_shape) if pooled_shape else None,
+        # None for SD (folders written before SDXL support resume unchanged)
+        "text_family": "sdxl" if args.text_embeddings and pipeline_family(args) == "sdxl" else None,
         "clip_skip": args.clip_skip if args.text_embeddings else None,
         "empty_text_file": EMPTY_TEXT_FILE if args.text_embeddings else None,
         "shards": names,
@@ -395,7 +442,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse(sys.argv[1:] if argv is None else argv)
     from tqdm import tqdm
 
-    from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
+    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
     from sd_training.data.sources import build_sources
     from sd_training.distributed import pick_device, probe_env
 
@@ -410,18 +457,22 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         dup = next(n for n in names if names.count(n) > 1)
         raise SystemExit(f"precompute_latents: two input shards would both be written as {dup}; give the sources distinct names")
 
-    vae, fingerprint, tokenizer, text_encoder = load_models(args, device)
+    vae, fingerprint, encoder = load_models(args, device)
     scale = float(vae.config.scaling_factor)
-    empty = encode_captions(tokenizer, text_encoder, [""])[0] if text_encoder is not None else None
+    empty, empty_pooled = encoder([""]) if encoder is not None else (None, None)
+    empty = empty[0] if empty is not None else None
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    info = make_info(args, vae, fingerprint, names, empty.shape if empty is not None else None)
+    info = make_info(args, vae, fingerprint, names, empty.shape if empty is not None else None,
+                     empty_pooled.shape[1:] if empty_pooled is not None else None)
     check_settings(out / INFO_FILE, info)
     if rank == 0:
         if not (out / INFO_FILE).exists():
             _atomic_write(out / INFO_FILE, json.dumps({**info, "complete": False}, indent=1).encode())
         if empty is not None and not (out / EMPTY_TEXT_FILE).exists():
             _atomic_write(out / EMPTY_TEXT_FILE, npy_bytes(empty.astype(DTYPES[args.dtype])))
+        if empty_pooled is not None and not (out / EMPTY_POOLED_FILE).exists():
+            _atomic_write(out / EMPTY_POOLED_FILE, npy_bytes(empty_pooled[0].astype(DTYPES[args.dtype])))
 
     mine = [k for k in range(len(units)) if k % world == rank]
     todo = [k for k in mine if not (out / names[k]).exists()]
@@ -432,8 +483,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     by_source: Dict[int, List[Tuple[str, str]]] = {}
     for k in todo:
         by_source.setdefault(units[k][0], []).append((units[k][1], names[k]))
-    models = (vae, tokenizer, text_encoder)
-    max_len = tokenizer.model_max_length if tokenizer is not None else 77
+    models = (vae, encoder)
+    max_len = encoder.tokenizers[0].model_max_length if encoder is not None else 77
     with tqdm(total=len(todo), unit="shard", desc=f"latents rank {rank}", disable=args.no_progress) as bar:
         for src, shards in by_source.items():
             data = ShardSamples(sources[src], params, shards, max_len)

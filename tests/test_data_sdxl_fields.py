@@ -264,14 +264,19 @@ def test_processor_with_two_tokenizers_pickles(tmp_path, tokenizer_2):
         load(path, tok=(), batch_size=4)
 
 
-def test_latent_shards_accept_a_tokenizer_pair_and_use_the_first(tmp_path, tokenizer_2):
+def test_latent_shards_tokenize_with_both_tokenizers_and_read_sizes_from_json(tmp_path, tokenizer_2):
     samples = []
     for i in range(4):
         lat = np.full((4, RES // 8, RES // 8), float(i), np.float32)
         samples.append({"__key__": f"l{i}", "latents.npy": npy_bytes(lat), "txt": f"latent {i}",
-                        "json": {"latent_store": "sample"}})
+                        "json": {"latent_store": "sample", "original_size": [100 + i, 80], "crop_top_left": [i, 0],
+                                 "target_size": [RES, RES]}})
     path = write_tar(str(tmp_path / "lat.tar"), samples)
     b = take(load(path, tok=(tokenizer(), tokenizer_2), type="latents", batch_size=4), 1)[0]
     assert b["latents"].shape == (4, 4, RES // 8, RES // 8)
     one = tokenizer()(b["captions"], padding="max_length", truncation=True, max_length=77, return_tensors="pt").input_ids
-    assert torch.equal(b["input_ids"], one) and "input_ids_2" not in b
+    two = tokenizer_2(b["captions"], padding="max_length", truncation=True, max_length=64, return_tensors="pt").input_ids
+    assert torch.equal(b["input_ids"], one) and torch.equal(b["input_ids_2"], two) and not torch.equal(one, two)
+    order = [int(k[1:]) for k in b["keys"]]
+    assert b["original_size"].tolist() == [[100 + i, 80] for i in order]
+    assert b["crop_top_left"].tolist() == [[i, 0] for i in order] and b["target_size"].tolist() == [[RES, RES]] * 4

@@ -63,7 +63,10 @@ def test_shapes_shards_become_readable_latent_shards(tmp_path, tiny_pipeline, sh
         for k in keys:
             assert dst[f"{k}.txt"] == src[f"{k}.txt"]  # the caption, unmodified
             meta = json.loads(dst[f"{k}.json"])
-            assert meta == {**json.loads(src[f"{k}.json"]), "latent_scaling_factor": 0.18215, "latent_store": "sample"}
+            # The metadata as it was, plus the scaling factor, the store and the crop's size conditioning
+            # (the 64 px shapes resized to 32: the whole image, no crop).
+            assert meta == {**json.loads(src[f"{k}.json"]), "latent_scaling_factor": 0.18215, "latent_store": "sample",
+                            "original_size": [64, 64], "crop_top_left": [0, 0], "target_size": [32, 32]}
             z = np.load(io.BytesIO(dst[f"{k}.latents.npy"]))
             assert z.dtype == np.float16 and z.shape == (4, 4, 4) and np.isfinite(z).all()
             assert f"{k}.text.npy" not in dst

@@ -10,10 +10,15 @@ named as WebDataset expects (the key ends at the first dot):
   ``KEY.json``         the sample's original metadata + ``latent_scaling_factor`` and ``latent_store``
   ``KEY.cls``          the class index, when the input had one (``idx_to_prompt`` datasets)
   ``KEY.text.npy``     with ``--text-embeddings``: the text encoder's last hidden state [L, D] of KEY.txt
+                       (SDXL: both encoders' penultimate states concatenated, [L, D1 + D2])
+  ``KEY.pooled.npy``   SDXL with ``--text-embeddings``: the second encoder's pooled embedding [P]
+
+``KEY.json`` also holds the crop's size conditioning (``original_size``, ``crop_top_left``,
+``target_size``, as lists), which batches carry as the image path's do (SDXL conditions on them).
 
 and next to the shards: ``latents_info.json`` (the settings, the scaling factor, counts; see the
 script), ``sizes.json`` ({shard: samples}) and, with text embeddings, ``empty.text.npy``: the embedding
-of the empty caption. Storing scaled values costs nothing (a scale is exact to the dtype's precision)
+of the empty caption (SDXL: zeros, and ``empty.pooled.npy``). Storing scaled values costs nothing (a scale is exact to the dtype's precision)
 and means the reader never needs the VAE: s * (mean + std * eps) = s * mean + (s * std) * eps.
 
 Reading: the same sources, stream, shuffle buffer, resume position and counters as the image path;
@@ -39,7 +44,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..schema.dataset import DatasetConfigError
-from .samples import SampleProcessor
+from .samples import SIZE_FIELDS, SampleProcessor
 from .sources import REMOTE, ShardError, WebDatasetSource, iter_tar_samples, open_stream
 from .stats import Stats, log
 
@@ -47,8 +52,10 @@ FORMAT = "sd-training latent shards"
 FORMAT_VERSION = 1
 LATENTS_MEMBER = "latents.npy"
 TEXT_MEMBER = "text.npy"
+POOLED_MEMBER = "pooled.npy"
 INFO_FILE = "latents_info.json"
 EMPTY_TEXT_FILE = "empty.text.npy"
+EMPTY_POOLED_FILE = "empty.pooled.npy"
 STORES = ("mean_std", "sample")
 
 
@@ -97,6 +104,7 @@ class LatentShardSource(WebDatasetSource):
         super().__init__(spec, params)
         self.info: Optional[Dict[str, Any]] = None
         self.empty_text: Optional[np.ndarray] = None
+        self.empty_pooled: Optional[np.ndarray] = None
         raw = _read_sibling(self.units[0], INFO_FILE, self.timeout) if self.units else None
         if raw is not None:
             try:
@@ -116,6 +124,7 @@ class LatentShardSource(WebDatasetSource):
                 "url": unit,
                 "latents": members.get(LATENTS_MEMBER),
                 "text": members.get(TEXT_MEMBER),
+                "pooled": members.get(POOLED_MEMBER),
                 "caption": members.get(self.caption_key),
                 "meta_raw": members.get(self.metadata_key),
                 "cls": members.get(self.cls_key),
@@ -170,6 +179,17 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
                     src.empty_text = load_npy(raw).astype(np.float32)
                 except ValueError as exn:
                     raise DatasetConfigError(f"{sibling(src.units[0], EMPTY_TEXT_FILE)}: {exn}") from exn
+            if info.get("pooled_shape"):
+                raw = _read_sibling(src.units[0], EMPTY_POOLED_FILE, src.timeout)
+                if raw is not None:
+                    try:
+                        src.empty_pooled = load_npy(raw).astype(np.float32)
+                    except ValueError as exn:
+                        raise DatasetConfigError(f"{sibling(src.units[0], EMPTY_POOLED_FILE)}: {exn}") from exn
+                elif float(params.caption_dropout) > 0:
+                    raise DatasetConfigError(
+                        f"dataset.params.caption_dropout with SDXL text_embeddings needs "
+                        f"{sibling(src.units[0], EMPTY_POOLED_FILE)} (written by scripts/precompute_latents.py)")
         if not info.get("complete", False):
             log.warning("data: %s says the precompute of %s has not finished: training on the shards written so far",
                         where, src.name)
@@ -182,10 +202,12 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
     return next(iter(factors.values())) if factors else None
 
 
-def check_latents_match(loader, vae, text_encoder=None, tokenizer=None) -> None:
+def check_latents_match(loader, vae, text_encoder=None, tokenizer=None, text_width: Optional[int] = None,
+                        family: Optional[str] = None) -> None:
     """Refuse latent shards made for other models than the run's: the VAE's scaling factor and latent
-    channels, and (when the batches carry stored text embeddings) the text encoder's width, the token
-    count and the clip skip. Raises :class:`DatasetConfigError`; a no-op for image data."""
+    channels, and (when the batches carry stored text embeddings) their width (``text_width``: the
+    run's conditioning width, default the text encoder's hidden size), the token count, the clip skip and
+    the family they were made for (``family``: sdxl shards store the pooled embedding too). Raises :class:`DatasetConfigError`; a no-op for image data."""
     info = getattr(loader, "latents_info", None)
     if loader.kind != "latents" or info is None:
         return
@@ -199,7 +221,7 @@ def check_latents_match(loader, vae, text_encoder=None, tokenizer=None) -> None:
         if isinstance(tokenizer, (tuple, list)):  # SDXL's pair: the shards hold the first encoder's embeddings
             tokenizer = tokenizer[0] if tokenizer else None
         want = [int(tokenizer.model_max_length) if tokenizer is not None else int(info["text_shape"][0]),
-                int(text_encoder.config.hidden_size)]
+                int(text_width or text_encoder.config.hidden_size)]
         if list(info["text_shape"]) != want:
             problems.append(f"text embeddings of shape {info['text_shape']} (the run's text encoder: {want})")
         from ..text_encoders import CLIP_SKIP_KEY
@@ -208,6 +230,9 @@ def check_latents_match(loader, vae, text_encoder=None, tokenizer=None) -> None:
         run = max(int(getattr(text_encoder.config, CLIP_SKIP_KEY, 0) or 0), 1)
         if have != run:
             problems.append(f"text embeddings with clip_skip {have} (the run's text encoder: {run})")
+        made_for = info.get("text_family") or "sd"
+        if family is not None and made_for != family:
+            problems.append(f"text embeddings of a {made_for} pipeline (this run trains {family})")
     if problems:
         raise DatasetConfigError(
             f"dataset.params.path: these latent shards were made for other models: {'; '.join(problems)}. "
@@ -219,9 +244,9 @@ class LatentSampleProcessor(SampleProcessor):
     """Latent samples: ``select`` as for images (metadata, filters, captions), then ``process`` decodes the
     stored arrays instead of an image, and ``collate`` stacks ``latents`` (and ``encoder_hidden_states``).
 
-    Given several tokenizers (SDXL's pair), only the first is used: batches carry ``input_ids`` and no
-    ``input_ids_2`` nor the image path's size fields (``original_size`` ...); the shards store neither
-    the second encoder's embeddings nor the crops yet."""
+    Given several tokenizers (SDXL's pair) batches carry ``input_ids_2`` as the image path's do; the
+    size fields come from each sample's json (written by the precompute script); SDXL text embeddings
+    add ``pooled_text_embeds``."""
 
     missing_payload = "missing_latents"
 
@@ -235,12 +260,17 @@ class LatentSampleProcessor(SampleProcessor):
         self.down = [int(i.get("downsample_factor", 8)) for i in infos]
         self.text_shapes = [tuple(i["text_shape"]) if i.get("text_shape") else None for i in infos]
         self.empty_text = [s.empty_text for s in sources]
+        self.empty_pooled = [s.empty_pooled for s in sources]
+        self.pooled = [bool(i.get("pooled_shape")) for i in infos]
 
     def payload(self, raw: Dict[str, Any], meta: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         if raw.get("latents") is None:
             return None
-        store = meta.get("latent_store") if isinstance(meta, dict) else None
-        return {"latents": raw["latents"], "text": raw.get("text"), "store": store}
+        meta = meta if isinstance(meta, dict) else {}
+        sizes = {k: tuple(int(v) for v in meta[k]) for k in SIZE_FIELDS
+                 if isinstance(meta.get(k), (list, tuple)) and len(meta[k]) == 2}
+        return {"latents": raw["latents"], "text": raw.get("text"), "pooled": raw.get("pooled"),
+                "store": meta.get("latent_store"), "sizes": sizes}
 
     def process(self, s: Dict[str, Any], rng: np.random.Generator, stats: Stats) -> Optional[Dict[str, Any]]:
         where = f"{s['url']} sample {s['key']!r}"
@@ -289,16 +319,22 @@ class LatentSampleProcessor(SampleProcessor):
             prompts = self.idx_to_prompt[caption]
             caption = prompts[int(caption_rng.integers(len(prompts)))] if len(prompts) > 1 else prompts[0]
         caption = self.captions(caption, s["tags"], caption_rng)
-        text = None
+        text = pooled = None
         if self.text_embeddings:
             text = self._text(s, caption, src, where, stats)
             if text is None:
                 return None
+            if self.pooled[src]:
+                pooled = self._pooled(s, caption, src, where, stats)
+                if pooled is None:
+                    return None
         h, w = latents.shape[1:]
         down = self.down[src]
         return {
             "latents": np.ascontiguousarray(latents),
             "text": text,
+            "pooled": pooled,
+            "sizes": s.get("sizes") or {},
             "caption": caption,
             "key": s["key"],
             "bucket": (w * down, h * down),  # pixels, (width, height) as image buckets
@@ -321,6 +357,19 @@ class LatentSampleProcessor(SampleProcessor):
             return None
         return text.astype(np.float32)
 
+    def _pooled(self, s, caption: str, src: int, where: str, stats: Stats) -> Optional[np.ndarray]:
+        if caption == "" and self.empty_pooled[src] is not None:
+            return self.empty_pooled[src]
+        try:
+            pooled = load_npy(s["pooled"]) if s.get("pooled") is not None else None
+        except ValueError as exn:
+            stats.skip("bad_text_embedding", f"{where}: {exn}")
+            return None
+        if pooled is None or pooled.ndim != 1 or not np.isfinite(pooled).all():
+            stats.skip("bad_text_embedding", f"{where}: no usable {POOLED_MEMBER} member")
+            return None
+        return pooled.astype(np.float32)
+
     def collate(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
         import torch
 
@@ -332,6 +381,13 @@ class LatentSampleProcessor(SampleProcessor):
             "keys": [s["key"] for s in samples],
             "epochs": [s["epoch"] for s in samples],
         }
+        for k in range(1, len(self.tokenizers)):
+            batch[f"input_ids_{k + 1}"] = self.tokenize(captions, k)
+        for name in SIZE_FIELDS:  # only when every sample's json has them (shards of older precomputes do not)
+            if all(name in s["sizes"] for s in samples):
+                batch[name] = torch.tensor([s["sizes"][name] for s in samples], dtype=torch.int64)
         if self.text_embeddings:
             batch["encoder_hidden_states"] = torch.from_numpy(np.stack([s["text"] for s in samples]))
+            if all(s["pooled"] is not None for s in samples):
+                batch["pooled_text_embeds"] = torch.from_numpy(np.stack([s["pooled"] for s in samples]))
         return batch

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from ..config import TrainConfig
+from ..data.latents import check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
 from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
@@ -184,10 +185,8 @@ class StableDiffusion(Family):
 
     def check_data(self, loader) -> None:
         if is_latent_data(self.cfg):
-            from ..data.latents import check_latents_match
-
             # Shards made with another VAE, scaling factor or text encoder would train silently wrong.
-            check_latents_match(loader, self.models.vae, self.models.text_encoder, self.models.tokenizer)
+            check_latents_match(loader, self.models.vae, self.models.text_encoder, self.models.tokenizer, family="sd")
 
     def step_flops(self) -> StepFlops:
         # Counted once, on the meta device (no compute): model FLOPs = 3 x UNet forward per image;

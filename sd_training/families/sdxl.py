@@ -25,6 +25,8 @@ from dataclasses import replace
 import torch
 
 from ..config import TrainConfig
+from ..data.latents import check_latents_match
+from ..data.samples import SIZE_FIELDS
 from ..export import unwrap
 from ..fields import ConfigError
 from ..flops import StepFlops, count_step_flops, text_encode_flops
@@ -43,7 +45,7 @@ def time_ids(batch: dict, height: int, width: int) -> torch.Tensor:
     the data pipeline's size fields (an older loader) conditions as the pipeline does by default:
     original = target = the trained size, crop (0, 0)."""
     n = len(batch["input_ids"])
-    if "original_size" in batch:
+    if all(k in batch for k in SIZE_FIELDS):
         ids = torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
     else:
         ids = torch.tensor([[height, width, 0, 0, height, width]]).expand(n, N_TIME_IDS)
@@ -80,8 +82,6 @@ class StableDiffusionXL(StableDiffusion):
                                                      "encoders: leave model.text_encoder.clip_skip at 0"),
             (m.vae.dtype == "fp16", "SDXL's VAE overflows in fp16: set model.vae.dtype to auto, bf16 or fp32 (or give "
                                     "an fp16-safe VAE through model.vae.pretrained with model.vae.dtype=fp32)"),
-            (is_latent_data(cfg), "dataset.type=latents does not carry SDXL's second text encoder and size "
-                                  "conditioning yet: train SDXL from images"),
         ]
         for refused, message in refusals:
             if refused:
@@ -137,16 +137,29 @@ class StableDiffusionXL(StableDiffusion):
 
     def condition(self, batch: dict, validation: bool):
         dev = self.device
+        res = self.cfg.dataset.params.resolution
+        ids = time_ids(batch, res, res).to(dev, non_blocking=True)
+        if "encoder_hidden_states" in batch:  # precomputed (latent shards with --text-embeddings)
+            if "pooled_text_embeds" not in batch:
+                raise ValueError("the batch has stored text embeddings but no pooled_text_embeds: these latent shards "
+                                 "were not made for SDXL (scripts/precompute_latents.py with an SDXL pipeline)")
+            states = batch["encoder_hidden_states"].to(dev, non_blocking=True).float()
+            return states, {"text_embeds": batch["pooled_text_embeds"].to(dev, non_blocking=True).float(), "time_ids": ids}
         states, pooled = encode_prompts(
             self.models.text_encoder, self.models.text_encoder_2, batch["input_ids"].to(dev, non_blocking=True),
             batch["input_ids_2"].to(dev, non_blocking=True), int(self.models.tokenizer.eos_token_id),
         )
-        res = self.cfg.dataset.params.resolution
-        return states, {"text_embeds": pooled, "time_ids": time_ids(batch, res, res).to(dev, non_blocking=True)}
+        return states, {"text_embeds": pooled, "time_ids": ids}
+
+    def check_data(self, loader) -> None:
+        if is_latent_data(self.cfg):
+            m = self.models
+            check_latents_match(loader, m.vae, m.text_encoder, m.tokenizer, family="sdxl",
+                                text_width=m.text_encoder.config.hidden_size + m.text_encoder_2.config.hidden_size)
 
     def step_flops(self) -> StepFlops:
         flops = count_step_flops(self.models, self.cfg.dataset.params.resolution, self.cfg.model.gradient_checkpointing,
-                                 encode_images=True)
+                                 encode_images=not is_latent_data(self.cfg))
         seq = int(self.models.tokenizer_2.model_max_length)
         return replace(flops, text_encode=flops.text_encode + text_encode_flops(self.models.text_encoder_2, seq))
 
