@@ -1,19 +1,14 @@
-"""TrainState and the training loop. Everything else is built by the modules it calls."""
+"""The Trainer: set-up, the step loop, logging and checkpoints. Its outputs (exports, samples, eval) are in
+``outputs.py``, its small state types in ``train_state.py``; everything else is built by the modules it calls."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import json
 import logging
-import math
-import random
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import distributed, families, progress, quickstart
@@ -21,66 +16,23 @@ from .checkpoint import Checkpointer, check_writable, complete_steps, rng_state,
 from .config import ConfigError, TrainConfig, public_dict, to_yaml
 from .data import build_train_loader
 from .ema import EMA, decay_from_strength
-from .evaluation.async_eval import AsyncEvaluator
-from .evaluation.evaluate import EvalSettings, evaluate_images
-from .evaluation.fid import image_files
-from .export import read_prompts
-from .families.base import SampleSettings
 from .flops import mfu, peak_flops
 from .loading import load_component
 from .memory_plan import as_dicts, format_plan, memory_plan
 from .models import component_sources
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
+from .outputs import RunOutputs
 from .parallel import Strategy
 from .preemption import StopFlag, requeue_job, under_slurm
 from .progress import PROGRESS
-from .run_dir import RunDir, copy_dir_atomically, repair_swaps
+from .run_dir import RunDir, repair_swaps
 from .run_guard import check_resume_config, cut_metrics_back, lock_run_folder, prepare_fresh_start
 from .trackers import build_trackers
+from .train_state import EMAMeta, LogWindow, NonFiniteLossError, Plan, TrainState, hms, seed_everything
 
 log = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps taken
-    images_seen: int = 0  # all ranks together
-    wandb_id: str | None = None
-    last_export_step: int = -1
-    nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite gradient, whole run
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, sd: dict) -> None:
-        for k, v in sd.items():
-            setattr(self, k, v)
-
-
-@dataclass
-class Plan:
-    """Numbers derived once from the config and the world size."""
-
-    global_batch: int
-    total_steps: int
-    checkpoint_every: int
-
-    @classmethod
-    def make(cls, cfg: TrainConfig, world_size: int) -> "Plan":
-        gb = cfg.system.batch_size * cfg.system.gradient_accumulation * world_size
-        return cls(
-            global_batch=gb,
-            total_steps=math.ceil(cfg.experiment.num_examples_to_see / gb),
-            checkpoint_every=cfg.experiment.checkpoint_every or cfg.experiment.save_every,
-        )
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def main(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
@@ -96,7 +48,7 @@ def main(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
         distributed.teardown()
 
 
-class Trainer:
+class Trainer(RunOutputs):
     def __init__(self, cfg: TrainConfig, info: distributed.DistInfo):
         self.cfg, self.info = cfg, info
         self.device = info.device
@@ -110,6 +62,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
+        """Run folder, model family, EMA, strategy, optimizer, data, resume and trackers, in that order."""
+        self._prepare_run_folder()
+        self._build_model()
+        self._build_optimizer()
+        self._build_data()
+        self.evaluator = None
+        if self.cfg.experiment.resume:
+            self._maybe_resume()
+        self.trackers = None
+        if self.info.is_main:
+            self.trackers = build_trackers(
+                self.cfg, self.run_dir.root, self.run_dir.metrics, self.state.wandb_id, public_dict(self.cfg)
+            )
+            self.state.wandb_id = self.trackers.wandb_id
+
+    def _prepare_run_folder(self) -> None:
+        """One run per folder (locked); the config written; logging to train.log; interrupted exports repaired."""
         cfg, info = self.cfg, self.info
         refused = None
         if info.is_main:
@@ -133,6 +102,10 @@ class Trainer:
             "launcher=%s world_size=%d device=%s global_batch=%d total_steps=%d",
             info.launcher, info.world_size, self.device, self.plan.global_batch, self.plan.total_steps,
         )
+
+    def _build_model(self) -> None:
+        """The family's components (seeded), init_from, the EMA, the precision and the strategy's wrapper."""
+        cfg, info = self.cfg, self.info
         # Per-rank seed: different noise and timesteps on every rank, reproducible across restarts.
         quickstart.prepare(cfg.quickstart, info.is_main)
         # Seeded after the generated inputs: building them (on the first run only) must not move the
@@ -175,7 +148,11 @@ class Trainer:
         if cfg.model.compile:
             # The compiled wrapper is only called; weights are always read from self.net (no _orig_mod keys).
             self.model = torch.compile(self.model)
-        # After wrapping: FSDP2 replaces the parameters by sharded DTensors.
+
+    def _build_optimizer(self) -> None:
+        """Parameter groups (after wrapping: FSDP2 has replaced the parameters by sharded DTensors), trained
+        encoders under DDP, the optimizer, the LR schedule and the non-finite counters."""
+        cfg, info = self.cfg, self.info
         o = cfg.optimizer
         self.peak_lr = o.params.learning_rate * lr_scale(o, self.plan.global_batch)
         if o.scale_lr:
@@ -198,6 +175,10 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.plan.total_steps)
         self.nonfinite_streak = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skips
         self.nonfinite_total = torch.zeros((), dtype=torch.long, device=self.device)  # since the last check
+
+    def _build_data(self) -> None:
+        """The loader, the checkpointer (the disk checked now), validation batches and the FLOPs per image."""
+        cfg, info = self.cfg, self.info
         self.loader = build_train_loader(
             cfg.dataset, tokenizer=self.family.tokenizers, rank=info.rank, world_size=info.world_size, seed=cfg.system.seed
         )
@@ -217,15 +198,6 @@ class Trainer:
             self.peak = peak_flops(self.device, dtype, cfg.experiment.peak_tflops * 1e12 if cfg.experiment.peak_tflops else None)
             log.info("FLOPs per training image: model %.3g, hardware %.3g; device peak %s",
                      self.step_flops.model, self.step_flops.hardware, f"{self.peak:.3g}" if self.peak else "unknown (no MFU)")
-        self.evaluator = None
-        if cfg.experiment.resume:
-            self._maybe_resume()
-        self.trackers = None
-        if info.is_main:
-            self.trackers = build_trackers(
-                cfg, self.run_dir.root, self.run_dir.metrics, self.state.wandb_id, public_dict(cfg)
-            )
-            self.state.wandb_id = self.trackers.wandb_id
 
     def _log_memory_plan(self) -> None:
         """Per-GPU bytes of the trained and frozen modules under each strategy, before the first step."""
@@ -269,76 +241,8 @@ class Trainer:
         self.net.load_state_dict(src_net.state_dict())
         log.info("model.init_from: %s weights from %s", self.net_name, folder)
 
-    def _validation_batches(self) -> list[dict]:
-        """The first ``validation.num_batches`` batches of this rank's part of the held-out shards, made
-        deterministic by the family (fixed latents, noise, timesteps; no augmentation, no caption dropout)."""
-        v, d = self.cfg.validation, self.cfg.dataset
-        params = dataclasses.replace(d.params, path=v.path, workers=0, resampled=False, caption_dropout=0.0,
-                                     random_flip=0.0, center_crop=True, num_examples_to_see=None)
-        loader = build_train_loader(dataclasses.replace(d, params=params), tokenizer=self.family.tokenizers,
-                                    rank=self.info.rank, world_size=self.info.world_size, seed=v.seed)
-        it = iter(loader)
-        g = torch.Generator().manual_seed(v.seed + self.info.rank)
-        return [self.family.validation_batch(next(it), g, i) for i in range(v.num_batches)]
-
-    @torch.no_grad()
-    def _validate(self) -> None:
-        """Held-out loss at fixed noise and timesteps (all ranks; the mean over ranks is logged)."""
-        model = self.family.loss_module
-        model.eval()
-        total = torch.zeros((), device=self.device)
-        try:
-            for b in self.val_batches:
-                fixed = {k: b[k].to(self.device) for k in ("noise", "timesteps") if k in b}
-                total += self.family.loss(self.model, b, self._autocast(), fixed, validation=True).loss.float()
-        finally:
-            model.train()
-        val = distributed.all_reduce_mean(total / len(self.val_batches)).item()
-        if self.info.is_main:
-            self.trackers.log({"val/loss": val}, self.state.step)
-            log.info("step %d validation loss %.5f", self.state.step, val)
-
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-
-    def _eval_settings(self):
-        ev = self.cfg.evaluation
-        if not (ev.ref_stats or ev.ref_images or ev.clip_model):
-            return None
-        return EvalSettings(prompts=self.cfg.experiment.eval_caption_file, ref_stats=ev.ref_stats, ref_images=ev.ref_images,
-                            ref_max_images=ev.ref_max_images, clip_model=ev.clip_model, clip_pretrained=ev.clip_pretrained,
-                            clip_config=ev.clip_config, device=ev.device)
-
-    def _score_eval_images(self, folder: Path) -> None:
-        """FID / CLIP score of the eval images: in a background process on rank 0 (asynchronous), or
-        here, split across ranks (every rank passes the same file list)."""
-        settings = self._eval_settings()
-        if settings is None:
-            return
-        if self.cfg.evaluation.asynchronous:
-            if self.info.is_main:
-                if self.evaluator is None:
-                    self.evaluator = AsyncEvaluator(self.run_dir.root / "eval" / "results", settings, threads=self.cfg.evaluation.threads)
-                self.evaluator.submit(self.state.step, images=folder)
-            return
-        result = evaluate_images(image_files(folder), settings)
-        if self.info.is_main:
-            self.trackers.log({**result, "eval/step": self.state.step}, self.state.step)
-            log.info("step %d evaluation %s", self.state.step, result)
-
-    def _log_eval_results(self, wait: bool = False) -> None:
-        """Results of background evaluations, logged with the step they belong to."""
-        if self.evaluator is None:
-            return
-        for r in (self.evaluator.wait() if wait else self.evaluator.poll()):
-            step = r.pop("step", self.state.step)
-            if "error" in r:
-                log.error("evaluation of step %s failed: %s", step, r["error"])
-                continue
-            # Logged now (trackers such as wandb refuse a step lower than their current one), tagged
-            # with the step whose weights were evaluated.
-            self.trackers.log({**{k: v for k, v in r.items() if k.startswith("eval/")}, "eval/step": step}, self.state.step)
-            log.info("step %s evaluation %s", step, r)
 
     def _resumable(self) -> dict:
         """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
@@ -349,7 +253,7 @@ class Trainer:
             if self.ema is not None:
                 objs["ema"] = self.ema
         elif self.ema is not None:
-            objs["ema_meta"] = _EMAMeta(self.ema)
+            objs["ema_meta"] = EMAMeta(self.ema)
         return objs
 
     def _maybe_resume(self) -> None:
@@ -480,7 +384,7 @@ class Trainer:
                         stopped_by, state.step)
         elif self.val_batches is not None and state.step == 0:
             self._validate()  # the untrained model's figure, to compare with
-        window = _Window()
+        window = LogWindow()
         last_ckpt_time = time.time()
         self.bar = None
         if self.info.is_main and not stopped_by and progress.wanted(cfg.experiment.progress_bar):
@@ -491,7 +395,7 @@ class Trainer:
             if self.bar is not None:
                 self.bar.close()
 
-    def _steps(self, stop: StopFlag, data_iter, val_every: int, window: "_Window", last_ckpt_time: float,
+    def _steps(self, stop: StopFlag, data_iter, val_every: int, window: "LogWindow", last_ckpt_time: float,
                stopped_by: str | None) -> dict:
         cfg, plan, state = self.cfg, self.plan, self.state
         accum = cfg.system.gradient_accumulation
@@ -524,7 +428,7 @@ class Trainer:
                 self._check_nonfinite(window)
             if logging_now:
                 self._log(window)
-                window = _Window()
+                window = LogWindow()
             stop_now = timed = False
             if check:
                 minutes = cfg.experiment.save_every_minutes
@@ -572,7 +476,7 @@ class Trainer:
             "run_dir": str(self.run_dir.root),
         }
 
-    def _check_nonfinite(self, window: "_Window") -> None:
+    def _check_nonfinite(self, window: "LogWindow") -> None:
         """Read the device-side counters of skipped (non-finite) steps; stop after too many in a row."""
         skipped = int(self.nonfinite_total)
         if skipped:
@@ -583,7 +487,7 @@ class Trainer:
         if int(self.nonfinite_streak) >= self.cfg.experiment.max_nonfinite_steps:
             self._stop_nonfinite(window)
 
-    def _stop_nonfinite(self, window: "_Window") -> None:
+    def _stop_nonfinite(self, window: "LogWindow") -> None:
         """Save the last good weights (skipped steps never changed them) and stop with advice."""
         self._log(window)
         self._save_checkpoint()
@@ -597,7 +501,7 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ side effects
-    def _log(self, w: "_Window") -> None:
+    def _log(self, w: "LogWindow") -> None:
         loss = distributed.all_reduce_mean(w.loss_sum / max(w.loss_count, 1)).item()
         n_images = w.steps * self.plan.global_batch
         metrics = {"loss": loss, **self._side_times}
@@ -639,7 +543,7 @@ class Trainer:
                 "step %d/%d loss %.4f lr %.2e grad_norm %.3f %.1f img/s (%.1f/device) data_wait %.0f%% ETA %s",
                 self.state.step, self.plan.total_steps, loss, metrics["lr"], metrics["grad_norm"],
                 metrics["images_per_sec"], metrics["images_per_sec_per_device"], 100 * metrics["data_wait_fraction"],
-                _hms(eta), extra={PROGRESS: True},
+                hms(eta), extra={PROGRESS: True},
             )
             if self.bar is not None:
                 self.bar.show(loss, metrics["images_per_sec"])
@@ -655,132 +559,3 @@ class Trainer:
             self.state.step, shared, per_rank, self.state.state_dict(), self.config_yaml, self.info.rank, write_sharded
         )
 
-    def _export(self) -> None:
-        """Rank 0 exports the pipeline(s) and the sample grid; then every rank makes its share of the
-        eval images. Under FSDP every rank first takes part in gathering the full weights.
-        """
-        weights = self._weights(self.cfg.experiment.export_weights, default_both=True)
-        samples_from = self._weights(self.cfg.experiment.sample_from, default_both=False)
-        needed = set(weights) | set(samples_from)
-        plain = {}
-        if "raw" in needed:
-            plain["raw"] = self.strategy.plain_copy(self.net, self.device)
-        if "ema" in needed:
-            plain["ema"] = self.strategy.plain_copy(self.ema.shadow, self.device)
-        targets = [(w == "ema", plain[w]) for w in weights]
-        if self.info.is_main:
-            cfg = self.cfg.experiment
-            for is_ema, net in targets:
-                out = self.run_dir.pipeline(None, ema=is_ema)
-                metrics = self.family.export(net, out)
-                if metrics:
-                    self.trackers.log(metrics, self.state.step)
-                if not cfg.save_only_most_recent:
-                    copy_dir_atomically(out, self.run_dir.pipeline(self.state.step, ema=is_ema))
-                log.info("exported pipeline %s", out)
-            for w in samples_from:
-                self._write_samples(plain[w], suffix="" if w == samples_from[0] else f"_{w}")
-        self.state.last_export_step = self.state.step
-        distributed.barrier()
-        if self.family.makes_eval_images:
-            self._write_eval_images(plain[samples_from[0]])
-
-    def _weights(self, choice: str, default_both: bool) -> list[str]:
-        """'auto' | 'raw' | 'ema' | 'both' -> the weights to use, first = the main one."""
-        if choice == "auto":
-            if self.ema is None:
-                return ["raw"]
-            return ["raw", "ema"] if default_both else ["ema"]
-        return {"raw": ["raw"], "ema": ["ema"], "both": ["ema", "raw"]}[choice]
-
-    def _sample_settings(self) -> SampleSettings:
-        cfg = self.cfg.experiment
-        return SampleSettings(list(cfg.sample_prompts or []), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
-                              cfg.sample_guidance_scale, self._sample_resolution(), self.family.sample_dtype(self.autocast_dtype))
-
-    def _write_samples(self, net, suffix: str = "") -> None:
-        if next(net.parameters()).device != self.device:  # an EMA kept on the CPU (model.ema.device=cpu)
-            net = copy.deepcopy(net).to(self.device)
-        # Sampling draws from its own generators; the training RNG stream is left untouched.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            grid = self.family.sample_image(net, self._sample_settings())
-        if grid is None:
-            return
-        path = self.run_dir.samples / f"step_{self.state.step:08d}{suffix}.png"
-        grid.save(path)
-        self.trackers.log_image(f"{self.family.samples_tag}{suffix}", path, self.state.step)
-
-    def _sample_resolution(self) -> int:
-        return self.cfg.experiment.sample_resolution or self.cfg.dataset.params.resolution
-
-    def _write_eval_images(self, net) -> None:
-        """``num_eval_images`` images from the eval prompts, split across ranks (collective)."""
-        cfg = self.cfg.experiment
-        if cfg.num_eval_images < 1:
-            return
-        out = self.run_dir.root / "eval" / f"step_{self.state.step:08d}"
-        settings = self._sample_settings()._replace(prompts=read_prompts(cfg.eval_caption_file))
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self.family.eval_images(net, settings, cfg.num_eval_images, out, self.info.rank, self.info.world_size)
-        distributed.barrier()
-        self._score_eval_images(out)
-
-
-def _hms(seconds: float) -> str:
-    s = int(max(seconds, 0))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive non-finite steps: the run saved and stopped."""
-
-
-class _EMAMeta:
-    """The EMA's scalars, saved as a plain file when its weights are sharded (FSDP)."""
-
-    def __init__(self, ema: EMA):
-        self.ema = ema
-
-    def state_dict(self) -> dict:
-        return self.ema.meta_state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.ema.load_meta_state_dict(sd)
-
-
-class _Window:
-    """Sums over one log interval (kept on the device: no sync until the interval is logged)."""
-
-    def __init__(self):
-        self.loss_sum = 0.0
-        self.loss_count = 0
-        self.q_sum = torch.zeros(4)
-        self.q_count = torch.zeros(4)
-        self.grad_norm = 0.0
-        self.last_loss = float("nan")
-        self.parts: dict = {}
-        self.parts_count = 0
-        self.data_time = 0.0
-        self.step_time = 0.0
-        self.steps = 0
-
-    def add_parts(self, parts: dict) -> None:
-        """Named loss terms (e.g. the VAE's reconstruction and KL), averaged over the interval."""
-        for k, v in parts.items():  # kept on the device until the interval is logged
-            self.parts[k] = self.parts.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))
-        self.parts_count += 1
-
-    def add_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, timesteps: torch.Tensor, num_timesteps: int) -> None:
-        if not isinstance(self.loss_sum, torch.Tensor):
-            self.loss_sum = torch.zeros((), device=loss.device)
-            self.q_sum = self.q_sum.to(loss.device)
-            self.q_count = self.q_count.to(loss.device)
-        self.loss_sum = self.loss_sum + loss.float()
-        self.last_loss = loss
-        self.loss_count += 1
-        if timesteps is None:  # autoencoder stage: no timesteps
-            return
-        # Loss by timestep quartile (as guided-diffusion logs): where in the noise range the model struggles.
-        q = (timesteps * 4 // num_timesteps).clamp(max=3)
-        self.q_sum.index_add_(0, q, per_sample.float())
-        self.q_count.index_add_(0, q, torch.ones_like(per_sample, dtype=torch.float))
