@@ -304,6 +304,13 @@ def _suggest(bad_path: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _str_fields() -> dict[str, bool]:
+    return {path: True for path, tp, _d, _h, is_section in schema_entries() if not is_section and tp is str}
+
+
+_STR_FIELDS = _str_fields()  # key path -> True, for the string fields of the schema
+
+
 def _unbool_strings(user: DictConfig) -> None:
     """YAML 1.1 reads a bare no/yes/off/on as a boolean; a string field (e.g. model.mixed_precision: no)
     gets the word back instead of a type error."""
@@ -313,6 +320,17 @@ def _unbool_strings(user: DictConfig) -> None:
         value = OmegaConf.select(user, path, default=None, throw_on_missing=False, throw_on_resolution_failure=False)
         if isinstance(value, bool):
             OmegaConf.update(user, path, "yes" if value else "no", force_add=True)
+
+
+_BOOL_WORDS = {"y", "yes", "n", "no", "true", "false", "on", "off"}
+
+
+def _quote_bool_words(override: str) -> str:
+    """``experiment.name=off``: a string field keeps the word as typed (YAML would read a bool)."""
+    key, sep, value = override.partition("=")
+    if sep and value.lower() in _BOOL_WORDS and _STR_FIELDS.get(key.strip()):
+        return f"{key}='{value}'"
+    return override
 
 
 def _check_keys(node: Any, cls, prefix: str = "") -> None:
@@ -369,7 +387,7 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
     if yaml_text is not None:
         layers.append(OmegaConf.create(yaml_text))
     try:
-        layers.append(OmegaConf.from_dotlist(overrides))
+        layers.append(OmegaConf.from_dotlist([_quote_bool_words(o) for o in overrides]))
     except Exception as e:
         raise ConfigError(f"cannot parse command-line overrides {overrides}: {e}") from e
 

@@ -147,6 +147,9 @@ def test_bare_no_is_a_string_where_the_schema_wants_one(tmp_path):
     assert cfg.model.mixed_precision == "no" and cfg.model.use_ema is False
     cfg = load([f"config={write(tmp_path, MINIMAL)}"], yaml_text="model:\n  mixed_precision: no\n")
     assert cfg.model.mixed_precision == "no"
+    # On the command line a string field keeps the word as typed (not yes/no for on/off).
+    cfg = load([f"config={write(tmp_path, MINIMAL)}", "experiment.name=off", "wandb.mode=offline"])
+    assert cfg.experiment.name == "off" and cfg.wandb.mode == "offline"
 
 
 @pytest.mark.faults

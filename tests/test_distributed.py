@@ -38,17 +38,20 @@ def max_diff(a, b):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, family", [("ddp", "sd"), ("fsdp", "sd"), ("fsdp_offload", "sd"), ("ddp", "sdxl")])
+@pytest.mark.parametrize("strategy, family", [("ddp", "sd"), ("fsdp", "sd"), ("fsdp_offload", "sd"), ("ddp", "sdxl"),
+                                              ("ddp", "sdxl+text_encoders")])
 def test_two_ranks_equal_one_rank_double_batch(tmp_path, request, shapes_shards, strategy, family):
     """Also for SDXL (two text encoders, size conditioning) and for FSDP with the shards offloaded to the
     CPU (CPUOffloadPolicy; the optimizer steps there)."""
-    pipeline = request.getfixturevalue("sdxl_pipeline" if family == "sdxl" else "tiny_pipeline")
+    pipeline = request.getfixturevalue("sdxl_pipeline" if family.startswith("sdxl") else "tiny_pipeline")
     # A larger Adam epsilon keeps near-zero gradients (whose fp32 rounding differs with the summation
     # order) from turning into full-size updates of different sign.
     common = {"optimizer.params.learning_rate": 1e-3, "lr_scheduler.params.warmup_length": 0, "optimizer.params.epsilon": 1e-4,
               "distributed.strategy": strategy.removesuffix("_offload")}
     if strategy.endswith("_offload"):
         common["distributed.fsdp_cpu_offload"] = "true"
+    if family.endswith("+text_encoders"):  # both SDXL encoders under DDP too (no unused parameters)
+        common["model.text_encoder.train"] = "true"
     one = run_worker(tmp_path, 1, pipeline, shapes_shards, tmp_path / "one.pt", **{"system.batch_size": 8}, **common)
     two = run_worker(tmp_path, 2, pipeline, shapes_shards, tmp_path / "two.pt", **{"system.batch_size": 4}, **common)
     # 2 ranks x 2 micro-batches x 2 images: accumulation with no_sync across ranks.

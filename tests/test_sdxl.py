@@ -30,7 +30,8 @@ def test_family_is_read_from_the_pipeline(sdxl_pipeline, tiny_pipeline, shapes_s
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"model.text_encoder.train": "true"}, "not supported for SDXL"),
+    ({"model.text_encoder.type": "open_clip", "model.text_encoder.open_clip_model": "ViT-bigG-14",
+      "model.text_encoder.open_clip_weights": __file__}, "must be clip"),
     ({"model.vae.dtype": "fp16"}, "overflows in fp16"),
     ({"model.text_encoder.clip_skip": 2}, "penultimate"),
 ])
@@ -198,3 +199,27 @@ def test_sdxl_latent_shards_give_the_same_step_as_pixels(sdxl_latents, sdxl_pipe
         torch.testing.assert_close(loss, loss_online, rtol=1e-5, atol=1e-6)
         for n in grads_online:
             torch.testing.assert_close(grads[n], grads_online[n], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_sdxl_trains_both_text_encoders_and_exports_them(sdxl_pipeline, shapes_shards, tmp_path):
+    """model.text_encoder.train: both encoders learn (fp32, under bf16 autocast, with loader workers) and are
+    exported; the first encoder's last layer, which SDXL's conditioning never reads, stays as it was."""
+    from diffusers import StableDiffusionXLPipeline
+
+    cfg = load(train_args(tmp_path, sdxl_pipeline, shapes_shards, name="te", model__mixed_precision="bf16",
+                          system__workers=1, experiment__num_examples_to_see=8, experiment__save_every=2,
+                          model__text_encoder__train="true", optimizer__params__learning_rate=1e-2))
+    assert main(cfg)["step"] == 2
+    run = tmp_path / "runs" / "te"
+    before = StableDiffusionXLPipeline.from_pretrained(sdxl_pipeline)
+    after = StableDiffusionXLPipeline.from_pretrained(run / "current_pipeline")
+    for name in ("text_encoder", "text_encoder_2"):
+        a, b = getattr(before, name).state_dict(), getattr(after, name).state_dict()
+        changed = {k for k in a if not torch.equal(a[k], b[k])}
+        assert changed, f"{name} did not train"
+        if name == "text_encoder":
+            assert not {k for k in changed if ".layers.1." in k or "final_layer_norm" in k}, "frozen last layer moved"
+            assert any(".layers.0." in k for k in changed)
+    folder = run / "checkpoints" / "step_00000002"
+    assert (folder / "text_encoder.pt").is_file() and (folder / "text_encoder_2.pt").is_file()  # resumable

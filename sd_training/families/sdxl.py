@@ -32,7 +32,7 @@ from ..fields import ConfigError
 from ..flops import StepFlops, count_step_flops, text_encode_flops
 from ..loading import load_component
 from ..models import build_models
-from ..text_encoders import frozen_text_dtype, text_encoder_for_pipeline
+from ..text_encoders import frozen_text_dtype, text_encoder_for_pipeline, text_encoder_param_groups
 from .sd import StableDiffusion, is_latent_data
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,15 @@ def time_ids(batch: dict, height: int, width: int) -> torch.Tensor:
 
 def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor, input_ids_2: torch.Tensor,
                    eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-attention states [B, L, d1 + d2], pooled [B, p]) in fp32, zeros for empty captions."""
-    with torch.no_grad():
+    """(cross-attention states [B, L, d1 + d2], pooled [B, p]) in fp32, zeros for empty captions.
+
+    Gradients flow only into encoders that train (``model.text_encoder.train``)."""
+    def trains(module):
+        return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+
+    with torch.set_grad_enabled(trains(text_encoder)):
         h1 = text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
+    with torch.set_grad_enabled(trains(text_encoder_2)):
         out2 = text_encoder_2(input_ids_2, output_hidden_states=True)
         pooled, h2 = out2[0], out2.hidden_states[-2]
     states = torch.cat([h1.float(), h2.float()], dim=-1)
@@ -74,8 +80,6 @@ class StableDiffusionXL(StableDiffusion):
     def validate(cls, cfg: TrainConfig) -> None:
         m = cfg.model
         refusals = [
-            (m.text_encoder.train, "'model.text_encoder.train' is not supported for SDXL yet: train the UNet with "
-                                   "frozen encoders (model.text_encoder.train=false)"),
             (m.text_encoder.type != "clip", "SDXL's text encoders are read from the pipeline (text_encoder/, "
                                             "text_encoder_2/): model.text_encoder.type must be clip"),
             (m.text_encoder.clip_skip not in (0, 1), "SDXL already conditions on the penultimate layers of both "
@@ -109,7 +113,20 @@ class StableDiffusionXL(StableDiffusion):
                                      **tok_kw)
         models = build_models(cfg, self.device, seed=self.seed, extra_context_dim=text_encoder_2.config.hidden_size)
         dtype = frozen_text_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)
-        models.text_encoder_2 = text_encoder_2.requires_grad_(False).eval().to(self.device, dtype)
+        if cfg.text_encoder.train:  # both encoders train, in fp32, with the UNet's schedule (and LR unless set)
+            text_encoder_2.to(self.device, torch.float32).train().requires_grad_(True)
+            if cfg.gradient_checkpointing:
+                enable = (getattr(text_encoder_2, "activation_checkpointing_enable", None)
+                          or text_encoder_2.gradient_checkpointing_enable)
+                enable()
+            # The first encoder's last layer and final norm do not reach SDXL's conditioning (it reads the
+            # penultimate layer): frozen, so no gradient is ever waited for (DDP) or decayed to zero (AdamW).
+            core = models.text_encoder.text_model if hasattr(models.text_encoder, "text_model") else models.text_encoder
+            core.encoder.layers[-1].requires_grad_(False)
+            core.final_layer_norm.requires_grad_(False)
+            models.text_encoder_2 = text_encoder_2
+        else:
+            models.text_encoder_2 = text_encoder_2.requires_grad_(False).eval().to(self.device, dtype)
         models.tokenizer_2 = tokenizer_2
         unet = unwrap(models.unet)
         if unet.config.get("addition_embed_type") != "text_time":
@@ -135,6 +152,17 @@ class StableDiffusionXL(StableDiffusion):
     def tokenizers(self):
         return (self.models.tokenizer, self.models.tokenizer_2)
 
+    def trained_encoders(self) -> dict[str, torch.nn.Module]:
+        m = self.models
+        return {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2} if self.cfg.model.text_encoder.train else {}
+
+    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
+        groups = super().extra_param_groups(peak_lr, lr_scale)
+        o = self.cfg.optimizer
+        second = text_encoder_param_groups(self.models.text_encoder_2, self.cfg.model.text_encoder, peak_lr,
+                                           o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)
+        return groups + [dict(g, name="text_encoder_2") for g in second]
+
     def condition(self, batch: dict, validation: bool):
         dev = self.device
         res = self.cfg.dataset.params.resolution
@@ -145,8 +173,11 @@ class StableDiffusionXL(StableDiffusion):
                                  "were not made for SDXL (scripts/precompute_latents.py with an SDXL pipeline)")
             states = batch["encoder_hidden_states"].to(dev, non_blocking=True).float()
             return states, {"text_embeds": batch["pooled_text_embeds"].to(dev, non_blocking=True).float(), "time_ids": ids}
+        encoders = [self.models.text_encoder, self.models.text_encoder_2]
+        if not validation:  # the trained encoders as DDP wraps them (gradient hooks), else the modules
+            encoders = [self._encoders.get(n, e) for n, e in zip(("text_encoder", "text_encoder_2"), encoders)]
         states, pooled = encode_prompts(
-            self.models.text_encoder, self.models.text_encoder_2, batch["input_ids"].to(dev, non_blocking=True),
+            *encoders, batch["input_ids"].to(dev, non_blocking=True),
             batch["input_ids_2"].to(dev, non_blocking=True), int(self.models.tokenizer.eos_token_id),
         )
         return states, {"text_embeds": pooled, "time_ids": ids}
