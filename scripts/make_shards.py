@@ -26,7 +26,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 from PIL import Image
 
-from sd_training.data.sources import build_sources, read_image_path
+from sd_training.data import build_sources
+from sd_training.data.sources import read_image_path
 from sd_training.data.stats import Stats
 from sd_training.schema.dataset import DatasetConfig, canonical_type
 

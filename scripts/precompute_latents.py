@@ -442,8 +442,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse(sys.argv[1:] if argv is None else argv)
     from tqdm import tqdm
 
+    from sd_training.data import build_sources
     from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
-    from sd_training.data.sources import build_sources
     from sd_training.distributed import pick_device, probe_env
 
     layout = probe_env()

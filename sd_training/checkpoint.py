@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from . import distributed
+from .fields import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,6 @@ def check_writable(folder: Path, expected_bytes: int = 0) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        from .fields import ConfigError
-
         raise ConfigError(describe_write_error(probe, e).replace(str(probe), str(folder))) from None
     free = shutil.disk_usage(folder).free
     if expected_bytes and free < 2 * expected_bytes:

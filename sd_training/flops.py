@@ -33,6 +33,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .export import unwrap
+
 log = logging.getLogger(__name__)
 
 TERA = 1e12
@@ -186,8 +188,6 @@ def count_step_flops(
     """
     seq_len = seq_len or int(getattr(models.tokenizer, "model_max_length", 77))
     latent = latent_size_of(models.vae, resolution)
-    from .export import unwrap
-
     unet = unwrap(models.unet)
     return StepFlops(
         unet_forward=unet_forward_flops(unet, latent, seq_len),

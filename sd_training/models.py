@@ -21,6 +21,7 @@ import torch
 from .config import ModelConfig
 from .fields import ConfigError
 from .loading import load_component as _load
+from .text_encoders import build_text_encoder
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +205,6 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_co
 
     def kw(component):  # the revision applies to the pipeline, not to a component's own source
         return rev if getattr(cfg, component).pretrained is None else {}
-
-    from .text_encoders import build_text_encoder
 
     # Frozen (eval, no grad, in model.text_encoder.dtype) unless model.text_encoder.train; clip skip built in.
     text_encoder, tokenizer = build_text_encoder(

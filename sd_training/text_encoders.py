@@ -37,6 +37,7 @@ from .fields import ConfigError
 from .loading import load_component as _load
 from .optim import param_groups
 from .schema.text_encoder import TextEncoderConfig
+from .tiny import build_clip_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +225,6 @@ def apply_clip_skip(text_encoder, clip_skip: int):
 
 def open_clip_tokenizer(context_length: int = 77):
     """A ``CLIPTokenizer`` whose ids equal open_clip's ``tokenize`` (CLIP BPE, padded with id 0)."""
-    from .tiny import build_clip_tokenizer
-
     # The tokenizer keeps its vocabulary in memory: the folder it is read from can go.
     with tempfile.TemporaryDirectory(prefix="open_clip_tokenizer_") as tmp:
         tokenizer = build_clip_tokenizer(tmp, model_max_length=context_length)

@@ -17,12 +17,16 @@ import os
 from typing import Any, List
 
 from ..schema.dataset import DatasetConfig, DatasetConfigError, DatasetParams, TagParams, canonical_type, plain_config
+from .buckets import bucket_table
 from .checks import validate_dataset_config
+from .folders import FolderSource
+from .latents import LatentSampleProcessor, LatentShardSource, check_latent_sources
 from .loader import TrainLoader, describe
 from .samples import SampleProcessor
-from .sources import REMOTE, Source, build_sources
+from .sources import REMOTE, Source, WebDatasetSource, split_sources
 from .stats import log
 from .stream import Plan
+from .tables import CSVSource, ParquetSource
 
 __all__ = [
     "DatasetConfig",
@@ -74,6 +78,21 @@ def _check_local_units(kind: str, sources: List[Source]) -> None:
             )
 
 
+# dataset.type (canonical name) -> the reader of one '::'-separated path element
+READERS = {"WebDataset": WebDatasetSource, "latents": LatentShardSource, "parquet": ParquetSource, "CSV": CSVSource,
+           "folder": FolderSource}
+
+
+def build_sources(kind: str, params) -> List[Source]:
+    """The sources of ``dataset.params.path`` for ``dataset.type`` (canonical name)."""
+    specs = split_sources(params.path)
+    if not specs:
+        raise DatasetConfigError("dataset.params.path is empty")
+    if kind not in READERS:
+        raise DatasetConfigError(f"dataset.type={kind}: no reader")  # canonical_type() rejects it earlier
+    return [READERS[kind](s, params) for s in specs]
+
+
 def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: int, seed: int) -> TrainLoader:
     """The training loader of one rank (see :class:`TrainLoader` for batches, resume and stats).
 
@@ -116,8 +135,6 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
 
     latent_scale, latents_info = None, None
     if kind == "latents":
-        from .latents import LatentSampleProcessor, check_latent_sources
-
         latent_scale = check_latent_sources(sources, p)
         proc = LatentSampleProcessor(p, kind, tokenizer, sources)
         latents_info = next((s.info for s in sources if s.info is not None), None)
@@ -140,7 +157,5 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
     for line in describe(loader):
         log.info(line)
     if p.aspect_buckets:
-        from .buckets import bucket_table
-
         log.info("data: aspect buckets (w x h, ratio): %s", bucket_table(proc.buckets))
     return loader

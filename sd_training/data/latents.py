@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..schema.dataset import DatasetConfigError
+from ..text_encoders import CLIP_SKIP_KEY
 from .samples import SIZE_FIELDS, SampleProcessor
 from .sources import REMOTE, ShardError, WebDatasetSource, iter_tar_samples, open_stream
 from .stats import Stats, log
@@ -224,7 +225,6 @@ def check_latents_match(loader, vae, text_encoder=None, tokenizer=None, text_wid
                 int(text_width or text_encoder.config.hidden_size)]
         if list(info["text_shape"]) != want:
             problems.append(f"text embeddings of shape {info['text_shape']} (the run's text encoder: {want})")
-        from ..text_encoders import CLIP_SKIP_KEY
 
         have = max(int(info.get("clip_skip") or 0), 1)
         run = max(int(getattr(text_encoder.config, CLIP_SKIP_KEY, 0) or 0), 1)

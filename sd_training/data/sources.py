@@ -286,26 +286,3 @@ def read_image_path(path: str, timeout: float) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
 
-
-def build_sources(kind: str, params) -> List[Source]:
-    """The sources of ``dataset.params.path`` for ``dataset.type`` (canonical name)."""
-    specs = split_sources(params.path)
-    if not specs:
-        raise DatasetConfigError("dataset.params.path is empty")
-    if kind == "WebDataset":
-        return [WebDatasetSource(s, params) for s in specs]
-    if kind == "latents":
-        from .latents import LatentShardSource
-
-        return [LatentShardSource(s, params) for s in specs]
-    if kind in ("parquet", "CSV"):
-        from .tables import CSVSource, ParquetSource
-
-        cls = ParquetSource if kind == "parquet" else CSVSource
-        return [cls(s, params) for s in specs]
-    if kind == "folder":
-        from .folders import FolderSource
-
-        return [FolderSource(s, params) for s in specs]
-    raise DatasetConfigError(f"dataset.type={kind}: no reader")  # canonical_type() rejects it earlier
-

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..export import read_prompts
 from .clip_score import ClipScorer, prompts_for
 from .fid import InceptionFeatures, compute_fid, image_files, reference_stats
 
@@ -45,8 +46,6 @@ class EvalSettings:
 
 def evaluate_images(files: list[Path], settings: EvalSettings, progress: bool = False) -> dict:
     """FID and CLIP score of the image files (all ranks pass the same list; the work is split)."""
-    from ..export import read_prompts
-
     metrics: dict = {"eval/num_images": len(files)}
     device = torch.device(settings.device)
     if settings.wants_fid:
