@@ -75,7 +75,7 @@ def test_time_ids_are_original_crop_target_per_sample():
 
 
 @pytest.mark.slow
-def test_sdxl_trains_validates_exports_samples_in_bf16_with_workers(sdxl_pipeline, shapes_shards, tmp_path):
+def test_sdxl_trains_validates_exports_samples_in_bf16_with_workers_v_prediction(sdxl_pipeline, shapes_shards, tmp_path):
     from diffusers import StableDiffusionXLPipeline
 
     prompts = tmp_path / "prompts.txt"
@@ -85,6 +85,7 @@ def test_sdxl_trains_validates_exports_samples_in_bf16_with_workers(sdxl_pipelin
         experiment__num_examples_to_see=16, experiment__save_every=2, model__use_ema="true",
         validation__path=shapes_shards, validation__num_batches=1, experiment__num_eval_images=2,
         experiment__eval_caption_file=str(prompts), dataset__params__caption_dropout=0.5,
+        objective__prediction_type="v_prediction", objective__loss_weighting="min_snr",
     ))
     out = main(cfg)
     run = tmp_path / "runs" / "xl"
@@ -98,6 +99,9 @@ def test_sdxl_trains_validates_exports_samples_in_bf16_with_workers(sdxl_pipelin
     for folder in ("current_pipeline", "current_pipeline_ema"):
         index = json.loads((run / folder / "model_index.json").read_text())
         assert index["_class_name"] == "StableDiffusionXLPipeline"
+        # The objective's parameterisation reaches the exported (Euler) scheduler: it samples as it trained.
+        assert json.loads((run / folder / "scheduler" / "scheduler_config.json").read_text())["prediction_type"] == \
+            "v_prediction"
         pipe = StableDiffusionXLPipeline.from_pretrained(run / folder)  # plain diffusers, offline
         image = pipe("a red circle", height=64, width=64, num_inference_steps=2,
                      generator=torch.Generator().manual_seed(0)).images[0]
