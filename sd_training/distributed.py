@@ -196,3 +196,12 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity (what SLURM's task binding, taskset or a cgroup cpuset
+    leave it), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1

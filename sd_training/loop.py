@@ -98,10 +98,17 @@ class Trainer(RunOutputs):
         if info.is_main:
             for path in repair_swaps(self.run_dir.root, self.run_dir.root / "pipelines"):
                 log.warning("restored %s from the previous export (a kill interrupted its replacement)", path)
+        cpus = distributed.usable_cpus()
         log.info(
-            "launcher=%s world_size=%d device=%s global_batch=%d total_steps=%d",
-            info.launcher, info.world_size, self.device, self.plan.global_batch, self.plan.total_steps,
+            "launcher=%s world_size=%d device=%s cpus=%d global_batch=%d total_steps=%d",
+            info.launcher, info.world_size, self.device, cpus, self.plan.global_batch, self.plan.total_steps,
         )
+        if cfg.system.workers + 1 > cpus:
+            log.warning(
+                "this process may run on %d CPU(s) but starts %d loader worker(s) besides the trainer: the loader "
+                "will starve the %s. Give each task more CPUs (SLURM: --cpus-per-task, which srun since 22.05 "
+                "only applies with SRUN_CPUS_PER_TASK exported, as batch_files/ do) or lower system.workers",
+                cpus, cfg.system.workers, self.device.type.upper() if self.device.type == "cuda" else "step")
 
     def _build_model(self) -> None:
         """The family's components (seeded), init_from, the EMA, the precision and the strategy's wrapper."""

@@ -164,6 +164,7 @@ class SlurmCluster:
         cpus: int = 2,
         partition: str = "debug",
         start_timeout: float = 30.0,
+        task_plugin: str = "task/none",
     ):
         if nodes < 1:
             raise ValueError("nodes must be >= 1")
@@ -172,6 +173,7 @@ class SlurmCluster:
         self.cpus = cpus
         self.partition = partition
         self.start_timeout = start_timeout
+        self.task_plugin = task_plugin
         self.conf = self.workdir / "slurm.conf"
         self.log_dir = self.workdir / "log"
         self.run_dir = self.workdir / "run"
@@ -268,9 +270,10 @@ class SlurmCluster:
             f"SlurmdLogFile={self.log_dir / 'slurmd-%n.log'}",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
-            # No cgroups in a container: track job processes by parentage, bind nothing.
+            # No cgroups in a container: track job processes by parentage. task/affinity binds each task
+            # to its CPUs with sched_setaffinity (what a user's cluster does with task/affinity or cgroup).
             "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
+            f"TaskPlugin={self.task_plugin}",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "JobAcctGatherType=jobacct_gather/none",
@@ -564,7 +567,10 @@ def _cluster_fixture(nodes: int, tmp_path_factory):
     reason = missing_requirements(nodes)
     if reason:
         _skip_or_fail(reason)
-    with SlurmCluster(tmp_path_factory.mktemp(f"slurm{nodes}n"), nodes=nodes, cpus=2) as cluster:
+    # One node: tasks are bound to their CPUs (task/affinity), as on a production cluster. Two nodes on one
+    # 2-core machine share its cores, so binding there would pin both nodes' tasks to the same CPU ids.
+    plugin = "task/affinity" if nodes == 1 else "task/none"
+    with SlurmCluster(tmp_path_factory.mktemp(f"slurm{nodes}n"), nodes=nodes, cpus=2, task_plugin=plugin) as cluster:
         yield cluster
 
 

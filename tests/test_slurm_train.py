@@ -55,6 +55,11 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_final_step(slurm_cluster, t
     log = slurm_cluster.job_output(job)
     assert info["Restarts"] == "1", log[-3000:]
     assert "requeued SLURM job" in log and "resumed from" in log, log[-3000:]
+    # Each of the 2 tasks is bound to its --cpus-per-task (1 here, of the node's 2) and says so at start-up.
+    for rank, path in ((0, run / "train.log"), (1, run / "logs" / "rank_1.log")):
+        text = path.read_text()
+        assert f"[rank {rank}] INFO sd_training.loop: launcher=srun world_size=2 device=cpu cpus=1 " in text
+        assert "may run on 1 CPU(s) but starts 2 loader worker(s)" in text  # the starved loader is named
     saved = complete_steps(run / "checkpoints")
     assert saved[-1] == total and len(saved) == 2, saved  # the USR1 checkpoint was kept, the final one added
     assert saved[0] < total
