@@ -20,8 +20,8 @@ Asynchronous saves (``experiment.checkpoint_async``): the step waits only while 
 host memory (pinned buffers reused from save to save); a background thread writes the files. Rank 0's
 thread declares the folder complete once every rank's ``rank_<R>.pt`` is on disk (it watches the
 folder, so no collective runs outside the training thread). One save is in flight at a time; the loop
-waits for it before the next save, before a requeue and at the end. Sharded (FSDP) state is written
-synchronously: its writer is itself a collective.
+waits for it before the next save, before a requeue and at the end. Sharded (FSDP) state goes through
+DCP's ``async_save`` (staged before it returns); a rank's file is written once its shards are on disk.
 """
 
 from __future__ import annotations
@@ -218,6 +218,9 @@ class Checkpointer:
         then :meth:`wait` says when).
 
         ``write_sharded(folder)``, when given, is called on every rank to write sharded state (FSDP: DCP).
+        Asynchronous, it returns a future (DCP's ``async_save``: staged on return, written in the background);
+        this rank's file is written only once the future is done, so rank 0 completes the folder after
+        every rank's shards are on disk.
         """
         t0 = time.perf_counter()
         self.wait()  # one save at a time: the previous one is complete (or its error raised) first
@@ -229,7 +232,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         distributed.barrier()  # the folder exists before any rank writes into it
         state_json = json.dumps({**train_state, "checkpoint_files": sorted(shared)}, indent=1)
-        if not self.asynchronous or write_sharded is not None:
+        if not self.asynchronous:
             _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
             if write_sharded is not None:
                 write_sharded(tmp / "sharded")
@@ -242,12 +245,13 @@ class Checkpointer:
             distributed.barrier()
             self.last_stall_s = time.perf_counter() - t0
             return final
+        sharded = write_sharded(tmp / "sharded") if write_sharded is not None else None  # a future
         both = self._snapshot.take({"shared": shared if rank == 0 else {}, "rank": per_rank})
         shared_copy, rank_copy = both["shared"], both["rank"]
         world = distributed.world_size()
         self._writer = threading.Thread(
             target=self._write_async, name=f"checkpoint-{step}",
-            args=(tmp, final, rank, world, shared_copy, rank_copy, state_json, config_yaml, t0),
+            args=(tmp, final, rank, world, shared_copy, rank_copy, state_json, config_yaml, t0, sharded),
         )
         self._writer.start()
         self.last_stall_s = time.perf_counter() - t0
@@ -268,9 +272,11 @@ class Checkpointer:
         self._retain()
 
     def _write_async(self, tmp: Path, final: Path, rank: int, world: int, shared: dict, per_rank: dict,
-                     state_json: str, config_yaml: str, t0: float) -> None:
+                     state_json: str, config_yaml: str, t0: float, sharded=None) -> None:
         try:
             self._snapshot.ready()
+            if sharded is not None:
+                sharded.result()  # this rank's shards (and, on rank 0, DCP's metadata) are on disk
             _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
             if rank != 0:
                 return

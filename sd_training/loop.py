@@ -561,7 +561,8 @@ class Trainer(RunOutputs):
         write_sharded = None
         if self.strategy.sharded:
             state = self.strategy.sharded_state(self.net, self.optimizer, self.ema.shadow if self.ema else None)
-            write_sharded = lambda folder: self.strategy.save_sharded(state, folder)  # noqa: E731
+            save = self.strategy.save_sharded_async if self.checkpointer.asynchronous else self.strategy.save_sharded
+            write_sharded = lambda folder: save(state, folder)  # noqa: E731
         self.checkpointer.save(
             self.state.step, shared, per_rank, self.state.state_dict(), self.config_yaml, self.info.rank, write_sharded
         )

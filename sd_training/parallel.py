@@ -38,6 +38,7 @@ class Strategy:
         self.device = device
         self.param_dtype = param_dtype
         self.cfg = dist_cfg
+        self._save_group = None  # gloo group of asynchronous sharded saves (created at the first one)
 
     @property
     def sharded(self) -> bool:
@@ -119,6 +120,17 @@ class Strategy:
         import torch.distributed.checkpoint as dcp
 
         dcp.save(state, checkpoint_id=str(folder))
+
+    def save_sharded_async(self, state: dict, folder: Path):
+        """DCP's ``async_save``: the shards are staged to CPU memory before it returns (training may change
+        the weights at once), then written by a background thread; returns the future. Its collectives run
+        on a gloo group of their own, so they never interleave with training's (NCCL) collectives."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")  # collective: every rank, first async save
+        return dcp.async_save(state, checkpoint_id=str(folder), process_group=self._save_group)
 
     def load_sharded(self, folder: Path, net, optimizer, ema_shadow) -> None:
         import torch.distributed.checkpoint as dcp

@@ -128,6 +128,8 @@ def test_sdxl_fsdp_two_ranks_kill_and_resume_is_bit_identical(tmp_path, sdxl_pip
     for name in ("unet", "ema", "optimizer", "lr_scheduler"):
         assert_same(a[name], b[name], name)
     assert ta["step"] == tb["step"] == N
+    # FSDP saves are asynchronous (DCP async_save): the log says how long training waited.
+    assert "training waited" in (run / "train.log").read_text()
     # The memory plan at start-up: this run's strategy, each rank holding half of the trained state.
     plan = json.loads((run / "memory_plan.json").read_text())
     rows = {r["strategy"]: r for r in plan["rows"]}
