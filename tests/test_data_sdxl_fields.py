@@ -16,7 +16,7 @@ from PIL import Image
 from sd_training.data import build_train_loader
 from sd_training.data.buckets import assign_bucket, make_buckets
 from sd_training.data.latents import npy_bytes
-from sd_training.data.transforms import EXIF_ORIENTATION, decode_cropped, decode_resized, open_image
+from sd_training.data.transforms import EXIF_ORIENTATION, decode_cropped, open_image
 
 RES = 32
 
@@ -125,13 +125,17 @@ def test_random_crop_corners_vary_stay_in_range_and_follow_the_flip_rule(tmp_pat
                 assert abs(red - _red_of_first_column(x, is_flipped)) < 4, (x, is_flipped, red)
 
 
-def test_reading_the_corner_draws_no_extra_random_numbers():
-    # decode_cropped and decode_resized draw the same numbers from the crop generator (two integers).
+def test_the_crop_corner_comes_from_the_generator_alone():
+    """A center crop draws nothing; a random crop is a function of the generator (same seed: same corner,
+    same pixels, same generator state after), so resume replays it."""
     img_bytes = gradient_png(100, 60)
+    r0 = np.random.default_rng(5)
+    decode_cropped(open_image(img_bytes), RES, RES, center_crop=True, flip=False, rng=r0)
+    assert r0.random() == np.random.default_rng(5).random()
     r1, r2 = np.random.default_rng(5), np.random.default_rng(5)
     d = decode_cropped(open_image(img_bytes), RES, RES, center_crop=False, flip=False, rng=r1)
-    px = decode_resized(open_image(img_bytes), RES, RES, center_crop=False, flip=False, rng=r2)
-    assert np.array_equal(d.pixels, px) and r1.random() == r2.random()
+    e = decode_cropped(open_image(img_bytes), RES, RES, center_crop=False, flip=False, rng=r2)
+    assert np.array_equal(d.pixels, e.pixels) and d.crop_top_left == e.crop_top_left and r1.random() == r2.random()
     y, x = d.crop_top_left
     assert y == 0 and 0 <= x <= 21 and d.original_size == (60, 100)
 

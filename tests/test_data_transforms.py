@@ -14,7 +14,7 @@ from PIL import Image, JpegImagePlugin
 from sd_training.data.buckets import assign_bucket, make_buckets
 from sd_training.data.captions import CaptionAugment, shuffle_tags
 from sd_training.data.synthetic import shape_sample, write_shapes_shards
-from sd_training.data.transforms import decode_resized, open_image
+from sd_training.data.transforms import decode_cropped, open_image
 
 
 def _tar_of(tmp_path, n, caption="a, b, c, d, e, f", size=(40, 40), name="c.tar"):
@@ -96,11 +96,11 @@ def test_fast_decode_uses_jpeg_draft_and_matches_full_decode(monkeypatch):
 
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
     t = time.perf_counter()
-    fast = decode_resized(open_image(data), 256, 256, center_crop=True, flip=False, rng=None, fast_decode=True)
+    fast = decode_cropped(open_image(data), 256, 256, center_crop=True, flip=False, rng=None, fast_decode=True).pixels
     t_fast = time.perf_counter() - t
     assert calls == [(341, 256)]  # asked for the cover size; libjpeg decodes at 1/2 (512x384)
     t = time.perf_counter()
-    full = decode_resized(open_image(data), 256, 256, center_crop=True, flip=False, rng=None, fast_decode=False)
+    full = decode_cropped(open_image(data), 256, 256, center_crop=True, flip=False, rng=None, fast_decode=False).pixels
     t_full = time.perf_counter() - t
     assert len(calls) == 1 and fast.shape == full.shape == (256, 256, 3)
     assert np.abs(fast.astype(int) - full.astype(int)).mean() < 3.0
@@ -153,13 +153,13 @@ def test_16_bit_greyscale_is_rescaled_not_clipped_to_white():
     import numpy as np
     from PIL import Image
 
-    from sd_training.data.transforms import decode_resized, open_image
+    from sd_training.data.transforms import decode_cropped, open_image
 
     buf = io.BytesIO()
     Image.fromarray(np.full((16, 16), 32768, dtype=np.uint16)).save(buf, format="PNG")
     img = open_image(buf.getvalue())
     assert img.mode.startswith("I")
-    out = decode_resized(img, 16, 16, center_crop=True, flip=False, rng=None)
+    out = decode_cropped(img, 16, 16, center_crop=True, flip=False, rng=None).pixels
     assert out.shape == (16, 16, 3) and abs(int(out.mean()) - 128) <= 1
 
 
@@ -172,7 +172,7 @@ def test_exif_orientation_is_applied(orientation):
     import numpy as np
     from PIL import Image
 
-    from sd_training.data.transforms import _TRANSPOSES, decode_resized, open_image
+    from sd_training.data.transforms import _TRANSPOSES, decode_cropped, open_image
 
     shown = np.zeros((64, 32, 3), dtype=np.uint8)  # portrait as shown: red top half, blue bottom half
     shown[:32, :, 0] = 255
@@ -185,7 +185,7 @@ def test_exif_orientation_is_applied(orientation):
     exif[0x0112] = orientation
     buf = io.BytesIO()
     stored.save(buf, format="JPEG", quality=95, exif=exif.tobytes())
-    out = decode_resized(open_image(buf.getvalue()), 32, 64, center_crop=True, flip=False, rng=None)
+    out = decode_cropped(open_image(buf.getvalue()), 32, 64, center_crop=True, flip=False, rng=None).pixels
     assert out.shape == (64, 32, 3)
     assert out[:24, :, 0].mean() > 200 and out[:24, :, 2].mean() < 60  # red on top
     assert out[40:, :, 2].mean() > 200 and out[40:, :, 0].mean() < 60  # blue below

@@ -113,20 +113,6 @@ def _orientation(img: Image.Image) -> int:
         raise ImageError("corrupt_image", f"decode failed ({exn})") from exn
 
 
-def decode_resized(
-    img: Image.Image,
-    out_w: int,
-    out_h: int,
-    *,
-    center_crop: bool,
-    flip: bool,
-    rng: Optional[np.random.Generator],
-    fast_decode: bool = True,
-) -> np.ndarray:
-    """The pixels of :func:`decode_cropped` (uint8 HxWx3), for callers that need no crop geometry."""
-    return decode_cropped(img, out_w, out_h, center_crop=center_crop, flip=flip, rng=rng, fast_decode=fast_decode).pixels
-
-
 def decode_cropped(
     img: Image.Image,
     out_w: int,
