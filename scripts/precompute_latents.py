@@ -357,7 +357,8 @@ class ShardWriter:
 PROVENANCE = ("input", "vae_source", "text_encoder_source", "batch_size", "workers", "device")
 
 
-def make_info(args, vae, fingerprint: str, names: List[str], text_shape, pooled_shape=None) -> Dict[str, Any]:
+def make_info(args, vae, fingerprint: str, names: List[str], encoder: Optional[CaptionEncoder], text_shape,
+              pooled_shape=None) -> Dict[str, Any]:
     from sd_training.data.latents import EMPTY_TEXT_FILE, FORMAT, FORMAT_VERSION
 
     cfg = vae.config
@@ -382,7 +383,7 @@ def make_info(args, vae, fingerprint: str, names: List[str], text_shape, pooled_
         "text_shape": list(text_shape) if text_shape else None,
         "pooled_shape": list(pooled_shape) if pooled_shape else None,
         # None for SD (folders written before SDXL support resume unchanged)
-        "text_family": "sdxl" if args.text_embeddings and pipeline_family(args) == "sdxl" else None,
+        "text_family": "sdxl" if encoder is not None and encoder.family == "sdxl" else None,
         "clip_skip": args.clip_skip if args.text_embeddings else None,
         "empty_text_file": EMPTY_TEXT_FILE if args.text_embeddings else None,
         "shards": names,
@@ -463,7 +464,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     empty = empty[0] if empty is not None else None
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    info = make_info(args, vae, fingerprint, names, empty.shape if empty is not None else None,
+    info = make_info(args, vae, fingerprint, names, encoder, empty.shape if empty is not None else None,
                      empty_pooled.shape[1:] if empty_pooled is not None else None)
     check_settings(out / INFO_FILE, info)
     if rank == 0:

@@ -24,7 +24,7 @@ from omegaconf.errors import (
 )
 
 from .fields import ConfigError, f
-from .schema.dataset import DatasetConfig
+from .schema.dataset import DatasetConfig, is_latent_type
 from .schema.objective import ObjectiveConfig
 from .schema.text_encoder import TextEncoderConfig
 from .schema.vae_training import VAEObjectiveConfig
@@ -526,7 +526,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("model.vae.dtype", cfg.model.vae.dtype, ("auto", "fp32", "bf16", "fp16"))
     _choice("model.train_target", cfg.model.train_target, ("unet", "vae"))
     _choice("model.vae.latent_sampling", cfg.model.vae.latent_sampling, ("sample", "mean"))
-    latents = cfg.dataset.type.lower() in ("latents", "latent")
+    latents = is_latent_type(cfg.dataset.type)
     if latents and getattr(cfg.dataset.params, "text_embeddings", False) and cfg.model.text_encoder.train:
         raise ConfigError("dataset.params.text_embeddings=true cannot train the text encoder (model.text_encoder.train)")
     _choice("model.ema.device", cfg.model.ema.device, ("auto", "cpu"))

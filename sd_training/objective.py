@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .fields import ConfigError
 from .schema.objective import ObjectiveConfig
+from .text_encoders import text_model_of
 
 log = logging.getLogger(__name__)
 
@@ -151,14 +152,6 @@ def encode_images(vae, pixel_values: torch.Tensor, scale: float, mean: bool = Fa
     return (dist.mean if mean else dist.sample()) * scale
 
 
-def _core(text_encoder):
-    """The module holding ``final_layer_norm``, under DDP / compile wrappers and across transformers 4 and 5."""
-    te = text_encoder
-    while hasattr(te, "module") or hasattr(te, "_orig_mod"):  # DistributedDataParallel / torch.compile
-        te = getattr(te, "module", None) or te._orig_mod
-    return te.text_model if hasattr(te, "text_model") else te  # transformers 4 nests it in .text_model
-
-
 def encode_text(text_encoder, input_ids: torch.Tensor, clip_skip: int = 0) -> torch.Tensor:
     """Token ids -> the hidden states the UNet cross-attends to (float32).
 
@@ -181,7 +174,7 @@ def encode_text(text_encoder, input_ids: torch.Tensor, clip_skip: int = 0) -> to
             states = out[2]  # (last_hidden_state, pooler_output, hidden_states): embeddings + one per layer
             if clip_skip >= len(states):
                 raise ValueError(f"clip_skip={clip_skip} but the text encoder has only {len(states) - 1} layers")
-            hidden = _core(text_encoder).final_layer_norm(states[-clip_skip])
+            hidden = text_model_of(text_encoder).final_layer_norm(states[-clip_skip])
     # A frozen encoder stored in fp16/bf16 (model.text_encoder.dtype) must not hand the fp32 UNet a
     # half tensor outside autocast. A no-op for fp32 encoders.
     return hidden.float()

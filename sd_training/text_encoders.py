@@ -33,6 +33,7 @@ import tempfile
 
 import torch
 
+from .export import unwrap
 from .fields import ConfigError
 from .loading import load_component as _load
 from .optim import param_groups
@@ -158,18 +159,8 @@ def build_text_encoder(
     apply_clip_skip(text_encoder, cfg.clip_skip)
     _set_max_length(tokenizer, text_encoder, cfg.max_length)
 
-    if cfg.train:
-        text_encoder.to(device=device, dtype=torch.float32)
-        text_encoder.requires_grad_(True)
-        text_encoder.train()
-        if gradient_checkpointing:
-            # transformers 5 renamed it; the old name still works there but warns.
-            enable = getattr(text_encoder, "activation_checkpointing_enable", None) or text_encoder.gradient_checkpointing_enable
-            enable()
-    else:
-        text_encoder.requires_grad_(False)
-        text_encoder.eval()
-        text_encoder.to(device=device, dtype=frozen_text_dtype(cfg.dtype, mixed_precision))
+    place_text_encoder(text_encoder, device, cfg.train, gradient_checkpointing,
+                       frozen_text_dtype(cfg.dtype, mixed_precision))
     log.info(
         "text encoder: %s, %d layers (clip_skip %d), hidden size %d, max_length %d, %s",
         cfg.type, text_encoder.config.num_hidden_layers, cfg.clip_skip, text_encoder.config.hidden_size,
@@ -190,9 +181,29 @@ def _set_max_length(tokenizer, text_encoder, max_length: int | None) -> None:
     tokenizer.model_max_length = max_length
 
 
-def _core(text_encoder):
-    """The module that holds ``embeddings`` / ``encoder`` / ``final_layer_norm`` (transformers 4 nests them)."""
-    return text_encoder.text_model if hasattr(text_encoder, "text_model") else text_encoder
+def text_model_of(text_encoder):
+    """The module that holds ``embeddings`` / ``encoder`` / ``final_layer_norm``, under DDP / compile
+    wrappers and across transformers 4 (which nests them in ``.text_model``) and 5."""
+    te = unwrap(text_encoder)
+    return te.text_model if hasattr(te, "text_model") else te
+
+
+def place_text_encoder(text_encoder, device: torch.device, train: bool, gradient_checkpointing: bool,
+                       frozen_dtype: torch.dtype) -> None:
+    """Trained: fp32, train mode, requiring grad (with gradient checkpointing if asked). Frozen: eval,
+    no grad, in ``frozen_dtype``. On ``device`` either way."""
+    if train:
+        text_encoder.to(device=device, dtype=torch.float32)
+        text_encoder.requires_grad_(True)
+        text_encoder.train()
+        if gradient_checkpointing:
+            # transformers 5 renamed it; the old name still works there but warns.
+            enable = getattr(text_encoder, "activation_checkpointing_enable", None) or text_encoder.gradient_checkpointing_enable
+            enable()
+    else:
+        text_encoder.requires_grad_(False)
+        text_encoder.eval()
+        text_encoder.to(device=device, dtype=frozen_dtype)
 
 
 def apply_clip_skip(text_encoder, clip_skip: int):
@@ -211,7 +222,7 @@ def apply_clip_skip(text_encoder, clip_skip: int):
             f"'model.text_encoder.clip_skip' is {clip_skip} but this text encoder was saved with clip_skip {baked} "
             f"applied ({CLIP_SKIP_KEY} in its config.json): its last layers are gone. Use clip_skip {baked} (or 0: as is)"
         )
-    core = _core(text_encoder)
+    core = text_model_of(text_encoder)
     layers = list(core.encoder.layers)
     drop = clip_skip - baked
     if drop >= len(layers):
@@ -356,7 +367,7 @@ def clip_text_model_from_open_clip(model: torch.nn.Module):
         pad_token_id=0,
     )
     te = CLIPTextModel(config).float()
-    core = _core(te)
+    core = text_model_of(te)
     written: set[int] = set()
 
     def put(dst: torch.nn.Parameter, src: torch.Tensor | None) -> None:

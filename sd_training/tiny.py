@@ -144,11 +144,7 @@ SD_SCHEDULER = dict(
 # crop ids (8 channels each) in the added embedding: 64 + 6 x 8 = 112.
 TINY_TEXT_ENCODER_2 = dict(TINY_TEXT_ENCODER, pad_token_id=0)
 TINY_SDXL_UNET = dict(
-    sample_size=8,
-    in_channels=4,
-    out_channels=4,
-    layers_per_block=1,
-    block_out_channels=(64, 128, 256),
+    TINY_UNET,  # the same sizes; SDXL's block order, linear projections and added conditioning
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
     up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
     cross_attention_dim=TINY_TEXT_ENCODER["hidden_size"] + TINY_TEXT_ENCODER_2["hidden_size"],
@@ -158,17 +154,11 @@ TINY_SDXL_UNET = dict(
     addition_embed_type="text_time",
     addition_time_embed_dim=8,
     projection_class_embeddings_input_dim=TINY_TEXT_ENCODER_2["projection_dim"] + 6 * 8,
-    norm_num_groups=32,
 )
-# SDXL's scheduler: Euler with "leading" spacing; the same betas as SD.
+# SDXL's scheduler: Euler with "leading" spacing; SD's betas (Euler takes no clip_sample / set_alpha_to_one).
 SDXL_SCHEDULER = dict(
-    num_train_timesteps=1000,
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    steps_offset=1,
+    {k: v for k, v in SD_SCHEDULER.items() if k not in ("clip_sample", "set_alpha_to_one")},
     timestep_spacing="leading",
-    prediction_type="epsilon",
 )
 SDXL_SCALING_FACTOR = 0.13025
 FAMILIES = ("sd", "sdxl")

@@ -40,6 +40,7 @@ import torch
 
 from .data.transforms import unit_range
 from .fields import ConfigError
+from .schema.dataset import is_latent_type
 from .schema.objective import ObjectiveConfig
 from .schema.vae_training import VAEObjectiveConfig
 
@@ -346,7 +347,7 @@ __all__ = [
 def validate_vae_stage(cfg) -> None:
     """The run-level checks of ``model.train_target=vae`` (``cfg``: the whole ``TrainConfig``)."""
     validate_vae_objective_config(cfg.vae_training)
-    if cfg.dataset.type.lower() in ("latents", "latent"):
+    if is_latent_type(cfg.dataset.type):
         raise ConfigError("model.train_target=vae needs images: dataset.type=latents holds no pixels")
     if cfg.objective != ObjectiveConfig():
         raise ConfigError("the 'objective' section applies to UNet training; remove it for model.train_target=vae")

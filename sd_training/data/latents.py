@@ -219,8 +219,6 @@ def check_latents_match(loader, vae, text_encoder=None, tokenizer=None, text_wid
     if int(info["latent_channels"]) != int(vae.config.latent_channels):
         problems.append(f"{info['latent_channels']} latent channels (the run's VAE: {vae.config.latent_channels})")
     if loader.proc.text_embeddings and text_encoder is not None:
-        if isinstance(tokenizer, (tuple, list)):  # SDXL's pair: the shards hold the first encoder's embeddings
-            tokenizer = tokenizer[0] if tokenizer else None
         want = [int(tokenizer.model_max_length) if tokenizer is not None else int(info["text_shape"][0]),
                 int(text_width or text_encoder.config.hidden_size)]
         if list(info["text_shape"]) != want:

@@ -63,13 +63,6 @@ def detect(cfg: ModelConfig, must: bool = True) -> str | None:
                       "set model.family if it is one of them under another name")
 
 
-def family_class(cfg: TrainConfig, must: bool = True) -> type[Family] | None:
-    name = detect(cfg.model, must)
-    if name is None:
-        return None
-    return Autoencoder if cfg.model.train_target == "vae" else FAMILIES[name]
-
-
 def validate(cfg: TrainConfig) -> None:
     """The family's config checks, when the family is known before start-up (else at start-up)."""
     if cfg.model.train_target == "vae":
@@ -90,4 +83,4 @@ def create(cfg: TrainConfig, device: torch.device, seed: int, is_main: bool) -> 
     return pipeline_family(cfg, device, seed, is_main)
 
 
-__all__ = ["FAMILIES", "Family", "LossOut", "SampleSettings", "create", "detect", "validate", "family_class"]
+__all__ = ["FAMILIES", "Family", "LossOut", "SampleSettings", "create", "detect", "validate"]

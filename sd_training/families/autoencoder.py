@@ -113,5 +113,4 @@ class Autoencoder(Family):
         return {"vae/scaling_factor": scale}
 
     def sample_image(self, net, settings: SampleSettings) -> Image.Image:
-        net = net if next(net.parameters()).device == self.device else net.to(self.device)
         return reconstruction_grid(net, self.fixed_images.to(self.device))

@@ -9,6 +9,7 @@ are made, and its FLOPs per image for MFU.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,8 +40,9 @@ class SampleSettings(NamedTuple):
     dtype: torch.dtype | None  # autocast dtype of sampling (None: fp32)
 
 
-class Family:
-    """One model family, built for one run. Subclasses set the class attributes and implement the methods."""
+class Family(abc.ABC):
+    """One model family, built for one run. Subclasses set the class attributes and implement the abstract
+    methods (a family missing one cannot be instantiated)."""
 
     name = ""  # the model.family value
     net_name = "unet"  # the trained module's name in checkpoints, init_from and logs
@@ -88,15 +90,15 @@ class Family:
         return []
 
     # -- the step ---------------------------------------------------------------------------------
+    @abc.abstractmethod
     def loss(self, model: torch.nn.Module, batch: dict, autocast: contextlib.AbstractContextManager,
              fixed: dict | None = None, validation: bool = False) -> LossOut:
         """Forward of one micro-batch through ``model`` (the wrapped loss module). ``fixed``: given noise
         and timesteps (validation). The trainer back-propagates ``loss``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def validation_batch(self, batch: dict, generator: torch.Generator, index: int) -> dict:
         """A held-out batch made deterministic once (fixed latents, noise, timesteps), kept on the CPU."""
-        raise NotImplementedError
 
     def check_data(self, loader) -> None:
         """Refuse data made for other models (latent shards of another VAE or text encoder)."""
@@ -106,15 +108,16 @@ class Family:
         return None
 
     # -- artifacts --------------------------------------------------------------------------------
+    @abc.abstractmethod
     def export(self, net: torch.nn.Module, out: Path) -> dict:
         """Write the diffusers pipeline with ``net`` to ``out`` (atomically); returns metrics to log."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def sample_image(self, net: torch.nn.Module, settings: SampleSettings) -> Image.Image | None:
         """The sample grid (or reconstructions) of ``net`` at this step; None: nothing to show."""
-        raise NotImplementedError
 
     def eval_images(self, net: torch.nn.Module, settings: SampleSettings, n: int, out: Path, rank: int,
                     world_size: int) -> list[Path]:
-        """Images ``rank``, ``rank + world_size``, ... of ``n`` eval images from ``settings.prompts``."""
-        raise NotImplementedError
+        """Images ``rank``, ``rank + world_size``, ... of ``n`` eval images from ``settings.prompts``.
+        Called only when ``makes_eval_images``; a family without eval images makes none."""
+        return []

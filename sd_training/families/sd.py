@@ -21,16 +21,14 @@ from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid
 from ..flops import StepFlops, count_step_flops
 from ..models import build_models
 from ..objective import configure_schedulers, diffusion_loss, encode_images, encode_text
+from ..schema.dataset import is_latent_type
 from ..text_encoders import text_encoder_for_pipeline, text_encoder_param_groups
 from .base import Family, LossOut, SampleSettings
 
 log = logging.getLogger(__name__)
 
-LATENT_TYPES = ("latents", "latent")
-
-
 def is_latent_data(cfg: TrainConfig) -> bool:
-    return cfg.dataset.type.lower() in LATENT_TYPES
+    return is_latent_type(cfg.dataset.type)
 
 
 def diffusers_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:
@@ -94,8 +92,6 @@ class StableDiffusion(Family):
         )
         self.net = unwrap(self.models.unet)
         self.loss_module = self.net
-        if cfg.model.text_encoder.train:
-            self._encoders = {"text_encoder": self.models.text_encoder}
 
     def build_models(self):
         return build_models(self.cfg.model, self.device, seed=self.seed)

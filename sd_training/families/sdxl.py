@@ -32,7 +32,13 @@ from ..fields import ConfigError
 from ..flops import StepFlops, count_step_flops, text_encode_flops
 from ..loading import load_component
 from ..models import build_models
-from ..text_encoders import frozen_text_dtype, text_encoder_for_pipeline, text_encoder_param_groups
+from ..text_encoders import (
+    frozen_text_dtype,
+    place_text_encoder,
+    text_encoder_for_pipeline,
+    text_encoder_param_groups,
+    text_model_of,
+)
 from .sd import StableDiffusion, is_latent_data
 
 log = logging.getLogger(__name__)
@@ -106,27 +112,25 @@ class StableDiffusionXL(StableDiffusion):
         src, kw = source("text_encoder_2")
         if src is None:
             raise ConfigError("SDXL's second text encoder has no source: set model.pretrained or model.text_encoder_2.pretrained")
-        text_encoder_2 = load_component(CLIPTextModelWithProjection.from_pretrained, src, "text_encoder_2",
-                                        "model.text_encoder_2.pretrained", **kw)
+        def load_text_encoder_2() -> torch.nn.Module:
+            return load_component(CLIPTextModelWithProjection.from_pretrained, src, "text_encoder_2",
+                                  "model.text_encoder_2.pretrained", **kw)
+
+        text_encoder_2 = load_text_encoder_2()
         tok_src, tok_kw = source("tokenizer_2")
         tokenizer_2 = load_component(CLIPTokenizer.from_pretrained, tok_src, "tokenizer_2", "model.tokenizer_2.pretrained",
                                      **tok_kw)
         models = build_models(cfg, self.device, seed=self.seed, extra_context_dim=text_encoder_2.config.hidden_size)
-        dtype = frozen_text_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)
-        if cfg.text_encoder.train:  # both encoders train, in fp32, with the UNet's schedule (and LR unless set)
-            text_encoder_2.to(self.device, torch.float32).train().requires_grad_(True)
-            if cfg.gradient_checkpointing:
-                enable = (getattr(text_encoder_2, "activation_checkpointing_enable", None)
-                          or text_encoder_2.gradient_checkpointing_enable)
-                enable()
+        # Both encoders train (fp32, the UNet's schedule and, unless set, its LR) or both are frozen.
+        place_text_encoder(text_encoder_2, self.device, cfg.text_encoder.train, cfg.gradient_checkpointing,
+                           frozen_text_dtype(cfg.text_encoder.dtype, cfg.mixed_precision))
+        if cfg.text_encoder.train:
             # The first encoder's last layer and final norm do not reach SDXL's conditioning (it reads the
             # penultimate layer): frozen, so no gradient is ever waited for (DDP) or decayed to zero (AdamW).
-            core = models.text_encoder.text_model if hasattr(models.text_encoder, "text_model") else models.text_encoder
+            core = text_model_of(models.text_encoder)
             core.encoder.layers[-1].requires_grad_(False)
             core.final_layer_norm.requires_grad_(False)
-            models.text_encoder_2 = text_encoder_2
-        else:
-            models.text_encoder_2 = text_encoder_2.requires_grad_(False).eval().to(self.device, dtype)
+        models.text_encoder_2 = text_encoder_2
         models.tokenizer_2 = tokenizer_2
         unet = unwrap(models.unet)
         if unet.config.get("addition_embed_type") != "text_time":
@@ -141,10 +145,7 @@ class StableDiffusionXL(StableDiffusion):
         reload = models.reload_fp32
 
         def reload_fp32(name: str) -> torch.nn.Module:
-            if name == "text_encoder_2":
-                return load_component(CLIPTextModelWithProjection.from_pretrained, src, "text_encoder_2",
-                                      "model.text_encoder_2.pretrained", **kw)
-            return reload(name)
+            return load_text_encoder_2() if name == "text_encoder_2" else reload(name)
 
         return replace(models, reload_fp32=reload_fp32)
 

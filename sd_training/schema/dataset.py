@@ -145,6 +145,11 @@ class DatasetConfigError(ConfigError):
     """A dataset configuration that cannot work; the message names the key and what to do."""
 
 
+def is_latent_type(name: str) -> bool:
+    """``dataset.type`` names latent shards (any accepted spelling); False for unknown names too."""
+    return TYPE_ALIASES.get(str(name).strip().lower()) == "latents"
+
+
 def canonical_type(name: str) -> str:
     key = str(name).strip().lower()
     if key not in TYPE_ALIASES:
