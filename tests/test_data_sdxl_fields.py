@@ -256,7 +256,7 @@ def test_two_tokenizers_give_input_ids_and_input_ids_2(tmp_path, tokenizer_2):
     single = take(load(path, batch_size=4), 1)[0]
     assert "input_ids_2" not in single and single["input_ids"].shape == (4, 77)
     assert set(single) == {"pixel_values", "input_ids", "original_size", "crop_top_left", "target_size", "captions",
-                           "keys", "epochs"}
+                           "keys", "epochs", "sample_seeds"}
 
 
 def test_processor_with_two_tokenizers_pickles(tmp_path, tokenizer_2):

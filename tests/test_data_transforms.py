@@ -139,7 +139,7 @@ def test_aspect_bucketed_batches_never_mix_buckets_and_resume_exactly(tmp_path):
     it = iter(first)
     head = [next(it) for _ in range(5)]
     state = first.state_dict()
-    assert any(st["buckets"] for st in state["worker_states"].values())
+    assert any(st["buckets"] for st in state["reader_states"].values())
     del it
     again = loader(pattern, seed=3, **kw)
     again.load_state_dict(state)

@@ -178,8 +178,8 @@ def test_state_dict_describes_consumed_batches_not_prefetched_ones(shapes):
     next(it)
     next(it)
     sd = ld.state_dict()
-    assert sd["batches"] == 3 and sorted(sd["worker_states"]) == ["0", "1"]
-    assert sd["worker_states"]["0"]["batches"] == 2 and sd["worker_states"]["1"]["batches"] == 1
+    assert sd["batches"] == 3 and sorted(sd["reader_states"]) == ["0", "1"]
+    assert sd["reader_states"]["0"]["batches"] == 2 and sd["reader_states"]["1"]["batches"] == 1
     assert ld.stats()["samples_seen"] == 6
 
 
@@ -297,16 +297,87 @@ def test_img2dataset_output_folder_works_as_is(tmp_path):
     assert sorted(c for b in batches for c in b["captions"]) == [f"img2dataset {k} {i}" for k in range(2) for i in range(2)]
 
 
-def test_restore_with_other_worker_count_is_approximate_not_fatal(tmp_path, caplog):
+def test_restore_with_other_worker_count_continues_the_same_batches(tmp_path, caplog):
+    """2 workers (2 canonical readers) -> 1 worker: that worker serves both readers, and the batches go on
+    exactly as the 2-worker loader's would."""
+    caplog.set_level("INFO")
+    pattern = write_shards(str(tmp_path), [5] * 8)
+    first = loader(pattern, workers=2, batch_size=2, shuffle_buffer=3)
+    seen = all_keys(take(first, 6))
+    state = first.state_dict()
+    expected = [b["keys"] for b in take(first, 10)]
+    other = loader(pattern, workers=1, batch_size=2, shuffle_buffer=3)
+    other.load_state_dict(state)
+    assert "exact position" in caplog.text and "approximate" not in caplog.text
+    after = take(other, 10)
+    assert [b["keys"] for b in after] == expected
+    assert other.stats()["samples_seen"] == 12 + 20  # counters carry over
+    assert not set(all_keys(after)) & set(seen)
+
+
+def test_restore_with_other_canonical_readers_is_approximate_not_fatal(tmp_path, caplog):
     pattern = write_shards(str(tmp_path), [5] * 8)
     first = loader(pattern, workers=2, batch_size=2, shuffle_buffer=1)
     seen = all_keys(take(first, 6))
     state = first.state_dict()
-    other = loader(pattern, workers=1, batch_size=2, shuffle_buffer=1)
+    other = loader(pattern, workers=1, batch_size=2, shuffle_buffer=1, canonical_readers=3)
     other.load_state_dict(state)
-    assert "position is approximate" in caplog.text
+    assert "position is approximate" in caplog.text and "canonical_readers=2 (now 3)" in caplog.text
     after = take(other, 10)
     assert len(after) == 10 and other.stats()["samples_seen"] == 12 + 20  # counters carry over
     assert len(set(all_keys(after)) - set(seen)) >= 10  # it moved on rather than starting over
     with pytest.raises(ValueError, match="version"):
         other.load_state_dict({"version": 99})
+
+
+def _global_batches(loaders, n):
+    """The run's micro-batches 0..n-1 from one loader per rank: micro-batch m is rank (m mod R)'s next one."""
+    its = [iter(ld) for ld in loaders]
+    out = []
+    for m in range(n):
+        b = next(its[m % len(its)])
+        out.append((b["keys"], b["sample_seeds"].tolist()))
+    return out
+
+
+def _ranks(pattern, world, workers, resampled, readers=4):
+    return [loader(pattern, rank=r, world_size=world, workers=workers, batch_size=2, shuffle_buffer=3,
+                   canonical_readers=readers, resampled=resampled) for r in range(world)]
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_global_micro_batches_and_sample_seeds_do_not_depend_on_ranks_or_workers(tmp_path, resampled):
+    """With the canonical readers fixed, micro-batch m of the run holds the same samples (and the same
+    per-sample seeds) on 1, 2 or 4 ranks, in-process or with loader workers; the seeds are distinct."""
+    pattern = write_shards(str(tmp_path), [5] * 12)
+    ref = _global_batches(_ranks(pattern, 1, 0, resampled), 16)
+    seeds = [s for _, ss in ref for s in ss]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**63 for s in seeds)
+    for world, workers in [(1, 2), (2, 1), (2, 2), (4, 1)]:
+        assert _global_batches(_ranks(pattern, world, workers, resampled), 16) == ref, (world, workers)
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_positions_of_every_rank_move_to_another_rank_count_exactly(tmp_path, caplog, resampled):
+    """2 ranks x 2 workers read 8 micro-batches; every rank's state goes to 4 ranks, then to 1 rank: the
+    micro-batches that follow are the uninterrupted run's, shuffle buffers included."""
+    caplog.set_level("INFO")
+    pattern = write_shards(str(tmp_path), [5] * 12)
+    ref = _global_batches(_ranks(pattern, 1, 0, resampled), 24)
+    two = _ranks(pattern, 2, 2, resampled)
+    assert _global_batches(two, 8) == ref[:8]
+    four = _ranks(pattern, 4, 1, resampled)
+    for ld in four:
+        ld.load_state_dict([ld2.state_dict() for ld2 in two])
+    assert "exact position" in caplog.text and "approximate" not in caplog.text
+    assert _global_batches(four, 8) == ref[8:16]
+    one = _ranks(pattern, 1, 2, resampled)
+    one[0].load_state_dict([ld.state_dict() for ld in four])
+    assert _global_batches(one, 8) == ref[16:24]
+    assert one[0].stats()["samples_seen"] == 48  # every rank's counters, summed
+
+
+def test_canonical_readers_must_split_over_the_ranks(tmp_path):
+    pattern = write_shards(str(tmp_path), [5] * 12)
+    with pytest.raises(DatasetConfigError, match=r"canonical_readers=4 cannot be split over 3 ranks"):
+        loader(pattern, rank=0, world_size=3, canonical_readers=4)

@@ -119,11 +119,18 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
     if not units:
         raise DatasetConfigError(f"dataset.params.path={p.path!r}: found no shard, file or row group to read")
     _check_local_units(kind, sources)
-    slots = world_size * max(1, workers)
+    readers = _as_int(p.canonical_readers, "canonical_readers")
+    slots = readers or world_size * max(1, workers)
+    if readers and readers % world_size:
+        raise DatasetConfigError(
+            f"dataset.params.canonical_readers={readers} cannot be split over {world_size} ranks: use a multiple of "
+            f"the rank count (a number with many divisors, such as 48, 96 or 192, lets a run resume on many layouts)"
+        )
     if len(units) < slots:
         msg = (
             f"dataset: {len(units)} units of work ({'shards' if kind in ('WebDataset', 'latents') else 'row groups/chunks'}) "
-            f"for {world_size} rank(s) x {max(1, workers)} worker(s) = {slots} readers"
+            + (f"for dataset.params.canonical_readers = {slots} readers" if readers else
+               f"for {world_size} rank(s) x {max(1, workers)} worker(s) = {slots} readers")
         )
         if not p.resampled:
             raise DatasetConfigError(
@@ -150,8 +157,13 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
         resampled=bool(p.resampled),
         batch_size=batch_size,
         shuffle_buffer=_as_int(p.shuffle_buffer, "shuffle_buffer"),
+        readers=readers,
     )
-    loader = TrainLoader(plan, proc, num_examples_to_see=num_examples, kind=kind)
+    if plan.workers_per_rank < max(1, workers):
+        log.warning("data: %d worker(s) per rank asked, %d used: each must serve the same number of the rank's %d "
+                    "canonical readers (dataset.params.canonical_readers)", workers, plan.workers_per_rank,
+                    plan.readers_per_rank)
+    loader = TrainLoader(plan, proc, num_examples_to_see=num_examples, kind=kind, canonical_readers=readers)
     loader.latent_scaling_factor = latent_scale
     loader.latents_info = latents_info
     for line in describe(loader):

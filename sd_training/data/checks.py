@@ -55,6 +55,7 @@ def validate_dataset_config(cfg: DatasetConfig) -> None:
     need(int(p.keep_tags) >= 0, "keep_tags", "must be >= 0")
     need(int(p.min_size) >= 0, "min_size", "must be >= 0 pixels")
     need(int(p.shuffle_buffer) >= 1, "shuffle_buffer", "must be >= 1 sample (1: no shuffling)")
+    need(int(p.canonical_readers) >= 0, "canonical_readers", "must be >= 0 (0: ranks x workers of the first start)")
     need(int(p.bucket_step) >= 8 and int(p.bucket_step) % 8 == 0, "bucket_step", "must be a multiple of 8 pixels")
     need(float(p.max_aspect_ratio) >= 1.0, "max_aspect_ratio", "must be >= 1.0")
     need(int(p.consider_every_nth) >= 1, "consider_every_nth", "must be >= 1")

@@ -1,21 +1,23 @@
 """``TrainLoader``: the per-rank iterable the training loop consumes, with ``state_dict`` and ``stats``.
 
-With ``workers > 0`` it runs one :class:`~.stream.SlotStream` per worker process under a torch
-``DataLoader``. The DataLoader takes batches from its workers strictly round-robin (worker 0, 1, ...,
-W-1, 0, ...) and every worker's stream is infinite, so batch ``t`` of a rank always comes from logical
-worker ``t mod W``. Each batch carries its worker's position (``_state``) and counter deltas (``_stats``);
-the loader strips both before yielding, keeps the latest position per worker, and sums the counters, so
-``state_dict()`` describes exactly the batches the loop has received (not the ones still prefetched).
+The rank's ``t``-th micro-batch is canonical reader ``rank + world_size x (t mod C/R)``'s next batch (see
+:mod:`.stream`). With ``workers > 0`` a torch ``DataLoader`` runs ``W`` processes; it takes batches from
+them strictly round-robin (worker 0, 1, ..., W-1, 0, ...) and every stream is infinite, so batch ``t``
+always comes from logical worker ``t mod W``, which serves the readers of the batches ``t = w (mod W)``.
+Each batch carries its reader's position (``_state``) and counter deltas (``_stats``); the loader strips
+both before yielding, keeps the latest position per reader, and sums the counters, so ``state_dict()``
+describes exactly the batches the loop has received (not the ones still prefetched).
 
-After a restore, physical worker ``p`` plays logical worker ``(p + t) mod W`` where ``t`` is the number
-of batches consumed before the checkpoint, so the round-robin continues where it stopped.
+After a restore at batch ``t``, physical worker ``p`` plays logical worker ``(p + t) mod W``, so the
+round-robin continues where it stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -25,23 +27,36 @@ from .samples import SampleProcessor
 from .stats import log, summarize
 from .stream import Plan, SlotStream
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 PREFETCH_BATCHES = 2  # per worker (torch's default prefetch_factor)
+# What must match for a saved position to be continued exactly (on any layout when the readers match).
+SAME_DATA = ("seed", "n_units", "resampled", "type", "batch_size")
 
 
-class _SlotDataset(IterableDataset):
-    """What each DataLoader worker iterates: the stream of its logical slot."""
+class _ReaderDataset(IterableDataset):
+    """What each DataLoader worker iterates: the batches ``t = w (mod W)`` of its rank from ``start`` on,
+    each from the canonical reader it belongs to."""
 
-    def __init__(self, plan: Plan, proc: SampleProcessor, states: Dict[int, Dict], shift: int):
-        self.plan, self.proc, self.states, self.shift = plan, proc, states, shift
+    def __init__(self, plan: Plan, proc: SampleProcessor, states: Dict[int, Dict], start: int):
+        self.plan, self.proc, self.states, self.start = plan, proc, states, start
 
     def __iter__(self):
         info = get_worker_info()
         physical = info.id if info is not None else 0
-        logical = (physical + self.shift) % self.plan.workers_per_rank
+        W = self.plan.workers_per_rank
+        logical = (physical + self.start) % W
         if info is not None:
             torch.set_num_threads(1)  # workers are processes already; intra-op threads only oversubscribe
-        return iter(SlotStream(self.plan, self.proc, logical, self.states.get(logical)))
+        streams: Dict[int, Iterator] = {}
+        t = self.start + (logical - self.start) % W
+        while True:
+            c = self.plan.reader_of(t)
+            if c not in streams:
+                streams[c] = iter(SlotStream(self.plan, self.proc, c, self.states.get(c)))
+            batch = next(streams[c])
+            batch["_worker"] = logical
+            yield batch
+            t += W
 
 
 class TrainLoader:
@@ -59,22 +74,27 @@ class TrainLoader:
     ``latents_info`` their ``latents_info.json`` (None for image data or when unreadable): check them
     against the VAE and text encoder the run uses.
 
-    Resume (``state_dict`` / ``load_state_dict``): with the same world size and ``workers``, the batches
-    after a restore are identical to those of an uninterrupted run, in finite *and* resampled mode (the
-    resampled shard draws are a function of ``(seed, global index)``, not of a process-local RNG). With a
-    different world size or worker count, the position is approximate: finite mode restarts at the oldest
-    unit not fully read by every worker (a few shards may repeat; samples that sat in shuffle buffers are
-    lost), resampled mode continues with fresh draws; the counters carry over in both cases.
+    Resume (``state_dict`` / ``load_state_dict``): the position is that of every canonical reader. With
+    the same readers and data, the batches after a restore are those an uninterrupted run would have
+    given, on the same layout (identical, per rank) and on any other one whose rank count divides the
+    readers (the same global micro-batches; ``load_state_dict`` takes every saved rank's state and gives
+    each reader's position to its new owner). Otherwise (other data, seed, batch size or readers, or a
+    rank count that does not divide them) the position is approximate: finite mode restarts at the oldest
+    unit not fully read by every reader (a few shards may repeat; samples in shuffle buffers are lost),
+    resampled mode continues with fresh draws; the counters carry over in both cases.
     """
 
-    def __init__(self, plan: Plan, proc: SampleProcessor, *, num_examples_to_see: Optional[int], kind: str):
+    def __init__(self, plan: Plan, proc: SampleProcessor, *, num_examples_to_see: Optional[int], kind: str,
+                 canonical_readers: int = 0):
         self.plan = plan
+        self.canonical_readers = canonical_readers  # as configured (0: the first start's layout, then kept)
         self.proc = proc
         self.kind = kind
-        self.batches = 0  # batches yielded by this rank since the run started
-        self._states: Dict[int, Dict] = {}
+        self.batches = 0  # batches yielded by this rank since the run started (since the layout's start)
+        self._states: Dict[int, Dict] = {}  # canonical reader -> position after its last yielded batch
         self._counts: Counter = Counter()
         self._epoch = 0
+        self.resumed_from: Optional[str] = None  # the saved layout, when it differs from this run's
         per_step = plan.world_size * plan.batch_size
         self.steps_total = math.ceil(num_examples_to_see / per_step) if num_examples_to_see else None
         self.num_samples = _known_samples(plan)
@@ -84,13 +104,21 @@ class TrainLoader:
 
     @property
     def epoch(self) -> int:
-        """The oldest data epoch any worker of this rank is still reading."""
+        """The oldest data epoch any reader of this rank is still reading."""
         return self._epoch
+
+    def readers(self) -> List[int]:
+        """The canonical readers this rank owns."""
+        return [self.plan.reader_of(t) for t in range(self.plan.readers_per_rank)]
+
+    @property
+    def layout(self) -> str:
+        p = self.plan
+        return f"{p.world_size} rank(s) x {p.workers_per_rank} worker(s), {p.readers} canonical readers"
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         W = self.plan.workers_per_rank
-        shift = self.batches % W
-        dataset = _SlotDataset(self.plan, self.proc, dict(self._states), shift)
+        dataset = _ReaderDataset(self.plan, self.proc, dict(self._states), self.batches)
         if self.plan.workers == 0:
             source = iter(dataset)
         else:
@@ -98,7 +126,7 @@ class TrainLoader:
                 DataLoader(
                     dataset,
                     batch_size=None,
-                    num_workers=self.plan.workers,
+                    num_workers=W,
                     prefetch_factor=PREFETCH_BATCHES,
                     persistent_workers=False,  # a new iter() must start from the loader's current position
                     pin_memory=torch.cuda.is_available(),  # lets the loop's .to(device, non_blocking=True) overlap
@@ -112,15 +140,15 @@ class TrainLoader:
             )
         try:
             for batch in source:
-                worker = batch.pop("_worker")
+                worker, reader = batch.pop("_worker"), batch.pop("_reader")
                 expected = self.batches % W
-                if worker != expected:  # the round-robin invariant the position relies on
-                    raise RuntimeError(f"data: batch {self.batches} came from worker {worker}, expected {expected}")
-                self._states[worker] = batch.pop("_state")
+                if worker != expected or reader != self.plan.reader_of(self.batches):
+                    raise RuntimeError(f"data: batch {self.batches} came from worker {worker} (reader {reader}), "
+                                       f"expected worker {expected} (reader {self.plan.reader_of(self.batches)})")
+                self._states[reader] = batch.pop("_state")
                 self._counts.update(batch.pop("_stats"))
                 self.batches += 1
-                if len(self._states) == W:
-                    self._epoch = min(self._epoch_of(w, st) for w, st in self._states.items())
+                self._epoch = min(self._epoch_of(c, st) for c, st in self._states.items())
                 yield batch
         finally:
             # Stop the workers now. Left to the garbage collector (an exception's traceback keeps the
@@ -129,8 +157,8 @@ class TrainLoader:
             if shutdown is not None:
                 shutdown()
 
-    def _epoch_of(self, worker: int, st: Dict) -> int:
-        g = self.plan.global_index(self.plan.slot(worker), int(st["base"]), int(st["i"]))
+    def _epoch_of(self, reader: int, st: Dict) -> int:
+        g = self.plan.global_index(reader, int(st["base"]), int(st["i"]))
         return g // len(self.plan.units)
 
     # -- the training state -----------------------------------------------------------------------------
@@ -143,56 +171,78 @@ class TrainLoader:
             "rank": p.rank,
             "world_size": p.world_size,
             "workers": p.workers_per_rank,
+            "readers": p.readers,
             "resampled": p.resampled,
             "n_units": len(p.units),
             "batch_size": p.batch_size,
             "batches": self.batches,
             "epoch": self._epoch,
-            "worker_states": {str(k): v for k, v in self._states.items()},
+            "reader_states": {str(k): v for k, v in self._states.items()},
             "stats": dict(self._counts),
         }
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+    def load_state_dict(self, saved: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
+        """Continue from saved positions: every saved rank's ``state_dict()`` (a list, in rank order), or
+        this rank's alone when the layout is unchanged."""
+        sds = [_upgrade(sd) for sd in (saved if isinstance(saved, list) else [saved])]
         p = self.plan
-        if int(sd.get("version", -1)) != STATE_VERSION:
-            raise ValueError(f"data loader state has version {sd.get('version')}, this code reads {STATE_VERSION}")
-        self._counts = Counter(sd.get("stats", {}))
-        self.batches = int(sd["batches"])
-        self._epoch = int(sd.get("epoch", 0))
-        states = {int(k): v for k, v in sd["worker_states"].items()}
-        same = {
-            "world_size": p.world_size,
-            "workers": p.workers_per_rank,
-            "n_units": len(p.units),
-            "seed": p.seed,
-            "resampled": p.resampled,
-            "type": self.kind,
-            "batch_size": p.batch_size,
-            "rank": p.rank,
-        }
-        changed = {k: (sd.get(k), v) for k, v in same.items() if sd.get(k) != v}
-        if not changed:
-            self._states = states
-            log.info("data: resumed rank %d at batch %d (exact position)", p.rank, self.batches)
+        first = sds[0]
+        old_world = int(first["world_size"])
+        if len(sds) == 1 and old_world > 1:  # one rank's state: only good for that same rank and layout
+            if int(first["rank"]) != p.rank or old_world != p.world_size:
+                raise ValueError(f"data state of rank {first['rank']} of {old_world} given to rank {p.rank} of "
+                                 f"{p.world_size}; pass every rank's state")
+            sds = [None] * int(first["rank"]) + [first]
+        mine = sds[p.rank] if old_world == p.world_size else None
+        self._counts = Counter()
+        for r, sd in enumerate(sds):  # every saved rank's counters go to one rank: their sum is kept
+            if sd is not None and r % p.world_size == p.rank:
+                self._counts.update(sd.get("stats", {}))
+        self._epoch = int((mine or first).get("epoch", 0))
+        states = {int(c): st for sd in sds if sd is not None for c, st in sd["reader_states"].items()}
+        saved_layout = (f"{old_world} rank(s) x {first['workers']} worker(s), {first['readers']} canonical readers")
+        if saved_layout != self.layout:
+            self.resumed_from = saved_layout
+        changed = {k: (first.get(k), v) for k, v in self._same_data().items() if first.get(k) != v}
+        readers = int(first["readers"])
+        consumed = int(first["batches"]) * old_world  # every rank takes the same number of micro-batches
+        why = None
+        if changed:
+            why = ", ".join(f"{k}={a!r} (now {b!r})" for k, (a, b) in changed.items())
+        elif self.canonical_readers and self.canonical_readers != readers:
+            why = f"canonical_readers={readers} (now {self.canonical_readers})"
+        elif readers % p.world_size:
+            why = f"{readers} canonical readers cannot be split over {p.world_size} ranks"
+        elif consumed % p.world_size:
+            why = f"{consumed} micro-batches consumed in all cannot be split over {p.world_size} ranks"
+        if why is None:
+            if readers != p.readers:
+                self.plan = dataclasses.replace(p, readers=readers)
+            mine = set(self.readers())
+            self._states = {c: st for c, st in states.items() if c in mine}
+            self.batches = consumed // p.world_size
+            log.info("data: resumed rank %d at batch %d (exact position: %d readers%s)", p.rank, self.batches,
+                     readers, f", saved by {saved_layout}" if self.resumed_from else "")
             return
-        # Approximate resume: restart every slot from a common base.
-        saved_slots = int(sd["world_size"]) * int(sd["workers"])
-        g = [
-            int(st["base"]) + (int(sd["rank"]) * int(sd["workers"]) + w) + int(st["i"]) * saved_slots
-            for w, st in states.items()
-        ]
+        self._restart_approximately(states, readers, why)
+
+    def _same_data(self) -> Dict[str, Any]:
+        p = self.plan
+        return {"seed": p.seed, "n_units": len(p.units), "resampled": p.resampled, "type": self.kind,
+                "batch_size": p.batch_size}
+
+    def _restart_approximately(self, states: Dict[int, Dict], readers: int, why: str) -> None:
+        """Every reader of this run from one common unit, agreed by all ranks (they read the same states)."""
+        p = self.plan
+        g = [int(st["base"]) + c + int(st["i"]) * readers for c, st in states.items()]
         base = (min(g) if not p.resampled else max(g) + 1) if g else 0
         self._states = {
-            w: {"base": base, "i": 0, "j": 0, "batches": 0, "rng": None, "buffer": [], "buckets": {}}
-            for w in range(p.workers_per_rank)
+            c: {"base": base, "i": 0, "j": 0, "batches": 0, "rng": None, "buffer": [], "buckets": {}}
+            for c in self.readers()
         }
         self.batches = 0  # the round-robin restarts at worker 0
-        log.warning(
-            "data: loader state saved with %s differs from this run: position is approximate (restarting at "
-            "global unit %d); see TrainLoader docs",
-            ", ".join(f"{k}={a!r} (now {b!r})" for k, (a, b) in changed.items()),
-            base,
-        )
+        log.warning("data: the saved position differs from this run (%s): position is approximate (restarting "
+                    "at global unit %d); see TrainLoader docs", why, base)
 
     def stats(self) -> Dict[str, float]:
         """Counters for this rank (see :mod:`.stats`), plus ``epoch`` and ``batches``."""
@@ -200,6 +250,21 @@ class TrainLoader:
         out["epoch"] = self._epoch
         out["batches"] = self.batches
         return out
+
+
+def _upgrade(sd: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved state in this version's form. Version 1 (before canonical readers) kept one position per
+    worker slot ``rank x W + w`` with ``world_size x W`` slots: the same unit sequences as that many readers."""
+    version = int(sd.get("version", -1))
+    if version == STATE_VERSION:
+        return sd
+    if version != 1:
+        raise ValueError(f"data loader state has version {sd.get('version')}, this code reads {STATE_VERSION}")
+    W, r = int(sd["workers"]), int(sd["rank"])
+    out = {k: v for k, v in sd.items() if k != "worker_states"}
+    out.update(version=STATE_VERSION, readers=int(sd["world_size"]) * W,
+               reader_states={str(r * W + int(w)): st for w, st in sd["worker_states"].items()})
+    return out
 
 
 def _known_samples(plan: Plan) -> Optional[int]:
@@ -213,7 +278,8 @@ def describe(loader: TrainLoader) -> List[str]:
     lines = [
         f"data: {loader.kind} from {len(p.sources)} source(s), {len(p.units)} units, "
         f"{'resampled (with replacement)' if p.resampled else 'finite epochs'}; rank {p.rank}/{p.world_size}, "
-        f"{p.workers} worker(s), batch {p.batch_size}, shuffle buffer {p.shuffle_buffer}"
+        f"{p.workers_per_rank if p.workers else 0} worker(s), batch {p.batch_size}, {p.readers} canonical readers "
+        f"({p.readers_per_rank} on this rank), shuffle buffer {p.shuffle_buffer} per reader"
     ]
     if loader.kind == "latents":
         proc = loader.proc

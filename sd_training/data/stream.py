@@ -1,25 +1,38 @@
-"""The stream of one *slot* (one data worker of one rank) and its exact, cheap-to-restore position.
+"""The stream of one *canonical reader* and its exact, cheap-to-restore position.
 
-Which unit (shard) a slot reads
--------------------------------
-A run has ``n_slots = world_size x max(workers, 1)`` slots; slot ``k = rank x W + worker``. Its ``i``-th
-unit is the one at global index ``g = base + k + i x n_slots`` of an infinite sequence:
+Readers, ranks and workers
+--------------------------
+A run has ``C`` canonical readers (``dataset.params.canonical_readers``; by default ``world_size x
+workers`` of the first start, then kept by every resume). Each is a deterministic stream of
+micro-batches that depends on the seed, the data, the batch size and ``C`` only. The run's sequence of
+micro-batches is layout-free: micro-batch ``n`` is reader ``n mod C``'s batch number ``n div C``, and
+optimizer step ``s`` takes micro-batches ``[s N, (s + 1) N)`` (``N`` = global batch / batch size).
+Rank ``r`` of ``R`` (``R`` divides ``C``) takes the micro-batches ``n = r (mod R)``: its ``t``-th is
+reader ``r + R (t mod C/R)``, so it owns the readers ``r, r + R, ...`` and no other rank reads them. Its
+loader workers (a divisor ``W`` of ``C/R``) take its batches round-robin, worker ``t mod W`` the
+``t``-th, so worker ``w`` serves the readers at ``w, w + W, ...`` of the rank's list. Whatever ``R`` and
+``W``, step ``s`` trains on the same samples; see :class:`~.loader.TrainLoader` for the resume.
+
+Which unit (shard) a reader reads
+---------------------------------
+Reader ``k``'s ``i``-th unit is the one at global index ``g = base + k + i x C`` of an infinite sequence:
 
 * finite mode: the sequence is epoch 0's permutation of the units, then epoch 1's, ... (epoch ``e``
   shuffled by ``numpy.random.default_rng(seed + e)``). Every unit goes to exactly one slot per epoch: no
-  duplicates, no loss, and no slot idles or repeats when the unit count is not a multiple of ``n_slots``
+  duplicates, no loss, and no reader idles or repeats when the unit count is not a multiple of ``C``
   (epochs simply continue into each other, as ``with_epoch`` does in open_clip). Every rank yields
   batches forever, so no rank ever waits for another at an epoch end (no DDP hang).
 * resampled mode: unit ``g`` is drawn uniformly with replacement by ``default_rng([seed, g])``.
 
-Either way the unit of any ``(slot, i)`` is computed directly, never by replaying history.
+Either way the unit of any ``(reader, i)`` is computed directly, never by replaying history.
 
 Position and restore
 --------------------
 Stages (see :meth:`SlotStream.__iter__`): read unit -> select (metadata, filters) -> shuffle buffer ->
 process (decode, augment) -> bucket -> batch. Every sample is named by ``ref = (i, j)``: the ``j``-th
-sample of the slot's ``i``-th unit, and its random augmentations come from its own generator seeded by
-``(seed, g, j)``. The position attached to each batch is: the read cursor ``(i, j)``, the refs of the
+sample of the reader's ``i``-th unit; its random augmentations come from its own generator seeded by
+``(seed, g, j)``, and its ``sample_seed`` (which the training step draws its noise and timesteps from) is a
+function of the same three numbers. The position attached to each batch is: the read cursor ``(i, j)``, the refs of the
 samples waiting in the shuffle buffer and in each bucket, and the shuffle generator's state. Restoring
 re-reads only the units those refs point to (a few shards), rebuilds the buffer and buckets, and goes on:
 the batches that follow are identical to an uninterrupted run's.
@@ -33,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
+import torch
 
 from .samples import SampleProcessor
 from .sources import ShardError, Source
@@ -54,24 +68,44 @@ class Plan:
     seed: int
     rank: int
     world_size: int
-    workers: int
+    workers: int  # as configured (0: read in the training process)
     resampled: bool
     batch_size: int
     shuffle_buffer: int
+    readers: int = 0  # canonical readers C (0: world_size x max(workers, 1))
+
+    def __post_init__(self):
+        if self.readers <= 0:
+            self.readers = self.world_size * max(1, self.workers)
+
+    def layout_error(self) -> Optional[str]:
+        """Why this rank count cannot serve the readers, or None."""
+        if self.readers % self.world_size:
+            return (f"{self.readers} canonical readers cannot be split over {self.world_size} ranks; the rank "
+                    f"count must divide them ({_divisors(self.readers)})")
+        return None
+
+    @property
+    def readers_per_rank(self) -> int:
+        return self.readers // self.world_size
 
     @property
     def workers_per_rank(self) -> int:
-        return max(1, self.workers)
+        """Loader processes of one rank (1 when reading in-process): the largest divisor of the rank's
+        reader count not above ``workers``, so every worker serves the same number of readers."""
+        k = self.readers_per_rank
+        return max(d for d in range(1, max(1, min(self.workers, k)) + 1) if k % d == 0)
 
     @property
     def n_slots(self) -> int:
-        return self.world_size * self.workers_per_rank
+        return self.readers
 
-    def slot(self, logical_worker: int) -> int:
-        return self.rank * self.workers_per_rank + logical_worker
+    def reader_of(self, t: int) -> int:
+        """The canonical reader of this rank's ``t``-th micro-batch."""
+        return self.rank + self.world_size * (t % self.readers_per_rank)
 
-    def global_index(self, slot: int, base: int, i: int) -> int:
-        return base + slot + i * self.n_slots
+    def global_index(self, reader: int, base: int, i: int) -> int:
+        return base + reader + i * self.readers
 
     def unit_at(self, g: int) -> Tuple[int, int]:
         """(unit index, epoch) at global index ``g``."""
@@ -80,6 +114,10 @@ class Plan:
         if self.resampled:
             return int(np.random.default_rng([self.seed, g]).integers(n)), epoch
         return int(_permutation(self.seed + epoch, n)[g % n]), epoch
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 @functools.lru_cache(maxsize=4)
@@ -91,14 +129,19 @@ def _sample_rng(seed: int, g: int, j: int) -> np.random.Generator:
     return np.random.default_rng([seed, g, j, 0x5A])
 
 
-class SlotStream:
-    """Batches of one slot, forever. ``state`` (from a batch's ``_state``) resumes exactly."""
+def sample_seed(seed: int, g: int, j: int) -> int:
+    """The 63-bit seed of the training step's draws (noise, timesteps) for sample ``j`` of unit ``g``."""
+    a, b = np.random.SeedSequence([seed, g, j, 0x5EED]).generate_state(2, np.uint32)
+    return (int(a) << 31) ^ int(b)
 
-    def __init__(self, plan: Plan, proc: SampleProcessor, logical_worker: int, state: Optional[Dict] = None):
+
+class SlotStream:
+    """Batches of one canonical reader, forever. ``state`` (from a batch's ``_state``) resumes exactly."""
+
+    def __init__(self, plan: Plan, proc: SampleProcessor, reader: int, state: Optional[Dict] = None):
         self.plan = plan
         self.proc = proc
-        self.worker = logical_worker
-        self.slot = plan.slot(logical_worker)
+        self.slot = reader
         self.stats = Stats()
         self.base = 0
         self.i = 0  # index of the unit being read in this slot's sequence
@@ -188,15 +231,16 @@ class SlotStream:
                 self._no_valid(src, f"{self._failed[src]} samples failed to decode and none succeeded")
             return None
         self._ok[src] += 1
-        out.update(ref=s["ref"], epoch=s["epoch"])
+        out.update(ref=s["ref"], epoch=s["epoch"], sample_seed=sample_seed(self.plan.seed, s["g"], s["ref"][1]))
         return out
 
     def _emit(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
         batch = self.proc.collate(samples)
+        batch["sample_seeds"] = torch.tensor([s["sample_seed"] for s in samples], dtype=torch.int64)
         self.batches += 1
         self.stats.add("samples_seen", len(samples))
         self.stats.add(f"bucket/{samples[0]['bucket'][0]}x{samples[0]['bucket'][1]}", len(samples))
-        batch["_worker"] = self.worker
+        batch["_reader"] = self.slot
         batch["_state"] = self.state()
         batch["_stats"] = self.stats.take_delta()
         return batch
@@ -213,7 +257,7 @@ class SlotStream:
         skipped = {k[len("skipped/") :]: v for k, v in self.stats.counts.most_common() if k.startswith("skipped/")}
         raise RuntimeError(
             f"dataset source {self.plan.sources[src].name!r} yields no valid sample: {what} "
-            f"in worker {self.worker} of rank {self.plan.rank}; skipped so far by reason: {skipped or 'none'}. "
+            f"in reader {self.slot} of rank {self.plan.rank}; skipped so far by reason: {skipped or 'none'}. "
             "Check dataset.params.path, the filters, and the image/caption member or column names."
         )
 
@@ -254,7 +298,7 @@ class SlotStream:
                         if sum(1 for jj in need if (i, jj) in raws) == len(need):
                             break
             except ShardError as exn:
-                log.warning("data: restoring worker %d: %s; its buffered samples are lost", self.worker, exn)
+                log.warning("data: restoring reader %d: %s; its buffered samples are lost", self.slot, exn)
 
         def selected(ref):
             raw = raws.get(ref)
@@ -283,4 +327,4 @@ class SlotStream:
                 else:
                     self.buckets.setdefault((w, h), []).append(out)
         if lost:
-            log.warning("data: restoring worker %d: %d buffered samples could not be re-read", self.worker, lost)
+            log.warning("data: restoring reader %d: %d buffered samples could not be re-read", self.slot, lost)

@@ -83,7 +83,8 @@ class DatasetParams:
     consider_every_nth: int = f(1, "folder: use only every n-th sample in sorted order (1: all)")
     samples_per_shard: int = f(0, "folder/CSV: samples per unit of work split across workers (0: automatic)")
     # --- order and distribution --------------------------------------------------------------------
-    shuffle_buffer: int = f(1000, "samples held for shuffling per worker")
+    shuffle_buffer: int = f(1000, "samples held for shuffling per canonical reader (by default one per worker)")
+    canonical_readers: int = f(0, "independent sample streams the run's batches are drawn from, fixed for the run: resuming on any rank count that divides them continues the same batches (0: ranks x workers of the first start)")
     resampled: bool = f(True, "draw shards with replacement (an infinite stream) instead of epochs over shards")
     io_timeout: float = f(30.0, "seconds without data before an http(s) or pipe: shard, or an image fetch, is given up (counted, skipped; a pipe: command is killed)")
     max_member_bytes: int = f(64 * 2**20, "tar members larger than this are skipped unread (counted): a decompression bomb cannot exhaust a worker")
