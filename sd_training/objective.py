@@ -1,10 +1,19 @@
 """One training step's loss: encode, sample timesteps and noise, predict, compare with the target.
 
-The ``objective`` config section chooses the parameterisation and the tricks around it. With every
-option at its default the step is the plain DDPM/Stable Diffusion one and draws exactly the random
-numbers it always drew (one ``randn_like`` for the noise, then one ``randint`` for the timesteps), so
-runs and resumed runs stay bit-identical; an option that needs more random numbers draws them only
-when it is on.
+The ``objective`` config section chooses the parameterisation and the tricks around it. An option
+that needs random numbers draws them only when it is on.
+
+Where the random numbers come from:
+  * With ``sample_seeds`` (the batch's, one per sample; what the families pass in training), every draw
+    of sample i comes from generators seeded from ``sample_seeds[i]`` alone, one per stream (noise,
+    timesteps, offset, pyramid levels, pyramid ratios, input perturbation, VAE posterior): see
+    :func:`stream_seed`. A sample's noise, timestep and loss are then the same whichever batch,
+    micro-batch or rank it is in, and whatever the global RNG state, up to floating-point summation
+    order; turning an option on draws from its own stream and shifts no other draw.
+  * Without them, from the global torch RNG of the latents' device (pyramid ratios: the CPU's), in
+    this order: the noise (one ``randn_like``), pyramid levels, offset, the timesteps (one ``randint``),
+    the input perturbation. With every option at its default that is exactly what the step always drew,
+    so runs and resumed runs made that way stay bit-identical.
 
 References, for the formulas below:
   * v-prediction: Salimans & Ho 2022, v = sqrt(a_t) * eps - sqrt(1 - a_t) * x0 (``get_velocity``).
@@ -20,6 +29,9 @@ References, for the formulas below:
 from __future__ import annotations
 
 import logging
+import operator
+import random
+from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -140,16 +152,76 @@ def configure_schedulers(noise_scheduler, inference_scheduler, cfg: ObjectiveCon
 
 
 # ----------------------------------------------------------------------------------------------
+# Per-sample random streams
+# ----------------------------------------------------------------------------------------------
+
+# A sample's draws of one kind come from that kind's stream; the numbers are fixed forever (changing one
+# changes every run's draws), and a new kind of draw takes a new number.
+STREAMS = {
+    "noise": 1, "timesteps": 2, "offset": 3, "pyramid": 4, "pyramid_ratios": 5, "perturbation": 6, "posterior": 7,
+}
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+SampleSeeds = Union[torch.Tensor, Sequence[int]]  # one non-negative int per sample
+
+
+def stream_seed(sample_seed: int, stream: str) -> int:
+    """The seed of ``stream``'s generator for the sample with ``sample_seed``: SplitMix64 (Steele et al.
+    2014) of ``sample_seed + STREAMS[stream] * 0x9E3779B97F4A7C15`` (mod 2**64), its top 63 bits."""
+    z = (sample_seed + STREAMS[stream] * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def host_seeds(sample_seeds: SampleSeeds) -> list[int]:
+    """The seeds as Python ints: a CPU int tensor (the batch's ``sample_seeds``) or a sequence of ints.
+
+    A tensor on an accelerator is refused: reading it would make the host wait for the device. The CPU
+    tensor is read with ``operator.index`` rather than ``.tolist()`` because ``sync_count.BlockingCalls``
+    counts ``.tolist()`` of any tensor (on a CPU run it cannot tell host data from device data); the
+    CPU-only check is what keeps this read free of synchronisation.
+    """
+    if isinstance(sample_seeds, torch.Tensor):
+        if sample_seeds.device.type != "cpu" or sample_seeds.ndim != 1 or sample_seeds.is_floating_point():
+            raise ValueError(f"sample_seeds must be a 1-d integer CPU tensor, got {sample_seeds.dtype} "
+                             f"{tuple(sample_seeds.shape)} on {sample_seeds.device}")
+    return [operator.index(s) for s in sample_seeds]
+
+
+def sample_generators(sample_seeds: SampleSeeds, stream: str, device: torch.device | str) -> list[torch.Generator]:
+    """One ``torch.Generator`` on ``device`` per sample, seeded with :func:`stream_seed` (no device sync)."""
+    return [torch.Generator(device=device).manual_seed(stream_seed(s, stream)) for s in host_seeds(sample_seeds)]
+
+
+def _per_sample_randn(gens: list[torch.Generator], shape, device, dtype) -> torch.Tensor:
+    """``[len(gens), *shape[1:]]`` standard normals, row i drawn from ``gens[i]`` alone."""
+    if len(gens) != shape[0]:
+        raise ValueError(f"{len(gens)} sample seeds for a batch of {shape[0]}")
+    rows = [torch.randn((1, *shape[1:]), generator=g, device=device, dtype=dtype) for g in gens]
+    return torch.cat(rows)
+
+
+# ----------------------------------------------------------------------------------------------
 # Encoders
 # ----------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
-def encode_images(vae, pixel_values: torch.Tensor, scale: float, mean: bool = False) -> torch.Tensor:
+def encode_images(vae, pixel_values: torch.Tensor, scale: float, mean: bool = False,
+                  sample_seeds: SampleSeeds | None = None) -> torch.Tensor:
     """Pixels in [-1, 1] -> scaled latents: a sample of the VAE posterior (as Stable Diffusion trains),
-    or its mean (deterministic: validation, and ``model.vae.latent_sampling=mean``)."""
+    or its mean (deterministic: validation, and ``model.vae.latent_sampling=mean``). The sample is drawn
+    from the global RNG of the device, or with ``sample_seeds`` from each sample's ``posterior`` stream
+    (diffusers' ``randn_tensor`` draws row i with generator i)."""
     dist = vae.encode(pixel_values.to(vae.dtype)).latent_dist
-    return (dist.mean if mean else dist.sample()) * scale
+    if mean:
+        return dist.mean * scale
+    gens = None if sample_seeds is None else sample_generators(sample_seeds, "posterior", dist.mean.device)
+    if gens is not None and len(gens) != dist.mean.shape[0]:
+        raise ValueError(f"{len(gens)} sample seeds for a batch of {dist.mean.shape[0]}")
+    return dist.sample(generator=gens) * scale
 
 
 def encode_text(text_encoder, input_ids: torch.Tensor, clip_skip: int = 0) -> torch.Tensor:
@@ -227,49 +299,91 @@ def min_snr_weights(noise_scheduler, timesteps: torch.Tensor, gamma: float) -> t
 # ----------------------------------------------------------------------------------------------
 
 
-def pyramid_noise(noise: torch.Tensor, discount: float, max_levels: int = PYRAMID_MAX_LEVELS) -> torch.Tensor:
+def pyramid_noise(noise: torch.Tensor, discount: float, max_levels: int = PYRAMID_MAX_LEVELS,
+                  sample_seeds: SampleSeeds | None = None) -> torch.Tensor:
     """Multi-resolution noise: ``noise`` plus upsampled coarser noise, level i weighted discount**i.
 
     Level i has the size of the latent divided by r**i with r drawn in [2, 4) per level (Whitaker's
     "rather than always going 2x"); it stops after the first level that is 1 pixel high or wide, so
     the number of levels is bounded by the latent size. The result is rescaled to unit std per sample
     (the reference divides by the batch's std; per sample keeps a sample's noise independent of the
-    batch size). The ratios r are drawn from the CPU generator: no device sync for the sizes.
+    batch size). The ratios r are host numbers (no device sync for the sizes): from the CPU generator,
+    or with ``sample_seeds`` from each sample's ``pyramid_ratios`` stream (a ``random.Random``), each
+    sample then getting its own pyramid with levels from its ``pyramid`` stream.
     """
     if noise.ndim != 4:
         raise ValueError(f"pyramid noise needs [B, C, H, W] latents, got shape {tuple(noise.shape)}")
+    if sample_seeds is None:
+        return _pyramid(noise, discount, max_levels, lambda: torch.rand(()).item(), None)
+    seeds = host_seeds(sample_seeds)
+    if len(seeds) != noise.shape[0]:
+        raise ValueError(f"{len(seeds)} sample seeds for a batch of {noise.shape[0]}")
+    gens = sample_generators(seeds, "pyramid", noise.device)
+    ratios = [random.Random(stream_seed(s, "pyramid_ratios")).random for s in seeds]
+    return torch.cat([_pyramid(noise[i:i + 1], discount, max_levels, ratios[i], gens[i]) for i in range(len(seeds))])
+
+
+def _pyramid(noise: torch.Tensor, discount: float, max_levels: int, uniform, generator) -> torch.Tensor:
+    """:func:`pyramid_noise` of a batch whose ratios come from ``uniform()`` (a float in [0, 1)) and
+    levels from ``generator`` (None: the device's global RNG)."""
     b, c, h, w = noise.shape
     out = noise
     for i in range(max_levels):
-        r = 2.0 + 2.0 * torch.rand(()).item()
+        r = 2.0 + 2.0 * uniform()
         hn, wn = max(1, int(h / r**i)), max(1, int(w / r**i))
-        level = torch.randn(b, c, hn, wn, device=noise.device, dtype=noise.dtype)
+        level = torch.randn(b, c, hn, wn, generator=generator, device=noise.device, dtype=noise.dtype)
         out = out + F.interpolate(level, size=(h, w), mode="bilinear", align_corners=False) * discount**i
         if hn == 1 or wn == 1:
             break
     return out / out.std(dim=(1, 2, 3), keepdim=True)
 
 
-def sample_noise(latents: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
-    """Unit Gaussian noise shaped like ``latents``; then pyramid noise (renormalised), then the offset, when on."""
-    noise = torch.randn_like(latents)
+def _randn(shape, like: torch.Tensor, sample_seeds: SampleSeeds | None, stream: str) -> torch.Tensor:
+    """Standard normals of ``shape`` on ``like``'s device and dtype: from the global RNG, or row i from
+    sample i's ``stream``."""
+    if sample_seeds is None:
+        return torch.randn(shape, device=like.device, dtype=like.dtype)
+    return _per_sample_randn(sample_generators(sample_seeds, stream, like.device), shape, like.device, like.dtype)
+
+
+def sample_noise(latents: torch.Tensor, cfg: ObjectiveConfig, sample_seeds: SampleSeeds | None = None) -> torch.Tensor:
+    """Unit Gaussian noise shaped like ``latents``; then pyramid noise (renormalised), then the offset, when on.
+    ``sample_seeds``: sample i's noise from its own streams (``noise``, ``pyramid``, ``pyramid_ratios``, ``offset``)."""
+    if sample_seeds is None:
+        noise = torch.randn_like(latents)
+    else:
+        noise = _randn(latents.shape, latents, sample_seeds, "noise")
+        channels_last = latents.ndim == 4 and latents.is_contiguous(memory_format=torch.channels_last)
+        if channels_last and not latents.is_contiguous():
+            noise = noise.contiguous(memory_format=torch.channels_last)  # as randn_like would lay it out
     if cfg.pyramid_noise_discount > 0:
-        noise = pyramid_noise(noise, cfg.pyramid_noise_discount)
+        noise = pyramid_noise(noise, cfg.pyramid_noise_discount, sample_seeds=sample_seeds)
     if cfg.noise_offset > 0:
         # One constant per (sample, channel): shifts the image mean, which plain noise barely does.
         shape = latents.shape[:2] + (1,) * (latents.ndim - 2)
-        noise = noise + cfg.noise_offset * torch.randn(shape, device=latents.device, dtype=latents.dtype)
+        noise = noise + cfg.noise_offset * _randn(shape, latents, sample_seeds, "offset")
     return noise
 
 
-def sample_timesteps(noise_scheduler, batch_size: int, device: torch.device, cfg: ObjectiveConfig) -> torch.Tensor:
-    """Training timesteps in [0, num_train_timesteps), int64."""
+def sample_timesteps(noise_scheduler, batch_size: int, device: torch.device, cfg: ObjectiveConfig,
+                     sample_seeds: SampleSeeds | None = None) -> torch.Tensor:
+    """Training timesteps in [0, num_train_timesteps), int64; with ``sample_seeds``, sample i's from its
+    ``timesteps`` stream."""
     n = noise_scheduler.config.num_train_timesteps
+    gens = None if sample_seeds is None else sample_generators(sample_seeds, "timesteps", device)
+    if gens is not None and len(gens) != batch_size:
+        raise ValueError(f"{len(gens)} sample seeds for a batch of {batch_size}")
     if cfg.timestep_sampling == "uniform":
-        return torch.randint(0, n, (batch_size,), device=device)
+        if gens is None:
+            return torch.randint(0, n, (batch_size,), device=device)
+        return torch.cat([torch.randint(0, n, (1,), generator=g, device=device) for g in gens])
     if cfg.timestep_sampling == "logit_normal":
         # u = sigmoid(N(mean, std)) in (0, 1), then the DDPM step whose interval [t/n, (t+1)/n) holds u.
-        u = torch.sigmoid(cfg.logit_mean + cfg.logit_std * torch.randn(batch_size, device=device))
+        if gens is None:
+            z = torch.randn(batch_size, device=device)
+        else:
+            z = _per_sample_randn(gens, (batch_size,), device, torch.float32)
+        u = torch.sigmoid(cfg.logit_mean + cfg.logit_std * z)
         return (u * n).long().clamp_(0, n - 1)
     raise ValueError(f"unknown timestep_sampling '{cfg.timestep_sampling}'")
 
@@ -280,17 +394,19 @@ _DEFAULTS = ObjectiveConfig()
 def diffusion_loss(
     unet, noise_scheduler, latents: torch.Tensor, encoder_hidden_states: torch.Tensor,
     cfg: ObjectiveConfig | None = None, noise: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
-    added_cond_kwargs: dict | None = None,
+    added_cond_kwargs: dict | None = None, sample_seeds: SampleSeeds | None = None,
 ):
     """Mean-squared error of the UNet's prediction; also returns the per-sample losses and timesteps.
 
     ``added_cond_kwargs``: extra UNet conditioning (SDXL's pooled text embedding and size/crop ids).
 
-    Noise and timesteps not given are drawn from the global torch RNG of the latents' device, which the
-    checkpoint saves and restores, so a resumed run draws the same ones. Fixed ones give a loss that is
-    comparable across steps (validation): a given ``noise`` is used as is (no offset, pyramid or input
-    perturbation); the loss weighting still applies. The per-sample losses are the weighted ones, so
-    the loss is their mean.
+    Noise, timesteps and input perturbation not given are drawn per sample from ``sample_seeds`` (one
+    int per sample, a CPU tensor or a sequence: see the module docstring), so a sample's loss does not
+    depend on the batch it is in; without them, from the global torch RNG of the latents' device,
+    which the checkpoint saves and restores, so a resumed run draws the same ones. Fixed ones give a
+    loss that is comparable across steps (validation): a given ``noise`` is used as is (no offset,
+    pyramid or input perturbation); the loss weighting still applies. The per-sample losses are the
+    weighted ones, so the loss is their mean.
     """
     cfg = cfg or _DEFAULTS
     kind = noise_scheduler.config.prediction_type
@@ -299,16 +415,22 @@ def diffusion_loss(
             f"objective.prediction_type is '{cfg.prediction_type}' but the noise scheduler's is '{kind}': "
             "build the schedulers with configure_schedulers()"
         )
+    if sample_seeds is not None:
+        sample_seeds = host_seeds(sample_seeds)  # read once, not once per stream
     drawn = noise is None
     if drawn:
-        noise = sample_noise(latents, cfg)
+        noise = sample_noise(latents, cfg, sample_seeds)
     if timesteps is None:
-        timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device, cfg)
+        timesteps = sample_timesteps(noise_scheduler, latents.shape[0], latents.device, cfg, sample_seeds)
     timesteps = timesteps.long()
     model_noise = noise
     if drawn and cfg.input_perturbation > 0:
         # Ning et al.: the UNet sees x_t built from perturbed noise, but is still asked for the original.
-        model_noise = noise + cfg.input_perturbation * torch.randn_like(noise)
+        if sample_seeds is None:
+            perturbation = torch.randn_like(noise)
+        else:
+            perturbation = _randn(noise.shape, noise, sample_seeds, "perturbation")
+        model_noise = noise + cfg.input_perturbation * perturbation
     noisy = noise_scheduler.add_noise(latents, model_noise, timesteps)
     target = training_target(noise_scheduler, latents, noise, timesteps)
     extra = {"added_cond_kwargs": added_cond_kwargs} if added_cond_kwargs is not None else {}
@@ -323,5 +445,5 @@ def diffusion_loss(
 __all__ = [
     "ObjectiveConfig", "validate_objective_config", "configure_schedulers", "encode_images", "encode_text",
     "training_target", "snr", "min_snr_weights", "pyramid_noise", "sample_noise", "sample_timesteps",
-    "diffusion_loss",
+    "diffusion_loss", "STREAMS", "stream_seed", "host_seeds", "sample_generators",
 ]

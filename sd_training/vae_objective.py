@@ -40,6 +40,7 @@ import torch
 
 from .data.transforms import unit_range
 from .fields import ConfigError
+from .objective import SampleSeeds, sample_generators
 from .schema.dataset import is_latent_type
 from .schema.objective import ObjectiveConfig
 from .schema.vae_training import VAEObjectiveConfig
@@ -209,12 +210,15 @@ def vae_loss(
     cfg: VAEObjectiveConfig,
     generator: Optional[torch.Generator] = None,
     perceptual: Optional[torch.nn.Module] = None,
+    sample_seeds: Optional[SampleSeeds] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
     """LDM's autoencoder loss on ``pixels`` ([B, 3, H, W] in [-1, 1]); see the module docstring.
 
-    The decoder reconstructs a *sample* of the posterior (drawn with ``generator``, else the global RNG
-    of the device), as LDM trains. ``perceptual`` overrides the VGG16 built (once, cached) from
-    ``cfg.perceptual_weights``. Returns ``(loss, per_sample, logs)``: the mean loss, the detached
+    The decoder reconstructs a *sample* of the posterior, as LDM trains: drawn with ``generator``; or,
+    with ``sample_seeds`` (one int per image, a CPU tensor or a sequence), image i's from its own
+    ``posterior`` stream (``objective.stream_seed``), so an image's loss does not depend on the batch it
+    is in; else from the global RNG of the device. ``perceptual`` overrides the VGG16 built (once,
+    cached) from ``cfg.perceptual_weights``. Returns ``(loss, per_sample, logs)``: the mean loss, the detached
     per-image losses, and detached 0-dim tensors (no device sync): ``rec`` (mean |x - D(z)| or squared),
     ``kl`` (KL summed over the latent, per image: what LDM logs), ``perceptual`` (mean distance, 0 when
     off), ``loss``. All losses are computed in fp32, also under bf16 autocast.
@@ -222,8 +226,15 @@ def vae_loss(
     _check_runtime_precision(vae, pixels.device.type)
     if cfg.reconstruction not in RECONSTRUCTIONS:
         raise ValueError(f"reconstruction={cfg.reconstruction!r}: expected one of {RECONSTRUCTIONS}")
+    if generator is not None and sample_seeds is not None:
+        raise ValueError("vae_loss: give a generator or sample_seeds, not both")
     posterior = vae.encode(pixels).latent_dist
-    z = posterior.sample(generator=generator)
+    gens = generator
+    if sample_seeds is not None:
+        gens = sample_generators(sample_seeds, "posterior", posterior.mean.device)
+        if len(gens) != pixels.shape[0]:
+            raise ValueError(f"{len(gens)} sample seeds for a batch of {pixels.shape[0]}")
+    z = posterior.sample(generator=gens)  # diffusers' randn_tensor: row i from generator i of a list
     recon = vae.decode(z).sample
     x, y = pixels.float(), recon.float()
     err = (y - x).abs() if cfg.reconstruction == "l1" else (y - x).pow(2)

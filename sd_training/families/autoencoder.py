@@ -18,6 +18,7 @@ from ..config import TrainConfig
 from ..data import build_train_loader
 from ..data.transforms import unit_range
 from ..export import image_grid
+from ..objective import host_seeds
 from ..vae_objective import measure_scaling_factor, vae_loss, validate_vae_stage
 from .base import Family, LossOut, SampleSettings
 
@@ -47,8 +48,8 @@ class VAELossModule(torch.nn.Module):
         self.vae = vae
         self.cfg = cfg
 
-    def forward(self, pixels: torch.Tensor):
-        return vae_loss(self.vae, pixels, self.cfg)
+    def forward(self, pixels: torch.Tensor, sample_seeds: list[int] | None = None):
+        return vae_loss(self.vae, pixels, self.cfg, sample_seeds=sample_seeds)
 
 
 class Autoencoder(Family):
@@ -86,8 +87,11 @@ class Autoencoder(Family):
             g = torch.Generator(self.device).manual_seed(int(batch["seed"]))
             loss, per_sample, parts = vae_loss(self.net, pixels, self.cfg.vae_training, generator=g)
         else:
+            # The seeds as ints, not a tensor: DDP would move a tensor argument to the device.
+            seeds = batch.get("sample_seeds")
+            seeds = None if seeds is None else host_seeds(seeds)
             with autocast:
-                loss, per_sample, parts = model(pixels)
+                loss, per_sample, parts = model(pixels, seeds)
         return LossOut(loss, per_sample.detach(), None, parts)
 
     def validation_batch(self, batch, generator, index) -> dict:

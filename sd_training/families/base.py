@@ -94,7 +94,13 @@ class Family(abc.ABC):
     def loss(self, model: torch.nn.Module, batch: dict, autocast: contextlib.AbstractContextManager,
              fixed: dict | None = None, validation: bool = False) -> LossOut:
         """Forward of one micro-batch through ``model`` (the wrapped loss module). ``fixed``: given noise
-        and timesteps (validation). The trainer back-propagates ``loss``."""
+        and timesteps (validation). The trainer back-propagates ``loss``.
+
+        A training batch carries ``sample_seeds`` (an int64 CPU tensor, one seed per sample, independent
+        of the world size): every random draw of sample i (posterior sample, noise, timestep, ...) must
+        come from generators seeded from ``sample_seeds[i]`` (``objective.sample_generators``), never from
+        the global RNG, so a sample's loss is the same on any number of ranks and micro-batches. A batch
+        without them (an older loader, a test) draws from the global RNG."""
 
     @abc.abstractmethod
     def validation_batch(self, batch: dict, generator: torch.Generator, index: int) -> dict:

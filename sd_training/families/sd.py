@@ -140,32 +140,36 @@ class StableDiffusion(Family):
         if "latents" in batch:
             latents = batch["latents"].to(self.device, non_blocking=True).float()
         else:
-            latents = self.encode(unit_range(batch["pixel_values"].to(self.device, non_blocking=True)))
+            pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
+            latents = self.encode(pixels, sample_seeds=batch.get("sample_seeds"))
         if self.cfg.model.channels_last:
             latents = latents.contiguous(memory_format=torch.channels_last)
         return latents
 
     def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
+        """The diffusion loss; a batch's ``sample_seeds`` seed each sample's posterior sample, noise and
+        timestep (given ``fixed`` noise and timesteps are used as they are)."""
         latents = self.latents(batch)
         with autocast:
             hidden, added = self.condition(batch, validation)
             loss, per_sample, timesteps = diffusion_loss(
                 model, self.models.noise_scheduler, latents, hidden, self.cfg.objective,
-                added_cond_kwargs=added, **(fixed or {}),
+                added_cond_kwargs=added, sample_seeds=batch.get("sample_seeds"), **(fixed or {}),
             )
         return LossOut(loss, per_sample, timesteps, None)
 
-    def encode(self, pixels: torch.Tensor, mean: bool | None = None) -> torch.Tensor:
-        """VAE-encode in the VAE's own dtype, outside autocast (autocast would recast an fp32 VAE)."""
+    def encode(self, pixels: torch.Tensor, mean: bool | None = None, sample_seeds=None) -> torch.Tensor:
+        """VAE-encode in the VAE's own dtype, outside autocast (autocast would recast an fp32 VAE).
+        ``sample_seeds``: the posterior sample of image i from its own seed (else the global RNG)."""
         vae = self.models.vae
         mean = self.cfg.model.vae.latent_sampling == "mean" if mean is None else mean
         with torch.autocast(self.device.type, enabled=False):
-            latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean)
+            latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean, sample_seeds=sample_seeds)
             if vae.dtype == torch.float16 and not bool(torch.isfinite(latents).all()):
                 # The SD VAE overflows in fp16 on some images (seed 000's NaNs): keep it in fp32 from now on.
                 log.warning("the fp16 VAE overflowed (non-finite latents): keeping the VAE in fp32 from now on")
                 vae.to(torch.float32)
-                latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean)
+                latents = encode_images(vae, pixels, self.models.latent_scale, mean=mean, sample_seeds=sample_seeds)
         return latents.float()
 
     def validation_batch(self, batch, generator, index) -> dict:
