@@ -25,6 +25,7 @@ from .outputs import RunOutputs
 from .parallel import Strategy
 from .preemption import StopFlag, requeue_job, under_slurm
 from .progress import PROGRESS
+from .reshard import load_model_state
 from .run_dir import RunDir, repair_swaps
 from .run_guard import check_resume_config, cut_metrics_back, lock_run_folder, prepare_fresh_start
 from .trackers import build_trackers
@@ -252,7 +253,8 @@ class Trainer(RunOutputs):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     def _resumable(self) -> dict:
-        """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead."""
+        """What rank 0 writes as plain files; under FSDP the UNet, EMA and optimizer go to DCP instead (either
+        layout resumes under either strategy: reshard.load_model_state)."""
         objs = {"lr_scheduler": self.lr_scheduler, "grad_scaler": self.scaler}
         objs.update(self.encoders)
         if not self.strategy.sharded:
@@ -275,17 +277,21 @@ class Trainer(RunOutputs):
                                           self.cfg.experiment.allow_config_change, latest)
         new_peaks = [g["initial_lr"] for g in self.optimizer.param_groups]
         shared, per_rank, train_state = Checkpointer.load(latest, self.info.rank)
+        model_state = {self.net_name, "optimizer", "ema", "ema_meta"}  # in either layout: load_model_state
         for name, obj in self._resumable().items():
+            if name in model_state:
+                continue
             if name not in shared:
                 raise RuntimeError(
                     f"checkpoint {latest} has no '{name}' state: it was written with other settings "
-                    "(model.use_ema, distributed.strategy); resume with those, or start a new run name"
+                    "(model.text_encoder.train); resume with those, or start a new run name"
                 )
             obj.load_state_dict(shared[name])
-        if self.strategy.sharded:
-            if not (latest / "sharded").is_dir():
-                raise RuntimeError(f"checkpoint {latest} was not written by distributed.strategy=fsdp (no sharded/)")
-            self.strategy.load_sharded(latest / "sharded", self.net, self.optimizer, self.ema.shadow if self.ema else None)
+        # Written by ddp or fsdp on any number of ranks: converted to this run's strategy and rank count.
+        converted = load_model_state(latest, shared, self.strategy, self.net, self.optimizer, self.ema, self.net_name,
+                                     self.info.world_size)
+        if converted:
+            log.info("%s", converted)
         self.state.load_state_dict(train_state)
         self.loader.load_state_dict(per_rank["data"])
         set_rng_state(per_rank["rng"])

@@ -6,8 +6,9 @@ The strategy also owns how the trained module's state is saved and gathered:
 
 - ``ddp``: every rank holds the full weights; rank 0 writes them (``shared`` state in the checkpoint).
 - ``fsdp``: each rank holds a shard; all ranks write their shards with torch.distributed.checkpoint
-  (DCP) into ``checkpoints/step_N/sharded/``, resumed with the same or another world size, and
-  exports gather the full weights on rank 0.
+  (DCP) into ``checkpoints/step_N/sharded/``, and exports gather the full weights on rank 0.
+
+Either layout resumes under either strategy on any number of ranks (``reshard.load_model_state``).
 """
 
 from __future__ import annotations
@@ -133,14 +134,28 @@ class Strategy:
         return dcp.async_save(state, checkpoint_id=str(folder), process_group=self._save_group)
 
     def load_sharded(self, folder: Path, net, optimizer, ema_shadow) -> None:
+        """A sharded (DCP) checkpoint, written on any number of ranks, into this run's own layout: DCP reads
+        each rank's DTensor shards under fsdp, the full tensors under ddp (every rank) and in one process
+        (no process group: no collective), resharding as it reads."""
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         state = self.sharded_state(net, optimizer, ema_shadow)  # the layout to load into
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
         set_state_dict(net, optimizer, model_state_dict=state[NET_KEY], optim_state_dict=state["optimizer"])
         if ema_shadow is not None:
             set_model_state_dict(ema_shadow, state["ema"])
+
+    def load_full(self, net, optimizer, ema_shadow, net_sd: dict, optim_sd: dict, ema_sd: dict | None) -> None:
+        """FSDP (collective): full tensors that every rank holds (a ddp or one-process checkpoint's; the
+        optimizer state keyed by parameter name) into this rank's shards: each rank keeps its slice."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        full = StateDictOptions(full_state_dict=True)
+        set_state_dict(net, optimizer, model_state_dict=net_sd, optim_state_dict=optim_sd, options=full)
+        if ema_shadow is not None:
+            set_model_state_dict(ema_shadow, ema_sd, options=full)
 
     def plain_copy(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """An unsharded module with the full weights on every rank, for export, samples and eval images.
