@@ -309,7 +309,8 @@ class Checkpointer:
 
     @staticmethod
     def load(path: Path, rank: int, map_location="cpu") -> tuple[dict, dict, dict]:
-        """(shared objects by name, this rank's state, train_state) of a complete checkpoint."""
+        """(shared objects by name, this rank's state or None if the checkpoint had fewer ranks, train_state)
+        of a complete checkpoint."""
         path = Path(path)
         if not (path / MARKER).exists():
             raise RuntimeError(f"checkpoint {path} is incomplete (no {MARKER} marker)")
@@ -320,13 +321,18 @@ class Checkpointer:
         # weights_only: tensors and plain containers only; a pickle that would run code is refused.
         shared = {n: _load_weights_only(path / f"{n}.pt", map_location) for n in names}
         rank_file = path / f"rank_{rank}.pt"
-        if not rank_file.exists():
-            raise RuntimeError(
-                f"{rank_file} is missing: the checkpoint was written by fewer ranks than this run has; "
-                "resume with the same world size"
-            )
-        per_rank = _load_weights_only(rank_file, map_location)
+        per_rank = _load_weights_only(rank_file, map_location) if rank_file.exists() else None
         return shared, per_rank, train_state
+
+    @staticmethod
+    def rank_states(path: Path, map_location="cpu") -> list[dict]:
+        """Every rank's file of a complete checkpoint, in rank order (small: data positions and RNG
+        states). A run on another number of ranks reads them all to take over the saved positions."""
+        path = Path(path)
+        files = sorted(path.glob("rank_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+        if [int(p.stem.split("_")[1]) for p in files] != list(range(len(files))) or not files:
+            raise RuntimeError(f"checkpoint {path} lacks rank files: found {[p.name for p in files]}")
+        return [_load_weights_only(p, map_location) for p in files]
 
 
 def _load_weights_only(path: Path, map_location) -> dict:

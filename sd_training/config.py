@@ -61,7 +61,8 @@ class WandbConfig:
 
 @dataclass
 class SystemConfig:
-    gradient_accumulation: int = f(1, "micro-batches per optimizer step")
+    gradient_accumulation: int = f(1, "micro-batches per optimizer step (leave at 1 with global_batch_size)")
+    global_batch_size: int = f(0, "images per optimizer step over all ranks; when set, the accumulation is derived from it, the batch size and the rank count, so a resume on another rank count keeps it (0: batch_size x gradient_accumulation x ranks)")
     batch_size: int = f(32, "images per device per micro-batch")
     workers: int = f(6, "data-loading worker processes per device (SLURM: cpus-per-task)")
     dist_backend: str = f("${distributed.dist_backend}", "alias of distributed.dist_backend (must agree with it)")
@@ -107,6 +108,7 @@ class ExperimentConfig:
     sample_from: str = f("auto", "weights of the sample grids: auto (ema with model.use_ema, else raw) | raw | ema | both")
     requeue: bool = f(True, "on SIGUSR1/SIGTERM under SLURM: save, then `scontrol requeue` the job")
     log_every: int = f(10, "optimizer steps between metric lines")
+    record_sample_keys: bool = f(False, "write the keys of every step's samples to sample_keys/rank_<N>.jsonl (which data each step trained on; compare runs and layouts)")
     progress_bar: str = f("auto", "live progress bar: auto (on an interactive terminal, not under SLURM batch) | on | off")
     tensorboard: bool = f(False, "also write tensorboard event files to <run>/tensorboard")
     peak_tflops: Optional[float] = f(None, "peak dense TFLOP/s of one device for MFU (None: the A100/H100/H200 table; CPU: no MFU)")
@@ -564,6 +566,8 @@ def validate(cfg: TrainConfig) -> None:
     ]:
         if value < 1:
             raise ConfigError(f"'{path}' must be >= 1, got {value}")
+    if cfg.system.global_batch_size < 0:
+        raise ConfigError(f"'system.global_batch_size' must be >= 0 (0: derived), got {cfg.system.global_batch_size}")
     if cfg.system.workers < 0:
         raise ConfigError(f"'system.workers' must be >= 0, got {cfg.system.workers}")
     if cfg.dataset.params.resolution % 8:

@@ -56,7 +56,7 @@ class Trainer(RunOutputs):
         distributed.configure_math(self.device, cfg.system.tf32)  # also for Trainers built by tests and benchmarks
         self.plan = Plan.make(cfg, info.world_size)
         self.run_dir = RunDir(cfg.experiment.log_dir, cfg.experiment.name)
-        self.state = TrainState()
+        self.state = TrainState(global_batch=self.plan.global_batch)
         self.config_yaml = to_yaml(cfg)
         self.bar = None  # the live progress bar (rank 0, interactive terminals)
         self._side_times: dict[str, float] = {}  # seconds of saves and exports since the last log line
@@ -293,8 +293,7 @@ class Trainer(RunOutputs):
         if converted:
             log.info("%s", converted)
         self.state.load_state_dict(train_state)
-        self.loader.load_state_dict(per_rank["data"])
-        set_rng_state(per_rank["rng"])
+        self._resume_layout(latest)
         if applied:  # a new learning rate: the schedule continues from this step with the new peaks
             self.lr_scheduler.base_lrs = list(new_peaks)
             factor = self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
@@ -303,6 +302,23 @@ class Trainer(RunOutputs):
         if self.info.is_main:
             cut_metrics_back(self.run_dir.metrics, self.state.step)
         log.info("resumed from %s at step %d (%d images seen)", latest, self.state.step, self.state.images_seen)
+
+    def _resume_layout(self, latest: Path) -> None:
+        """The data position of every saved rank (on another layout each canonical reader's goes to its new
+        owner), this rank's RNG when the rank count is unchanged, and one line when the layout changed."""
+        ranks = Checkpointer.rank_states(latest)
+        self.loader.load_state_dict([r["data"] for r in ranks])
+        if len(ranks) == self.info.world_size:
+            set_rng_state(ranks[self.info.rank]["rng"])  # the training step's draws are the samples' own
+        p, saved_batch = self.plan, self.state.global_batch
+        if self.loader.resumed_from:
+            log.info("resumed on %s from a checkpoint of %s (%d canonical readers); global batch %d = %d x %d "
+                     "accumulation x %d ranks", self.loader.layout, self.loader.resumed_from, self.loader.plan.readers,
+                     p.global_batch, self.cfg.system.batch_size, p.accumulation, self.info.world_size)
+        if saved_batch and saved_batch != p.global_batch:
+            log.warning("the global batch changes from %d (checkpoint) to %d: set system.global_batch_size=%d to keep "
+                        "it whatever the rank count", saved_batch, p.global_batch, saved_batch)
+        self.state.global_batch = p.global_batch
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: StopFlag | None = None) -> dict:
@@ -349,7 +365,7 @@ class Trainer(RunOutputs):
                     if hasattr(wrapped, "no_sync"):  # DDP
                         no_sync.enter_context(wrapped.no_sync())
             out = self.family.loss(self.model, batch, self._autocast(), fixed or None)
-            self.scaler.scale(out.loss / self.cfg.system.gradient_accumulation).backward()
+            self.scaler.scale(out.loss / self.plan.accumulation).backward()
         return out
 
     def _optimizer_step(self) -> torch.Tensor:
@@ -399,6 +415,15 @@ class Trainer(RunOutputs):
             self._validate()  # the untrained model's figure, to compare with
         window = LogWindow()
         last_ckpt_time = time.time()
+        self.keys_file = None
+        if cfg.experiment.record_sample_keys:
+            path = self.run_dir.sample_keys(self.info.rank)
+            path.parent.mkdir(exist_ok=True)
+            self.keys_file = open(path, "a", buffering=1)  # a line per step; a resumed run appends
+            # Which process wrote a line: a step written twice (killed after it, before its checkpoint) is
+            # the later attempt's, the one that started from the newer checkpoint.
+            self.keys_attempt = {"rank": self.info.rank, "world_size": self.info.world_size,
+                                 "start_step": state.step, "started": time.time()}
         self.bar = None
         if self.info.is_main and not stopped_by and progress.wanted(cfg.experiment.progress_bar):
             self.bar = progress.ProgressBar(plan.total_steps, state.step, plan.global_batch)
@@ -407,23 +432,29 @@ class Trainer(RunOutputs):
         finally:
             if self.bar is not None:
                 self.bar.close()
+            if self.keys_file is not None:
+                self.keys_file.close()
 
     def _steps(self, stop: StopFlag, data_iter, val_every: int, window: "LogWindow", last_ckpt_time: float,
                stopped_by: str | None) -> dict:
         cfg, plan, state = self.cfg, self.plan, self.state
-        accum = cfg.system.gradient_accumulation
+        accum = plan.accumulation
         while state.step < plan.total_steps and not stopped_by:
             t_step = time.perf_counter()
+            keys = []
             for micro in range(accum):
                 t_data = time.perf_counter()
                 batch = next(data_iter)
                 window.data_time += time.perf_counter() - t_data
+                keys += batch.get("keys", [])
                 out = self._micro_step(batch, sync=(micro == accum - 1))
                 window.add_loss(out.loss.detach(), out.per_sample, out.timesteps, self.family.num_timesteps)
                 if out.parts:
                     window.add_parts(out.parts)
             grad_norm = self._optimizer_step()
             state.step += 1
+            if self.keys_file is not None:
+                self.keys_file.write(json.dumps({"step": state.step, "keys": keys, **self.keys_attempt}) + "\n")
             if self.bar is not None:
                 self.bar.step()
             state.images_seen += plan.global_batch

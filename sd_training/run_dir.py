@@ -11,6 +11,7 @@
       samples/step_<N>.png      sample grid of each export
       wandb/                    wandb's files (offline runs sync from here)
       sources.json              where the UNet, VAE and text encoder came from
+      sample_keys/rank_<N>.jsonl  the samples of every step (experiment.record_sample_keys)
       .lock                     held by the running job (see sd_training.run_guard)
 """
 
@@ -38,6 +39,9 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    def sample_keys(self, rank: int) -> Path:
+        return self.root / "sample_keys" / f"rank_{rank}.jsonl"
 
     def pipeline(self, step: int | None, ema: bool = False) -> Path:
         suffix = "_ema" if ema else ""

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .ema import EMA
 
 
@@ -21,6 +21,7 @@ class TrainState:
     wandb_id: str | None = None
     last_export_step: int = -1
     nonfinite_steps: int = 0  # optimizer steps skipped for a non-finite gradient, whole run
+    global_batch: int = 0  # images per optimizer step when the checkpoint was written (0: not recorded)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -37,14 +38,31 @@ class Plan:
     global_batch: int
     total_steps: int
     checkpoint_every: int
+    accumulation: int  # micro-batches per optimizer step on each rank
 
     @classmethod
     def make(cls, cfg: TrainConfig, world_size: int) -> "Plan":
-        gb = cfg.system.batch_size * cfg.system.gradient_accumulation * world_size
+        s = cfg.system
+        accum = s.gradient_accumulation
+        if s.global_batch_size:
+            per_pass = s.batch_size * world_size
+            if s.gradient_accumulation != 1:
+                raise ConfigError(f"'system.global_batch_size'={s.global_batch_size} derives the accumulation; leave "
+                                  f"'system.gradient_accumulation' at 1 (it is {s.gradient_accumulation})")
+            if s.global_batch_size % per_pass:
+                raise ConfigError(
+                    f"'system.global_batch_size'={s.global_batch_size} cannot be reached on {world_size} rank(s) with "
+                    f"'system.batch_size'={s.batch_size}: it must be a multiple of {s.batch_size} x {world_size} = "
+                    f"{per_pass} (closest: {max(per_pass, s.global_batch_size // per_pass * per_pass)} or "
+                    f"{(s.global_batch_size // per_pass + 1) * per_pass}); change the batch size or the rank count"
+                )
+            accum = s.global_batch_size // per_pass
+        gb = s.batch_size * accum * world_size
         return cls(
             global_batch=gb,
             total_steps=math.ceil(cfg.experiment.num_examples_to_see / gb),
             checkpoint_every=cfg.experiment.checkpoint_every or cfg.experiment.save_every,
+            accumulation=accum,
         )
 
 

@@ -489,8 +489,10 @@ class SlurmCluster:
         """USR1 as the time limit would send it with the template's --signal (default: batch shell)."""
         self.signal(job_id, "USR1", target)
 
-    def speed_up_requeue(self, job_id: int, restarts: int = 1, timeout: float = 60) -> dict[str, str]:
-        """After a job requeued itself, start it again now instead of in ~120 s.
+    def speed_up_requeue(self, job_id: int, restarts: int = 1, timeout: float = 60,
+                         update: Iterable[str] = ()) -> dict[str, str]:
+        """After a job requeued itself, start it again now instead of in ~120 s; ``update``: more
+        ``scontrol update`` fields for the pending job (``NumTasks=1``: it comes back smaller).
 
         slurmctld holds a requeued batch job (Reason=BeginTime) until the old launch credential
         expires; ``scontrol update StartTime=now`` lifts the hold. Waits until the job shows
@@ -512,6 +514,8 @@ class SlurmCluster:
         # finished the kill (no COMPLETING) and let the clock move past the revocation.
         self.wait_until(self._nodes_idle, timeout, f"node(s) idle after job {job_id} requeued", job_id)
         time.sleep(2.5)
+        if update:
+            self.run("scontrol", "update", f"JobId={job_id}", *update)
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
         return info
 

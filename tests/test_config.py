@@ -212,3 +212,28 @@ def test_asset_interpolation_finds_packaged_files_from_any_folder(tmp_path, monk
     assert os.path.isfile(os.path.join(cfg.model.vae.pretrained, "config.json"))
     with pytest.raises(ConfigError, match=r"model.vae.pretrained.*asset:nope.*shipped: quickstart_vae"):
         load(base + ["model.vae.pretrained=${asset:nope}"])
+
+
+REQUIRED = ["dataset.params.path=/data/{0..1}.tar", "experiment.name=plan", "model.pretrained=/models/sd",
+            "experiment.num_examples_to_see=120"]
+
+
+@pytest.mark.parametrize("world, accumulation", [(1, 6), (2, 3), (3, 2), (6, 1)])
+def test_global_batch_size_derives_the_accumulation_on_every_rank_count(world, accumulation):
+    from sd_training.train_state import Plan
+
+    cfg = load(["system.batch_size=2", "system.global_batch_size=12", *REQUIRED])
+    plan = Plan.make(cfg, world)
+    assert (plan.accumulation, plan.global_batch, plan.total_steps) == (accumulation, 12, 10)
+
+
+def test_a_global_batch_size_a_layout_cannot_reach_is_refused_with_the_numbers():
+    from sd_training.train_state import Plan
+
+    cfg = load(["system.batch_size=2", "system.global_batch_size=12", *REQUIRED])
+    with pytest.raises(ConfigError, match=r"cannot be reached on 4 rank\(s\).* multiple of 2 x 4 = 8 \(closest: 8 or 16\)"):
+        Plan.make(cfg, 4)
+    both = load(["system.batch_size=2", "system.global_batch_size=12", "system.gradient_accumulation=3", *REQUIRED])
+    with pytest.raises(ConfigError, match="leave 'system.gradient_accumulation' at 1"):
+        Plan.make(both, 1)
+    assert Plan.make(load(["system.batch_size=2", "system.gradient_accumulation=3", *REQUIRED]), 2).global_batch == 12

@@ -70,6 +70,43 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_final_step(slurm_cluster, t
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_requeued_on_fewer_nodes_continues_the_same_samples(slurm_cluster_2nodes, tmp_path, tiny_pipeline,
+                                                            shapes_shards):
+    """2 nodes x 1 task, USR1, requeued and set to 1 node while pending (a job that comes back smaller): the
+    template starts 1 task, which resumes with the same global batch and samples, every step logged once."""
+    slurm_cluster = slurm_cluster_2nodes
+    total = 30
+    config = write_config(tmp_path, tiny_pipeline, shapes_shards, "shrink", **{
+        "system.batch_size": 2, "system.global_batch_size": 4, "experiment.num_examples_to_see": 4 * total,
+        "experiment.checkpoint_every": 1000, "experiment.sample_per_prompt": 0, "experiment.requeue": "true",
+        "system.workers": 1, "experiment.record_sample_keys": "true"})
+    run = tmp_path / "runs" / "shrink"
+    job = slurm_cluster.sbatch(
+        SRUN_TEMPLATE, options=slurm_cluster.template_options(nodes=2, ntasks_per_node=1, chdir=REPO),
+        env={"CONFIG": str(config), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"},
+    )
+    slurm_cluster.wait_until(lambda: (run / "metrics.jsonl").exists() and len(metric_steps(run)) >= 3,
+                             timeout=240, what="3 logged steps", job_id=job)
+    slurm_cluster.send_usr1(job, target="steps")
+    slurm_cluster.speed_up_requeue(job, restarts=1, update=["NumNodes=1", "NumTasks=1"])
+    slurm_cluster.wait_state(job, "COMPLETED", timeout=300)
+    log = (run / "train.log").read_text()
+    assert "resumed on 1 rank(s) x 1 worker(s) from a checkpoint of 2 rank(s) x 1 worker(s) (2 canonical readers); " \
+           "global batch 4 = 2 x 2 accumulation x 1 ranks" in log, log[-3000:]
+    assert metric_steps(run) == list(range(1, total + 1))
+    keys = [json.loads(line) for f in (run / "sample_keys").glob("rank_*.jsonl") for line in f.read_text().splitlines()]
+    resumed_at = max(r["start_step"] for r in keys)
+    assert 0 < resumed_at < total
+    per_step = {}
+    for r in keys:  # steps written after the save and before the requeue are redone by the resumed run
+        if r["step"] <= resumed_at or r["start_step"] == resumed_at:
+            per_step.setdefault(r["step"], []).extend(r["keys"])
+    assert sorted(per_step) == list(range(1, total + 1)) and all(len(v) == 4 for v in per_step.values())
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_namespace_hosts_train_with_torchrun_template(slurm_cluster_2nodes, tmp_path, tiny_pipeline, shapes_shards):
     """2 nodes (network namespaces) x 1 process each, torchrun static rendezvous, gloo across hosts."""
     config = write_config(tmp_path, tiny_pipeline, shapes_shards, "twonode", **{

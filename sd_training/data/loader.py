@@ -114,7 +114,7 @@ class TrainLoader:
     @property
     def layout(self) -> str:
         p = self.plan
-        return f"{p.world_size} rank(s) x {p.workers_per_rank} worker(s), {p.readers} canonical readers"
+        return f"{p.world_size} rank(s) x {p.workers_per_rank if p.workers else 0} worker(s)"
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         W = self.plan.workers_per_rank
@@ -170,7 +170,7 @@ class TrainLoader:
             "seed": p.seed,
             "rank": p.rank,
             "world_size": p.world_size,
-            "workers": p.workers_per_rank,
+            "workers": p.workers_per_rank if p.workers else 0,  # loader processes (0: in the training process)
             "readers": p.readers,
             "resampled": p.resampled,
             "n_units": len(p.units),
@@ -200,7 +200,7 @@ class TrainLoader:
                 self._counts.update(sd.get("stats", {}))
         self._epoch = int((mine or first).get("epoch", 0))
         states = {int(c): st for sd in sds if sd is not None for c, st in sd["reader_states"].items()}
-        saved_layout = (f"{old_world} rank(s) x {first['workers']} worker(s), {first['readers']} canonical readers")
+        saved_layout = f"{old_world} rank(s) x {first['workers']} worker(s)"
         if saved_layout != self.layout:
             self.resumed_from = saved_layout
         changed = {k: (first.get(k), v) for k, v in self._same_data().items() if first.get(k) != v}
