@@ -146,6 +146,26 @@ def test_aspect_bucketed_batches_never_mix_buckets_and_resume_exactly(tmp_path):
     assert_same_batches(batches, head + take(again, 7))
 
 
+def test_bucketed_positions_move_from_one_rank_to_two_with_partly_filled_buckets(tmp_path):
+    """4 canonical readers on 1 rank x 2 workers, then on 2 ranks x 1 worker: partly filled buckets travel
+    with their readers, and the run's micro-batches go on as on one rank."""
+    sizes = [(96, 64), (64, 96), (64, 64), (128, 64), (80, 80)]
+    pattern = write_shapes_shards(str(tmp_path), n_samples=80, n_shards=8, seed=1, sizes=sizes)
+    kw = dict(resolution=64, bucket_step=16, aspect_buckets=True, batch_size=3, shuffle_buffer=4, seed=3,
+              canonical_readers=4)
+    ref = take(loader(pattern, workers=2, **kw), 14)
+    one = loader(pattern, workers=2, **kw)
+    head = take(one, 6)
+    state = one.state_dict()
+    assert any(st["buckets"] for st in state["reader_states"].values())
+    two = [loader(pattern, rank=r, world_size=2, workers=1, **kw) for r in range(2)]
+    for ld in two:
+        ld.load_state_dict([state])
+    its = [iter(ld) for ld in two]
+    tail = [next(its[m % 2]) for m in range(8)]  # micro-batch m of the run: rank m mod 2's next one
+    assert_same_batches(ref, head + tail)
+
+
 def test_16_bit_greyscale_is_rescaled_not_clipped_to_white():
     """A 16-bit PNG at half grey must train as mid grey (PIL's plain convert clips it to white)."""
     import io
