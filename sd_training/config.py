@@ -422,8 +422,23 @@ def _raise_missing(missing: list[str]) -> None:
     )
 
 
+def _mixture_path(cfg: DictConfig) -> None:
+    """``dataset.params.sources`` replaces ``path``, which then names the sources joined by '::'."""
+    params = cfg.dataset.params
+    sources = params.get("sources") or []
+    if not sources:
+        return
+    if not OmegaConf.is_missing(params, "path"):
+        raise ConfigError("'dataset.params.path' and 'dataset.params.sources' are both set: a mixture's paths are "
+                          "in its sources; remove dataset.params.path")
+    if any(not hasattr(e, "get") or not e.get("path") for e in sources):
+        return  # named by the dataset checks
+    params.path = "::".join(str(e.get("path")) for e in sources)
+
+
 def resolve(cfg: DictConfig) -> TrainConfig:
     """Check required keys, resolve interpolations, convert to dataclasses and validate."""
+    _mixture_path(cfg)
     _raise_missing(sorted(OmegaConf.missing_keys(cfg)))
     try:
         obj = OmegaConf.to_object(cfg)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import time
 
 import numpy as np
 import pytest
@@ -95,16 +94,12 @@ def test_fast_decode_uses_jpeg_draft_and_matches_full_decode(monkeypatch):
         return original(self, mode, size, *a, **kw)
 
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
-    t = time.perf_counter()
     fast = decode_cropped(open_image(data), 256, 256, center_crop=True, flip=False, rng=None, fast_decode=True).pixels
-    t_fast = time.perf_counter() - t
     assert calls == [(341, 256)]  # asked for the cover size; libjpeg decodes at 1/2 (512x384)
-    t = time.perf_counter()
     full = decode_cropped(open_image(data), 256, 256, center_crop=True, flip=False, rng=None, fast_decode=False).pixels
-    t_full = time.perf_counter() - t
     assert len(calls) == 1 and fast.shape == full.shape == (256, 256, 3)
     assert np.abs(fast.astype(int) - full.astype(int)).mean() < 3.0
-    assert t_fast < t_full * 1.5  # (timing is noisy on a shared CPU; the benchmark measures it properly)
+    # How much faster it is: benchmarks/bench_data.py (a timed assertion here would be noise on a shared CPU).
 
 
 def test_buckets_have_equal_area_and_bounded_ratio():

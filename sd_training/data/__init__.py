@@ -13,12 +13,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, List
 
-from ..schema.dataset import DatasetConfig, DatasetConfigError, DatasetParams, TagParams, canonical_type, plain_config
+from ..schema.dataset import (
+    SOURCE_PARAM_KEYS,
+    DatasetConfig,
+    DatasetConfigError,
+    DatasetParams,
+    TagParams,
+    canonical_type,
+    plain_config,
+)
 from .buckets import bucket_table
 from .checks import validate_dataset_config
+from .filters import parse_filters
 from .folders import FolderSource
 from .latents import LatentSampleProcessor, LatentShardSource, check_latent_sources
 from .loader import TrainLoader, describe
@@ -83,14 +93,30 @@ READERS = {"WebDataset": WebDatasetSource, "latents": LatentShardSource, "parque
            "folder": FolderSource}
 
 
+def source_params(params) -> List[Any]:
+    """The params each source is read with: one per '::' element of ``path``, or per entry of ``sources``
+    (the entry's reading keys over the section's)."""
+    if not params.sources:
+        specs = split_sources(params.path)
+        if not specs:
+            raise DatasetConfigError("dataset.params.path is empty")
+        return [dataclasses.replace(params, path=spec) for spec in specs]
+    out = []
+    for entry in params.sources:
+        own = {k: entry[k] for k in SOURCE_PARAM_KEYS if k in entry}
+        out.append(dataclasses.replace(params, path=str(entry["path"]), **own))
+    return out
+
+
 def build_sources(kind: str, params) -> List[Source]:
-    """The sources of ``dataset.params.path`` for ``dataset.type`` (canonical name)."""
-    specs = split_sources(params.path)
-    if not specs:
-        raise DatasetConfigError("dataset.params.path is empty")
+    """The sources of ``dataset.params.path`` (or ``sources``) for ``dataset.type`` (canonical name)."""
     if kind not in READERS:
         raise DatasetConfigError(f"dataset.type={kind}: no reader")  # canonical_type() rejects it earlier
-    return [READERS[kind](s, params) for s in specs]
+    sources = [READERS[kind](sp.path, sp) for sp in source_params(params)]
+    for src, entry in zip(sources, params.sources or []):
+        if "name" in entry:
+            src.name = str(entry["name"])
+    return sources
 
 
 def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: int, seed: int) -> TrainLoader:
@@ -147,6 +173,12 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
         latents_info = next((s.info for s in sources if s.info is not None), None)
     else:
         proc = SampleProcessor(p, kind, tokenizer)
+    if p.sources:  # each source's own filters (its entry's, else the section's)
+        proc.source_filters = [parse_filters(dict(sp.filters or {})) for sp in source_params(p)]
+    mixture = {}
+    if p.sources:
+        mixture = dict(weights=[float(e.get("weight", 1.0)) for e in p.sources],
+                       exhausted=[str(e.get("exhausted", "restart")) for e in p.sources])
     plan = Plan(
         sources=sources,
         units=units,
@@ -158,6 +190,7 @@ def build_train_loader(cfg: DatasetConfig, *, tokenizer, rank: int, world_size: 
         batch_size=batch_size,
         shuffle_buffer=_as_int(p.shuffle_buffer, "shuffle_buffer"),
         readers=readers,
+        **mixture,
     )
     if plan.workers_per_rank < max(1, workers):
         log.warning("data: %d worker(s) per rank asked, %d used: each must serve the same number of the rank's %d "

@@ -6,7 +6,10 @@ from omegaconf import MISSING
 
 from ..schema.dataset import (
     _ONLY_FOR,
+    EXHAUSTED,
     LATENT_SAMPLINGS,
+    SOURCE_OWN_KEYS,
+    SOURCE_PARAM_KEYS,
     DatasetConfig,
     DatasetConfigError,
     DatasetParams,
@@ -47,6 +50,7 @@ def validate_dataset_config(cfg: DatasetConfig) -> None:
 
     if p.path in (None, "", MISSING, "???"):
         raise DatasetConfigError("dataset.params.path is required: the shards, files or folder to train on")
+    check_sources(p.sources)
     need(int(p.batch_size) >= 1, "batch_size", "must be >= 1")
     need(int(p.workers) >= 0, "workers", "must be >= 0")
     need(int(p.resolution) >= 8 and int(p.resolution) % 8 == 0, "resolution", "must be a multiple of 8 (VAE downsampling)")
@@ -98,3 +102,40 @@ def validate_dataset_config(cfg: DatasetConfig) -> None:
         raise DatasetConfigError(
             "dataset.params.tags.use_tags and dataset.params.idx_to_prompt both choose the caption: keep one"
         )
+
+
+def check_sources(sources) -> None:
+    """``dataset.params.sources``: each entry a mapping with a path, a positive weight, known keys only."""
+    if not sources:
+        return
+    names = set()
+    for n, entry in enumerate(sources):
+        where = f"dataset.params.sources[{n}]"
+        if not isinstance(entry, dict):
+            raise DatasetConfigError(f"{where} must be a mapping such as {{path: ..., weight: 1}}, got {entry!r}")
+        unknown = sorted(set(entry) - set(SOURCE_OWN_KEYS) - set(SOURCE_PARAM_KEYS))
+        if unknown:
+            raise DatasetConfigError(f"{where}: unknown key(s) {unknown}; a source may set "
+                                     f"{', '.join(SOURCE_OWN_KEYS + SOURCE_PARAM_KEYS)}")
+        path = entry.get("path")
+        if not path or "::" in str(path):
+            raise DatasetConfigError(f"{where}.path={path!r}: one source's shards (brace notation, a folder or a "
+                                     "file), not a '::' list: give each source an entry of its own")
+        try:
+            weight = float(entry.get("weight", 1.0))
+        except (TypeError, ValueError):
+            weight = -1.0
+        if not weight > 0:
+            raise DatasetConfigError(f"{where}.weight={entry.get('weight')!r}: must be a number > 0")
+        if str(entry.get("exhausted", "restart")) not in EXHAUSTED:
+            raise DatasetConfigError(f"{where}.exhausted={entry.get('exhausted')!r}: choose restart or drop")
+        name = str(entry.get("name", path))
+        if name in names:
+            raise DatasetConfigError(f"{where}: two sources are named {name!r}; give them distinct names")
+        names.add(name)
+        if "filters" in entry:
+            parse_filters(dict(entry["filters"] or {}))
+    if all(str(e.get("exhausted", "restart")) == "drop" for e in sources):
+        raise DatasetConfigError("dataset.params.sources: every source has exhausted: drop, so the stream would "
+                                 "end; let at least one restart")
+

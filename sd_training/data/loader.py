@@ -158,8 +158,10 @@ class TrainLoader:
                 shutdown()
 
     def _epoch_of(self, reader: int, st: Dict) -> int:
-        g = self.plan.global_index(reader, int(st["base"]), int(st["i"]))
-        return g // len(self.plan.units)
+        """The oldest epoch a reader's streams are in (a mixture: each source has its own epochs)."""
+        p = self.plan
+        return min(p.global_index(reader, int(base), int(i)) // len(p.streams[q])
+                   for q, (base, i, _) in enumerate(st["cursors"]))
 
     # -- the training state -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -232,17 +234,22 @@ class TrainLoader:
                 "batch_size": p.batch_size}
 
     def _restart_approximately(self, states: Dict[int, Dict], readers: int, why: str) -> None:
-        """Every reader of this run from one common unit, agreed by all ranks (they read the same states)."""
+        """Every reader of this run from one common unit per stream, agreed by all ranks (they read the
+        same states)."""
         p = self.plan
-        g = [int(st["base"]) + c + int(st["i"]) * readers for c, st in states.items()]
-        base = (min(g) if not p.resampled else max(g) + 1) if g else 0
+        bases = []
+        for q in range(len(p.streams)):
+            g = [int(c[0]) + r + int(c[1]) * readers for r, st in states.items()
+                 for qq, c in enumerate(st["cursors"]) if qq == q and len(st["cursors"]) == len(p.streams)]
+            bases.append((min(g) if not p.resampled else max(g) + 1) if g else 0)
         self._states = {
-            c: {"base": base, "i": 0, "j": 0, "batches": 0, "rng": None, "buffer": [], "buckets": {}}
+            c: {"cursors": [[b, 0, 0] for b in bases], "batches": 0, "rng": None, "mix": None, "buffer": [],
+                "buckets": {}}
             for c in self.readers()
         }
         self.batches = 0  # the round-robin restarts at worker 0
         log.warning("data: the saved position differs from this run (%s): position is approximate (restarting "
-                    "at global unit %d); see TrainLoader docs", why, base)
+                    "at global unit %s); see TrainLoader docs", why, "/".join(map(str, bases)))
 
     def stats(self) -> Dict[str, float]:
         """Counters for this rank (see :mod:`.stats`), plus ``epoch`` and ``batches``."""
@@ -262,8 +269,14 @@ def _upgrade(sd: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError(f"data loader state has version {sd.get('version')}, this code reads {STATE_VERSION}")
     W, r = int(sd["workers"]), int(sd["rank"])
     out = {k: v for k, v in sd.items() if k != "worker_states"}
+
+    def reader_state(st):
+        return {"cursors": [[int(st["base"]), int(st["i"]), int(st["j"])]], "batches": st["batches"], "rng": st["rng"],
+                "mix": None, "buffer": [[0, *ref] for ref in st["buffer"]],
+                "buckets": {k: [[0, *ref] for ref in v] for k, v in st["buckets"].items()}}
+
     out.update(version=STATE_VERSION, readers=int(sd["world_size"]) * W,
-               reader_states={str(r * W + int(w)): st for w, st in sd["worker_states"].items()})
+               reader_states={str(r * W + int(w)): reader_state(st) for w, st in sd["worker_states"].items()})
     return out
 
 
@@ -288,6 +301,11 @@ def describe(loader: TrainLoader) -> List[str]:
             f"{proc.sampling}, scaling factor {loader.latent_scaling_factor}, text embeddings "
             f"{'from the shards' if proc.text_embeddings else 'computed by the loop'}"
         )
+    if p.weights is not None:
+        total = sum(p.weights)
+        lines.append("data: mixture (share of selected samples): " + ", ".join(
+            f"{src.name} {w / total:.1%} ({len(p.streams[k])} units{', dropped when read once' if p.exhausted[k] == 'drop' else ''})"
+            for k, (src, w) in enumerate(zip(p.sources, p.weights))))
     if loader.proc.filters:
         lines.append("data: metadata filters: " + ", ".join(f"{f.key} {f.text}" for f in loader.proc.filters))
     if loader.num_samples:

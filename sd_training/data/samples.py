@@ -36,6 +36,7 @@ class SampleProcessor:
 
     def __init__(self, params, kind: str, tokenizer) -> None:
         self.filters = parse_filters(dict(params.filters or {}))
+        self.source_filters = None  # a mixture: one filter list per source (set by build_train_loader)
         self.tag_rules = TagRules(params.tags)
         self.use_tags = bool(params.tags.use_tags)
         self.idx_to_prompt = load_idx_to_prompt(params.idx_to_prompt) if params.idx_to_prompt is not None else None
@@ -75,9 +76,10 @@ class SampleProcessor:
             if not isinstance(meta, dict):
                 stats.skip("bad_json", f"{where}: json is a {type(meta).__name__}, not an object")
                 return None
-        if self.filters:
+        filters = self.source_filters[raw["src"]] if self.source_filters is not None else self.filters
+        if filters:
             failed = None
-            for flt in self.filters:  # evaluate all: each filter's pass rate is its own, not conditional
+            for flt in filters:  # evaluate all: each filter's pass rate is its own, not conditional
                 ok = flt(meta)
                 stats.add(f"filter/{flt.key}/checked")
                 if ok:

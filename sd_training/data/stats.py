@@ -13,6 +13,9 @@ Counter names:
   ``filter/<key>/checked``    samples a metadata filter was evaluated on
   ``filter/<key>/passed``     ... and passed
   ``bucket/<W>x<H>``          samples assigned to each aspect-ratio bucket
+  ``source/<name>/...``       a mixture's source: ``samples_read``, ``accepted`` (passed the filters),
+                              ``skipped/<reason>``, ``filter/...``, ``samples_seen``, ``dropped``; and
+                              (derived) ``share`` of the samples seen so far
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ def summarize(counts: Mapping[str, int]) -> Dict[str, float]:
             key = name[len("filter/") : -len("/checked")]
             passed = counts.get(f"filter/{key}/passed", 0)
             out[f"filter/{key}/pass_rate"] = passed / checked if checked else 0.0
+        if name.startswith("source/") and name.endswith("/samples_seen"):  # a mixture's source
+            seen = sum(v for k, v in counts.items() if k.startswith("source/") and k.endswith("/samples_seen"))
+            out[name[: -len("samples_seen")] + "share"] = counts[name] / seen if seen else 0.0
     out["skipped_total"] = sum(v for k, v in counts.items() if k.startswith("skipped/"))
     out.setdefault("samples_seen", 0)
     out.setdefault("samples_read", 0)

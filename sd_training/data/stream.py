@@ -26,16 +26,25 @@ Reader ``k``'s ``i``-th unit is the one at global index ``g = base + k + i x C``
 
 Either way the unit of any ``(reader, i)`` is computed directly, never by replaying history.
 
+Weighted mixtures
+-----------------
+With ``dataset.params.sources`` weights, each source is a stream of its own (its units, its epochs, the
+same reader rule), and a reader takes its next *selected* sample (one that passed the metadata filters)
+from the source a smooth weighted round-robin names: every source's credit grows by its weight, the
+largest credit wins and pays the total. Over any window each source's share of the selected samples is
+its weight to within one sample per reader, however many of its samples the filters reject. A finite
+source set to ``exhausted: drop`` leaves the mixture of a reader when that reader reaches its second epoch.
+
 Position and restore
 --------------------
 Stages (see :meth:`SlotStream.__iter__`): read unit -> select (metadata, filters) -> shuffle buffer ->
-process (decode, augment) -> bucket -> batch. Every sample is named by ``ref = (i, j)``: the ``j``-th
-sample of the reader's ``i``-th unit; its random augmentations come from its own generator seeded by
+process (decode, augment) -> bucket -> batch. Every sample is named by ``ref = (q, i, j)``: the ``j``-th
+sample of the reader's ``i``-th unit of stream ``q`` (0 without a mixture, the source with one); its random augmentations come from its own generator seeded by
 ``(seed, g, j)``, and its ``sample_seed`` (which the training step draws its noise and timesteps from) is a
 function of the same three numbers. The position attached to each batch is: the read cursor ``(i, j)``, the refs of the
 samples waiting in the shuffle buffer and in each bucket, and the shuffle generator's state. Restoring
 re-reads only the units those refs point to (a few shards), rebuilds the buffer and buckets, and goes on:
-the batches that follow are identical to an uninterrupted run's.
+the batches that follow are identical to an uninterrupted run's. The mixture's credits are part of it.
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ NO_VALID_MAX_FAILURES = 64
 
 @dataclass
 class Plan:
-    """Everything a slot needs to know which unit to read next. Built once, pickled to the workers."""
+    """Everything a reader needs to know which unit to read next. Built once, pickled to the workers."""
 
     sources: List[Source]
     units: List[Tuple[int, Any]]  # (source index, unit)
@@ -73,17 +82,16 @@ class Plan:
     batch_size: int
     shuffle_buffer: int
     readers: int = 0  # canonical readers C (0: world_size x max(workers, 1))
+    weights: Optional[List[float]] = None  # a weighted mixture: one stream per source (None: one pooled stream)
+    exhausted: Optional[List[str]] = None  # per source with weights: "restart" or "drop"
 
     def __post_init__(self):
         if self.readers <= 0:
             self.readers = self.world_size * max(1, self.workers)
-
-    def layout_error(self) -> Optional[str]:
-        """Why this rank count cannot serve the readers, or None."""
-        if self.readers % self.world_size:
-            return (f"{self.readers} canonical readers cannot be split over {self.world_size} ranks; the rank "
-                    f"count must divide them ({_divisors(self.readers)})")
-        return None
+        if self.weights is None:
+            self.streams = [list(range(len(self.units)))]
+        else:
+            self.streams = [[u for u, (s, _) in enumerate(self.units) if s == k] for k in range(len(self.sources))]
 
     @property
     def readers_per_rank(self) -> int:
@@ -107,21 +115,26 @@ class Plan:
     def global_index(self, reader: int, base: int, i: int) -> int:
         return base + reader + i * self.readers
 
-    def unit_at(self, g: int) -> Tuple[int, int]:
-        """(unit index, epoch) at global index ``g``."""
-        n = len(self.units)
+    def unit_at(self, g: int, q: int = 0) -> Tuple[int, int]:
+        """(unit index, epoch) at global index ``g`` of stream ``q``."""
+        stream = self.streams[q]
+        n = len(stream)
         epoch = g // n
+        if self.weights is None:  # the pooled stream
+            if self.resampled:
+                return int(np.random.default_rng([self.seed, g]).integers(n)), epoch
+            return int(_permutation(self.seed + epoch, n)[g % n]), epoch
         if self.resampled:
-            return int(np.random.default_rng([self.seed, g]).integers(n)), epoch
-        return int(_permutation(self.seed + epoch, n)[g % n]), epoch
+            return stream[int(np.random.default_rng([self.seed, q, g, 0x317]).integers(n))], epoch
+        return stream[int(_permutation((self.seed, q, epoch), n)[g % n])], epoch
+
+    def sample_key(self, g: int, q: int) -> int:
+        """A number naming unit ``g`` of stream ``q`` across all streams (the samples' generators use it)."""
+        return g if self.weights is None else g * len(self.streams) + q
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-@functools.lru_cache(maxsize=4)
-def _permutation(seed: int, n: int) -> np.ndarray:
+@functools.lru_cache(maxsize=16)
+def _permutation(seed, n: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n)
 
 
@@ -135,6 +148,50 @@ def sample_seed(seed: int, g: int, j: int) -> int:
     return (int(a) << 31) ^ int(b)
 
 
+class Mixer:
+    """Smooth weighted round-robin over the sources of a mixture: exact shares over any window."""
+
+    def __init__(self, weights: List[float]):
+        self.weights = [float(w) for w in weights]
+        self.credit = [0.0] * len(weights)
+        self.active = [True] * len(weights)
+
+    def next(self) -> int:
+        live = [k for k, a in enumerate(self.active) if a]
+        total = sum(self.weights[k] for k in live)
+        for k in live:
+            self.credit[k] += self.weights[k]
+        best = max(live, key=lambda k: self.credit[k])
+        self.credit[best] -= total
+        return best
+
+    def drop(self, k: int) -> None:
+        self.active[k], self.credit[k] = False, 0.0
+        if not any(self.active):
+            raise RuntimeError("data: every source of the mixture is exhausted (exhausted: drop on all of them)")
+
+    def state(self) -> Dict[str, Any]:
+        return {"credit": list(self.credit), "active": list(self.active)}
+
+    def load(self, st: Dict[str, Any]) -> None:
+        self.credit, self.active = [float(c) for c in st["credit"]], [bool(a) for a in st["active"]]
+
+
+class _SourceStats:
+    """What select() counts for a sample of a mixture's source, counted for that source too."""
+
+    def __init__(self, stats: Stats, name: str):
+        self.stats, self.prefix = stats, f"source/{name}/"
+
+    def add(self, key: str, n: int = 1) -> None:
+        self.stats.add(key, n)
+        self.stats.add(self.prefix + key, n)
+
+    def skip(self, reason: str, detail: str) -> None:
+        self.stats.skip(reason, detail)
+        self.stats.add(f"{self.prefix}skipped/{reason}")
+
+
 class SlotStream:
     """Batches of one canonical reader, forever. ``state`` (from a batch's ``_state``) resumes exactly."""
 
@@ -143,14 +200,15 @@ class SlotStream:
         self.proc = proc
         self.slot = reader
         self.stats = Stats()
-        self.base = 0
-        self.i = 0  # index of the unit being read in this slot's sequence
-        self.j = 0  # samples of that unit already taken
+        # Per stream: [base, i (the unit being read), j (samples of it already taken)].
+        self.cursors = [[0, 0, 0] for _ in plan.streams]
         self.batches = 0
         self.rng = np.random.default_rng([plan.seed, self.slot, 0xB0FF])
+        self.mixer = Mixer(plan.weights) if plan.weights is not None else None
         self.buffer: List[Dict[str, Any]] = []
         self.buckets: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
         n_src = len(plan.sources)
+        self._source_stats = [_SourceStats(self.stats, s.name) for s in plan.sources] if self.mixer else None
         self._units_of_source = Counter(s for s, _ in plan.units)
         self._selected = [0] * n_src
         self._ok = [0] * n_src
@@ -167,7 +225,8 @@ class SlotStream:
             self._restore(self._state)
             self._state = None
         batch_size = self.plan.batch_size
-        for sample in self._shuffle(self._select(self._read())):
+        selected = self._mixed() if self.mixer is not None else self._select(self._read(0))
+        for sample in self._shuffle(selected):
             out = self._process(sample)
             if out is None:
                 continue
@@ -177,38 +236,68 @@ class SlotStream:
                 del self.buckets[out["bucket"]]
                 yield self._emit(bucket)
 
-    def _read(self) -> Iterator[Dict[str, Any]]:
-        """Raw samples of this slot's units, each tagged with its ``ref``; advances the cursor."""
+    def _locate(self, q: int, base: int, i: int) -> Tuple[int, int, int, int]:
+        """(global index, unit index, epoch, source index) of unit ``i`` of this reader's stream ``q``."""
+        g = self.plan.global_index(self.slot, base, i)
+        unit_idx, epoch = self.plan.unit_at(g, q)
+        return g, unit_idx, epoch, self.plan.units[unit_idx][0]
+
+    def _read(self, q: int) -> Iterator[Dict[str, Any]]:
+        """Raw samples of this reader's units of stream ``q``, each tagged with its ``ref``; advances the
+        cursor. Ends only when a mixture's finite source set to drop reaches its second epoch."""
+        cur = self.cursors[q]
+        drops = self.mixer is not None and not self.plan.resampled and self.plan.exhausted[q] == "drop"
         while True:
-            g = self.plan.global_index(self.slot, self.base, self.i)
-            unit_idx, epoch = self.plan.unit_at(g)
-            src, unit = self.plan.units[unit_idx]
+            g, unit_idx, epoch, src = self._locate(q, cur[0], cur[1])
+            if drops and epoch > 0:
+                return
             source = self.plan.sources[src]
             self.stats.add("shards_read")
             self._tries[src] += 1
             self._tried[src].add(unit_idx)
-            skip = self.j
+            skip = cur[2]
             try:
-                for j, raw in enumerate(source.read(unit, self.stats)):
+                for j, raw in enumerate(source.read(self.plan.units[unit_idx][1], self.stats)):
                     if j < skip:
                         continue
-                    self.j = j + 1  # counted as taken before it is handed on
-                    raw.update(ref=(self.i, j), src=src, epoch=epoch, g=g)
+                    cur[2] = j + 1  # counted as taken before it is handed on
+                    raw.update(ref=(q, cur[1], j), src=src, epoch=epoch, g=self.plan.sample_key(g, q))
                     yield raw
             except ShardError as exn:
                 self.stats.skip(exn.reason, f"{exn} (source {source.name})")
             self._check_source(src)
-            self.i += 1
-            self.j = 0
+            cur[1] += 1
+            cur[2] = 0
+
+    def _select_one(self, raw: Dict[str, Any], stats) -> Optional[Dict[str, Any]]:
+        s = self.proc.select(raw, stats)
+        if s is not None:
+            s.update(ref=raw["ref"], src=raw["src"], epoch=raw["epoch"], g=raw["g"])
+        return s
 
     def _select(self, raws: Iterator[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
         for raw in raws:
-            s = self.proc.select(raw, self.stats)
-            if s is None:
-                continue
-            s.update(ref=raw["ref"], src=raw["src"], epoch=raw["epoch"], g=raw["g"])
-            self._selected[raw["src"]] += 1
-            yield s
+            s = self._select_one(raw, self.stats)
+            if s is not None:
+                self._selected[raw["src"]] += 1
+                yield s
+
+    def _mixed(self) -> Iterator[Dict[str, Any]]:
+        """Selected samples of a mixture: each from the source the mixer names, read until one passes."""
+        streams = [self._read(q) for q in range(len(self.plan.streams))]
+        while True:
+            q = self.mixer.next()
+            for raw in streams[q]:
+                s = self._select_one(raw, self._source_stats[q])
+                if s is not None:
+                    self._selected[q] += 1
+                    self._source_stats[q].add("accepted")
+                    yield s
+                    break
+            else:  # the source is exhausted for this reader
+                self.mixer.drop(q)
+                self.stats.add(f"source/{self.plan.sources[q].name}/dropped")
+
 
     def _shuffle(self, samples: Iterator[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
         """A buffer of ``shuffle_buffer`` selected (still encoded) samples; emits a random one per new one."""
@@ -222,7 +311,7 @@ class SlotStream:
                 yield buf.pop()
 
     def _process(self, s: Dict[str, Any], stats: Optional[Stats] = None) -> Optional[Dict[str, Any]]:
-        rng = _sample_rng(self.plan.seed, s["g"], s["ref"][1])
+        rng = _sample_rng(self.plan.seed, s["g"], s["ref"][-1])
         out = self.proc.process(s, rng, stats or self.stats)
         src = s["src"]
         if out is None:
@@ -231,7 +320,7 @@ class SlotStream:
                 self._no_valid(src, f"{self._failed[src]} samples failed to decode and none succeeded")
             return None
         self._ok[src] += 1
-        out.update(ref=s["ref"], epoch=s["epoch"], sample_seed=sample_seed(self.plan.seed, s["g"], s["ref"][1]))
+        out.update(ref=s["ref"], epoch=s["epoch"], src=src, sample_seed=sample_seed(self.plan.seed, s["g"], s["ref"][-1]))
         return out
 
     def _emit(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -240,6 +329,9 @@ class SlotStream:
         self.batches += 1
         self.stats.add("samples_seen", len(samples))
         self.stats.add(f"bucket/{samples[0]['bucket'][0]}x{samples[0]['bucket'][1]}", len(samples))
+        if self.mixer is not None:
+            for src, n in Counter(s["src"] for s in samples).items():
+                self.stats.add(f"source/{self.plan.sources[src].name}/samples_seen", n)
         batch["_reader"] = self.slot
         batch["_state"] = self.state()
         batch["_stats"] = self.stats.take_delta()
@@ -265,47 +357,29 @@ class SlotStream:
     def state(self) -> Dict[str, Any]:
         """Plain lists and ints only (safe for ``torch.load(weights_only=True)``)."""
         return {
-            "base": self.base,
-            "i": self.i,
-            "j": self.j,
+            "cursors": [list(c) for c in self.cursors],
             "batches": self.batches,
             "rng": self.rng.bit_generator.state,
+            "mix": self.mixer.state() if self.mixer is not None else None,
             "buffer": [list(s["ref"]) for s in self.buffer],
             "buckets": {f"{w}x{h}": [list(s["ref"]) for s in v] for (w, h), v in self.buckets.items()},
         }
 
     def _restore(self, st: Dict[str, Any]) -> None:
-        self.base, self.i, self.j, self.batches = int(st["base"]), int(st["i"]), int(st["j"]), int(st["batches"])
+        self.cursors = [[int(x) for x in c] for c in st["cursors"]]
+        self.batches = int(st["batches"])
         if st.get("rng") is not None:
             self.rng.bit_generator.state = st["rng"]
+        if self.mixer is not None and st.get("mix"):
+            self.mixer.load(st["mix"])
         buffer_refs = [tuple(r) for r in st["buffer"]]
         bucket_refs = {k: [tuple(r) for r in v] for k, v in st["buckets"].items()}
-        wanted: Dict[int, Set[int]] = {}
-        for i, j in buffer_refs + [r for refs in bucket_refs.values() for r in refs]:
-            wanted.setdefault(i, set()).add(j)
         quiet = Stats()  # re-reading must not count samples twice
-        raws: Dict[Tuple[int, int], Dict[str, Any]] = {}
-        for i in sorted(wanted):
-            g = self.plan.global_index(self.slot, self.base, i)
-            unit_idx, epoch = self.plan.unit_at(g)
-            src, unit = self.plan.units[unit_idx]
-            need = wanted[i]
-            try:
-                for j, raw in enumerate(self.plan.sources[src].read(unit, quiet)):
-                    if j in need:
-                        raw.update(ref=(i, j), src=src, epoch=epoch, g=g)
-                        raws[(i, j)] = raw
-                        if sum(1 for jj in need if (i, jj) in raws) == len(need):
-                            break
-            except ShardError as exn:
-                log.warning("data: restoring reader %d: %s; its buffered samples are lost", self.slot, exn)
+        raws = self._reread(buffer_refs + [r for refs in bucket_refs.values() for r in refs], quiet)
 
         def selected(ref):
             raw = raws.get(ref)
-            s = self.proc.select(raw, quiet) if raw is not None else None
-            if s is not None:
-                s.update(ref=raw["ref"], src=raw["src"], epoch=raw["epoch"], g=raw["g"])
-            return s
+            return self._select_one(raw, quiet) if raw is not None else None
 
         lost = 0
         self.buffer = []
@@ -328,3 +402,24 @@ class SlotStream:
                     self.buckets.setdefault((w, h), []).append(out)
         if lost:
             log.warning("data: restoring reader %d: %d buffered samples could not be re-read", self.slot, lost)
+
+    def _reread(self, refs: List[Tuple[int, int, int]], quiet: Stats) -> Dict[Tuple[int, int, int], Dict[str, Any]]:
+        """The raw samples ``refs`` point to, reading each of their units once."""
+        wanted: Dict[Tuple[int, int], Set[int]] = {}
+        for q, i, j in refs:
+            wanted.setdefault((q, i), set()).add(j)
+        raws: Dict[Tuple[int, int, int], Dict[str, Any]] = {}
+        for (q, i), need in sorted(wanted.items()):
+            g, unit_idx, epoch, src = self._locate(q, self.cursors[q][0], i)
+            try:
+                found = 0
+                for j, raw in enumerate(self.plan.sources[src].read(self.plan.units[unit_idx][1], quiet)):
+                    if j in need:
+                        raw.update(ref=(q, i, j), src=src, epoch=epoch, g=self.plan.sample_key(g, q))
+                        raws[(q, i, j)] = raw
+                        found += 1
+                        if found == len(need):
+                            break
+            except ShardError as exn:
+                log.warning("data: restoring reader %d: %s; its buffered samples are lost", self.slot, exn)
+        return raws

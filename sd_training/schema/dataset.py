@@ -41,6 +41,7 @@ class DatasetParams:
         "WebDataset/latents: shards in brace notation or a folder of .tar, several joined with '::' (local,"
         " http(s)://, pipe:); parquet: files/folders; CSV: files; folder: the dataset root",
     )
+    sources: List[Dict[str, Any]] = f([], "a weighted mixture instead of path: a list of {path, weight, name, exhausted: restart|drop, and per-source " + ", ".join(("filters", "caption_key", "image_keys", "metadata_key", "image_column", "caption_column", "image_root", "cls_key")) + "}; each source's share of the selected samples is its weight")
     batch_size: int = f("${system.batch_size}", "images per device per micro-batch")
     workers: int = f("${system.workers}", "data-loading worker processes per device (0: load in the main process)")
     num_examples_to_see: int = f(
@@ -149,6 +150,13 @@ class DatasetConfigError(ConfigError):
 def is_latent_type(name: str) -> bool:
     """``dataset.type`` names latent shards (any accepted spelling); False for unknown names too."""
     return TYPE_ALIASES.get(str(name).strip().lower()) == "latents"
+
+
+# What an entry of dataset.params.sources may set: the mixture's own keys, and the per-source reading keys.
+SOURCE_OWN_KEYS = ("path", "weight", "name", "exhausted")
+SOURCE_PARAM_KEYS = ("filters", "caption_key", "image_keys", "metadata_key", "image_column", "caption_column",
+                     "image_root", "cls_key")
+EXHAUSTED = ("restart", "drop")
 
 
 def canonical_type(name: str) -> str:
