@@ -132,3 +132,30 @@ def test_a_source_reads_its_own_member_names(two_sources):
         take(loader(f"{big}::{small}", sources=entries, batch_size=8), 20)
     ok = loader(f"{big}::{small}", sources=[entries[0], {**entries[1], "caption_key": "txt"}], batch_size=8)
     assert len(take(ok, 5)) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_training_on_a_mixture_logs_each_sources_share(tmp_path, tiny_pipeline, shapes_shards):
+    """train.py on 2 ranks, bf16, loader workers, a 3:1 mixture of two halves of the shapes shards."""
+    from test_resume import finish, launch
+
+    from conftest import train_args
+
+    half_a = shapes_shards.replace("{000000..000003}", "{000000..000001}")
+    half_b = shapes_shards.replace("{000000..000003}", "{000002..000003}")
+    assert half_a != shapes_shards
+    sources = f"[{{path: '{half_a}', name: a, weight: 3}}, {{path: '{half_b}', name: b}}]"
+    args = [a for a in train_args(tmp_path, tiny_pipeline, shapes_shards, name="mix") if not a.startswith("dataset.params.path=")]
+    args += [f"dataset.params.sources={sources}", "system.workers=2", "model.mixed_precision=bf16",
+             "experiment.num_examples_to_see=128", "experiment.sample_per_prompt=0", "experiment.log_every=4"]
+    finish(launch(tmp_path, args, nproc=2))
+    run = tmp_path / "runs" / "mix"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "data/source/a/share" in r][-1]
+    # Selected samples (those that entered the shuffle buffers) follow the weights to within a sample per
+    # reader; the 64 samples rank 0 trained on are a random draw from its buffers (binomial noise).
+    a, b = last["data/source/a/accepted"], last["data/source/b/accepted"]
+    assert abs(a / (a + b) - 0.75) <= 2 / (a + b), (a, b)
+    assert abs(last["data/source/a/share"] - 0.75) <= 0.2 and last["data/source/b/samples_seen"] > 0
+    assert "data: mixture (share of selected samples): a 75.0%" in (run / "train.log").read_text()
