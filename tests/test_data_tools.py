@@ -83,9 +83,9 @@ def test_make_shards_from_parquet_and_csv(tmp_path):
 def test_benchmark_runs_and_writes_its_json(tmp_path):
     out_json = tmp_path / "bench.json"
     _run("benchmarks/bench_data.py", "--samples", "40", "--repeats", "1", "--out", str(out_json),
-         "--work-dir", str(tmp_path / "w"))
+         "--work-dir", str(tmp_path / "w"), "--workers", "0,2")
     result = json.loads(out_json.read_text())
-    for case in ("reject_0", "reject_90"):
+    for case in ("reject_0", "reject_90", "reject_0_workers_2", "reject_90_workers_2"):
         r = result["results"][case]
         assert r["ours_samples_per_s"] > 0 and r["naive_samples_per_s"] > 0
         assert r["ratio"] == pytest.approx(r["ours_samples_per_s"] / r["naive_samples_per_s"], rel=1e-6)
