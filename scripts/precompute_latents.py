@@ -4,13 +4,14 @@ with ``dataset.type=latents`` (no VAE encode, optionally no text encoder, in the
 
     python scripts/precompute_latents.py --input "shards/{00000..00009}.tar" --pipeline PIPE_DIR --output OUT_DIR
         [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings [--clip-skip N] [--max-length 77]
-        [--family auto|sd|sdxl]] [--resolution 256]
+        [--family auto|sd|sdxl]] [--resolution 256] [--aspect-buckets [--bucket-step 64] [--max-aspect-ratio 2]]
         [--batch-size 32] [--workers 4] [--device auto|cpu|cuda] [--vae-dtype fp32|bf16] [--seed 0] [--no-progress]
     torchrun --nproc_per_node 8 scripts/precompute_latents.py ...       (the shards are split across ranks)
 
 Images go through the training data path's own stages (``sd_training.data``: metadata checks, header
-probe, reduced-scale decode, resize of the short side to ``--resolution``, center crop; no flip, no
-caption changes), so a latent is exactly the encoding of what ``dataset.type=WebDataset`` would feed
+probe, reduced-scale decode, resize of the short side to ``--resolution``, center crop; with
+``--aspect-buckets`` resize and center crop to the image's aspect-ratio bucket instead, so bucketed
+training can run from latents; no flip, no caption changes), so a latent is exactly the encoding of what ``dataset.type=WebDataset`` would feed
 the VAE. Unreadable samples are skipped and counted, as in training.
 
 Output (format: ``sd_training/data/latents.py``): one tar per input shard with the same basename,
@@ -71,7 +72,10 @@ def parse(argv: List[str]) -> argparse.Namespace:
                         "sdxl stores both encoders' states and the pooled embedding)")
     p.add_argument("--clip-skip", type=int, default=0, help="with --text-embeddings: layers counted back from the last (0/1: last, 2: penultimate)")
     p.add_argument("--max-length", type=int, default=None, help="with --text-embeddings: tokens per caption (default: the tokenizer's, 77)")
-    p.add_argument("--resolution", type=int, default=256, help="pixels: short side resized then center-cropped to this square")
+    p.add_argument("--resolution", type=int, default=256, help="pixels: short side resized then center-cropped to this square (with --aspect-buckets: the buckets' area is resolution^2)")
+    p.add_argument("--aspect-buckets", action="store_true", help="keep each image's aspect ratio: resize and center-crop it to its aspect-ratio bucket (as dataset.params.aspect_buckets does), so the latents have the bucket's shape")
+    p.add_argument("--bucket-step", type=int, default=64, help="with --aspect-buckets: pixels, bucket sides are multiples of this")
+    p.add_argument("--max-aspect-ratio", type=float, default=2.0, help="with --aspect-buckets: long side / short side of the most elongated bucket")
     p.add_argument("--batch-size", type=int, default=32, help="images per VAE call, per rank")
     p.add_argument("--workers", type=int, default=4, help="image-decoding processes per rank (0: in the main process)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -83,6 +87,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
         p.error(f"--resolution {args.resolution} must be a multiple of 8 (VAE downsampling)")
     if (args.clip_skip or args.max_length or args.family != "auto") and not args.text_embeddings:
         p.error("--clip-skip, --max-length and --family apply to --text-embeddings only")
+    if (args.bucket_step != 64 or args.max_aspect_ratio != 2.0) and not args.aspect_buckets:
+        p.error("--bucket-step and --max-aspect-ratio apply to --aspect-buckets only")
     if args.batch_size < 1 or args.workers < 0:
         p.error("--batch-size must be >= 1 and --workers >= 0")
     return args
@@ -194,6 +200,7 @@ def input_params(args):
     p.path, p.resolution = args.input, args.resolution
     p.batch_size, p.workers, p.num_examples_to_see = 1, 0, 0
     p.center_crop, p.random_flip, p.caption_dropout, p.shuffle_tags = True, 0.0, 0.0, 0.0
+    p.aspect_buckets, p.bucket_step, p.max_aspect_ratio = args.aspect_buckets, args.bucket_step, args.max_aspect_ratio
     validate_dataset_config(cfg)
     return p
 
@@ -278,7 +285,7 @@ class ShardWriter:
         self.vae, self.encoder = models
         self.tmp = out / f"{name}.tmp"
         self.tar = tarfile.open(self.tmp, "w")
-        self.pending: List[Dict[str, Any]] = []
+        self.pending: Dict[tuple, List[Dict[str, Any]]] = {}  # per pixel shape (aspect buckets): one VAE call each
         self.written = 0
         self.encoded = 0  # samples through the VAE so far: a sample's position, seeding its posterior draw
         self.stats = Stats()
@@ -286,14 +293,21 @@ class ShardWriter:
         self.shard_seed = zlib.crc32(name.encode())
 
     def add(self, sample: Dict[str, Any]) -> int:
-        self.pending.append(sample)
-        return self.flush() if len(self.pending) >= self.args.batch_size else 0
+        shape = tuple(sample["pixels"].shape)
+        group = self.pending.setdefault(shape, [])
+        group.append(sample)
+        return self.flush(shape) if len(group) >= self.args.batch_size else 0
 
-    def flush(self) -> int:
+    def flush(self, shape: Optional[tuple] = None) -> int:
+        """Encode and write the pending samples of one pixel shape (None: of every shape)."""
+        if shape is None:
+            return sum(self.flush(s) for s in sorted(self.pending))
+        return self._write(self.pending.pop(shape, []))
+
+    def _write(self, batch: List[Dict[str, Any]]) -> int:
         from sd_training.data.latents import npy_bytes
         from sd_training.data.transforms import to_pixel_values
 
-        batch, self.pending = self.pending, []
         if not batch:
             return 0
         dtype = DTYPES[self.args.dtype]
@@ -376,6 +390,9 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder: Optional[C
         "downsample_factor": down,
         "resolution": args.resolution,
         "center_crop": True,
+        # Present only with --aspect-buckets (folders made without it keep their info unchanged).
+        **({"aspect_buckets": {"bucket_step": args.bucket_step, "max_aspect_ratio": args.max_aspect_ratio}}
+           if args.aspect_buckets else {}),
         "vae_fingerprint": fingerprint,
         "vae_dtype": args.vae_dtype,
         "seed": args.seed if args.store == "sample" else None,

@@ -138,9 +138,8 @@ def test_a_source_reads_its_own_member_names(two_sources):
 @pytest.mark.distributed
 def test_training_on_a_mixture_logs_each_sources_share(tmp_path, tiny_pipeline, shapes_shards):
     """train.py on 2 ranks, bf16, loader workers, a 3:1 mixture of two halves of the shapes shards."""
-    from test_resume import finish, launch
-
     from conftest import train_args
+    from test_resume import finish, launch
 
     half_a = shapes_shards.replace("{000000..000003}", "{000000..000001}")
     half_b = shapes_shards.replace("{000000..000003}", "{000002..000003}")
