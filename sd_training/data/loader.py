@@ -66,7 +66,8 @@ class TrainLoader:
       moves them to its device and scales them to [-1, 1] there (``transforms.unit_range``);
     * ``input_ids``: int64 [B, tokenizer.model_max_length];
     * ``captions``: the captions after dropout/shuffling ('' when dropped); ``keys``: sample names;
-      ``epochs``: the data epoch each sample was read in.
+      ``epochs``: the data epoch each sample was read in; ``sample_seeds``: int64 [B], the seed of each
+      sample's draws in the training step (a function of the seed and the sample's position only).
 
     ``dataset.type=latents`` (see :mod:`.latents`): ``latents`` float32 [B, C, h, w], already multiplied
     by the VAE scaling factor, replaces ``pixel_values``; with ``text_embeddings`` the batch also holds
