@@ -158,3 +158,13 @@ def test_training_on_a_mixture_logs_each_sources_share(tmp_path, tiny_pipeline, 
     assert abs(a / (a + b) - 0.75) <= 2 / (a + b), (a, b)
     assert abs(last["data/source/a/share"] - 0.75) <= 0.2 and last["data/source/b/samples_seen"] > 0
     assert "data: mixture (share of selected samples): a 75.0%" in (run / "train.log").read_text()
+
+
+def test_a_pooled_position_given_to_a_mixture_is_approximate_not_fatal(two_sources, caplog):
+    big, small = two_sources
+    pooled = loader(f"{big}::{small}", batch_size=8, shuffle_buffer=4)
+    take(pooled, 5)
+    mixed = mixture(two_sources)
+    mixed.load_state_dict(pooled.state_dict())
+    assert "position is approximate" in caplog.text and "streams=1 (now 2)" in caplog.text
+    assert len(take(mixed, 5)) == 5

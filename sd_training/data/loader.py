@@ -29,8 +29,6 @@ from .stream import Plan, SlotStream
 
 STATE_VERSION = 2
 PREFETCH_BATCHES = 2  # per worker (torch's default prefetch_factor)
-# What must match for a saved position to be continued exactly (on any layout when the readers match).
-SAME_DATA = ("seed", "n_units", "resampled", "type", "batch_size")
 
 
 class _ReaderDataset(IterableDataset):
@@ -177,6 +175,7 @@ class TrainLoader:
             "readers": p.readers,
             "resampled": p.resampled,
             "n_units": len(p.units),
+            "streams": len(p.streams),  # 1, or a mixture's sources
             "batch_size": p.batch_size,
             "batches": self.batches,
             "epoch": self._epoch,
@@ -232,7 +231,7 @@ class TrainLoader:
     def _same_data(self) -> Dict[str, Any]:
         p = self.plan
         return {"seed": p.seed, "n_units": len(p.units), "resampled": p.resampled, "type": self.kind,
-                "batch_size": p.batch_size}
+                "batch_size": p.batch_size, "streams": len(p.streams)}
 
     def _restart_approximately(self, states: Dict[int, Dict], readers: int, why: str) -> None:
         """Every reader of this run from one common unit per stream, agreed by all ranks (they read the
@@ -276,7 +275,7 @@ def _upgrade(sd: Dict[str, Any]) -> Dict[str, Any]:
                 "mix": None, "buffer": [[0, *ref] for ref in st["buffer"]],
                 "buckets": {k: [[0, *ref] for ref in v] for k, v in st["buckets"].items()}}
 
-    out.update(version=STATE_VERSION, readers=int(sd["world_size"]) * W,
+    out.update(version=STATE_VERSION, readers=int(sd["world_size"]) * W, streams=1,
                reader_states={str(r * W + int(w)): reader_state(st) for w, st in sd["worker_states"].items()})
     return out
 
