@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_resume import assert_same
 
 HERE = Path(__file__).resolve().parent
 BATCH = 2  # per rank
@@ -117,21 +118,6 @@ def saved_state(folder: Path, names: list[list[str]]) -> dict:
     ema = shared["ema"]
     return {**out, "unet": shared["unet"], "ema": ema["shadow"], "optimizer": named, "plain_optimizer": osd,
             "ema_meta": {"decay": ema["decay"], "num_updates": ema["num_updates"]}}
-
-
-def assert_same(a, b, path=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{path} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), (path, sorted(set(a) ^ set(b))[:5])
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a} != {b}"
 
 
 def check_loaded(folder: Path, loaded: dict) -> None:

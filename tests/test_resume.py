@@ -76,9 +76,9 @@ def final_state(run: Path):
 
 def assert_same(a, b, path=""):
     if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"{path} differs"
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{path} differs"
     elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
+        assert a.keys() == b.keys(), (path, sorted(set(a) ^ set(b))[:5])
         for k in a:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
