@@ -381,3 +381,27 @@ def test_canonical_readers_must_split_over_the_ranks(tmp_path):
     pattern = write_shards(str(tmp_path), [5] * 12)
     with pytest.raises(DatasetConfigError, match=r"canonical_readers=4 cannot be split over 3 ranks"):
         loader(pattern, rank=0, world_size=3, canonical_readers=4)
+
+
+def test_worker_batches_equal_in_process_batches_tensor_for_tensor(shapes):
+    """Batches that crossed from loader workers hold the same tensors (type, dtype, shape, values) as the
+    in-process ones: the small ones travel inside the pickled message, the pixels through shared memory."""
+    from sd_training.data.loader import INBAND_MAX_BYTES, _from_wire, _Inband, _to_wire
+
+    params = dict(batch_size=4, shuffle_buffer=5, canonical_readers=2, resolution=64)
+    ref = take(loader(shapes, workers=0, **params), 6)
+    got = take(loader(shapes, workers=2, **params), 6)
+    for a, b in zip(ref, got, strict=True):
+        assert a.keys() == b.keys()
+        for k, v in a.items():
+            if isinstance(v, torch.Tensor):
+                assert isinstance(b[k], torch.Tensor) and b[k].dtype == v.dtype and torch.equal(b[k], v), k
+            else:
+                assert b[k] == v, k
+    wire = _to_wire({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ref[0].items()})
+    small = [k for k, v in ref[0].items() if isinstance(v, torch.Tensor) and v.nbytes <= INBAND_MAX_BYTES]
+    assert {"input_ids", "sample_seeds"} <= set(small)
+    assert all(isinstance(wire[k], _Inband) for k in small)
+    assert isinstance(wire["pixel_values"], torch.Tensor) == (ref[0]["pixel_values"].nbytes > INBAND_MAX_BYTES)
+    _from_wire(wire)
+    assert all(torch.equal(wire[k], ref[0][k]) and wire[k].dtype == ref[0][k].dtype for k in small)
