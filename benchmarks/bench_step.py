@@ -311,8 +311,8 @@ def bench_sd(root: Path, tiny: Path, shards: str, args) -> list[dict]:
         if step_flops.vae_encode:  # the trainer counted the VAE, which this in-memory-latents step does not run
             step_flops = flops.StepFlops(step_flops.unet_forward, step_flops.unet_train, 0, step_flops.text_encode)
         data = make_batch(trainer.models.tokenizer, batch, res, device, latents=res // 8)
-        timed_steps(lambda: ours_step(trainer, data), 3, device)
-        times = timed_steps(lambda: ours_step(trainer, data), args.sd_steps, device)
+        timed_steps(lambda t=trainer, d=data: ours_step(t, d), 3, device)
+        times = timed_steps(lambda t=trainer, d=data: ours_step(t, d), args.sd_steps, device)
         ips = batch / statistics.median(times)
         row = {
             "resolution": res, "batch": batch, "median_step_s": statistics.median(times), "images_per_sec": ips,

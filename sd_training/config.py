@@ -223,6 +223,8 @@ class QuickstartConfig:
     shapes_samples: int = f(2000, "images in the generated-shapes dataset")
     shapes_per_shard: int = f(250, "images per generated shard")
     shapes_size: int = f(64, "pixels (square) of the generated images")
+    shapes_radius: List[float] = f([0.25, 0.4], "range of a shape's half-size, as a fraction of the image side")
+    shapes_offset: float = f(0.1, "largest shift of a shape's centre from the image centre, as a fraction of the side")
 
 
 @dataclass

@@ -5,6 +5,7 @@ Rank 0 writes whatever is absent (into a temporary folder, renamed when complete
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -29,13 +30,39 @@ def prepare(cfg: QuickstartConfig, is_main: bool) -> None:
 
         log.info("building the tiny random-weight pipeline in %s", cfg.tiny_pipeline)
         _build_atomically(Path(cfg.tiny_pipeline), make_tiny_pipeline)
-    if is_main and cfg.shapes_dataset and not Path(cfg.shapes_dataset).is_dir():
-        from .data.synthetic import write_shapes_shards
-
-        n_shards = -(-cfg.shapes_samples // cfg.shapes_per_shard)
-        log.info("writing %d generated-shapes images in %d shards to %s", cfg.shapes_samples, n_shards, cfg.shapes_dataset)
-        _build_atomically(
-            Path(cfg.shapes_dataset),
-            lambda out: write_shapes_shards(out, cfg.shapes_samples, n_shards, size=cfg.shapes_size, seed=0),
-        )
+    if is_main and cfg.shapes_dataset:
+        _prepare_shapes(cfg)
     distributed.barrier()
+
+
+SHAPES_SPEC = "quickstart_spec.json"
+
+
+def _prepare_shapes(cfg: QuickstartConfig) -> None:
+    """Write the shapes dataset when absent, or rewrite it when it was written with other settings (its
+    ``quickstart_spec.json`` records them), so a changed ``quickstart.shapes_*`` key always takes effect."""
+    from .data.synthetic import write_shapes_shards
+
+    folder = Path(cfg.shapes_dataset)
+    spec = {"samples": cfg.shapes_samples, "per_shard": cfg.shapes_per_shard, "size": cfg.shapes_size,
+            "radius": [float(r) for r in cfg.shapes_radius], "offset": float(cfg.shapes_offset), "seed": 0}
+    if len(spec["radius"]) != 2 or not 0 < spec["radius"][0] <= spec["radius"][1] <= 0.5:
+        raise ValueError(f"quickstart.shapes_radius must be [low, high] with 0 < low <= high <= 0.5 (fractions of "
+                         f"the image side), got {list(cfg.shapes_radius)}")
+    if folder.is_dir():
+        try:
+            if json.loads((folder / SHAPES_SPEC).read_text()) == spec:
+                return
+        except (OSError, ValueError):
+            pass
+        log.info("%s was written with other settings than quickstart.shapes_*: writing it again", folder)
+        shutil.rmtree(folder)
+    n_shards = -(-cfg.shapes_samples // cfg.shapes_per_shard)
+    log.info("writing %d generated-shapes images in %d shards to %s", cfg.shapes_samples, n_shards, folder)
+
+    def build(out: Path) -> None:
+        write_shapes_shards(str(out), cfg.shapes_samples, n_shards, size=cfg.shapes_size, seed=0,
+                            radius=tuple(spec["radius"]), offset=spec["offset"])
+        (out / SHAPES_SPEC).write_text(json.dumps(spec, indent=1))
+
+    _build_atomically(folder, build)

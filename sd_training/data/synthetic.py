@@ -28,14 +28,21 @@ COLOURS: Dict[str, Tuple[int, int, int]] = {
 SHAPES = ("circle", "square", "triangle", "diamond")
 
 
-def draw_shape(shape: str, colour: str, background: str, width: int, height: int, rng: np.random.Generator) -> Image.Image:
-    """One image: ``shape`` in ``colour`` on ``background``, size and position jittered by ``rng``."""
+RADIUS = (0.25, 0.4)  # the shape's half-size, as a fraction of the image side (drawn uniformly)
+OFFSET = 0.1  # the largest shift of its centre, as a fraction of the image side
+
+
+def draw_shape(shape: str, colour: str, background: str, width: int, height: int, rng: np.random.Generator,
+               radius: Tuple[float, float] = RADIUS, offset: float = OFFSET) -> Image.Image:
+    """One image: ``shape`` in ``colour`` on ``background``, size and position jittered by ``rng``
+    (half-size uniform in ``radius`` x the side, centre shifted by up to ``offset`` x the side). The
+    random draws do not depend on ``radius`` and ``offset``: other ranges move the same shapes."""
     img = Image.new("RGB", (width, height), COLOURS[background])
     d = ImageDraw.Draw(img)
     side = min(width, height)
-    r = side * float(rng.uniform(0.25, 0.4))
-    cx = width / 2 + float(rng.uniform(-0.1, 0.1)) * width
-    cy = height / 2 + float(rng.uniform(-0.1, 0.1)) * height
+    r = side * float(rng.uniform(radius[0], radius[1]))
+    cx = width / 2 + float(rng.uniform(-offset, offset)) * width
+    cy = height / 2 + float(rng.uniform(-offset, offset)) * height
     fill = COLOURS[colour]
     if shape == "circle":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
@@ -50,8 +57,10 @@ def draw_shape(shape: str, colour: str, background: str, width: int, height: int
     return img
 
 
-def shape_sample(index: int, size, seed: int = 0, fmt: str = "jpg"):
-    """(key, image bytes, caption, metadata) of sample ``index``; ``size`` is an int or (width, height)."""
+def shape_sample(index: int, size, seed: int = 0, fmt: str = "jpg", radius: Tuple[float, float] = RADIUS,
+                 offset: float = OFFSET):
+    """(key, image bytes, caption, metadata) of sample ``index``; ``size`` is an int or (width, height);
+    ``radius`` and ``offset``: see :func:`draw_shape`."""
     rng = np.random.default_rng([seed, index])
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     names = list(COLOURS)
@@ -60,7 +69,7 @@ def shape_sample(index: int, size, seed: int = 0, fmt: str = "jpg"):
     if background == colour:  # never the same colour twice: the shape must be visible
         background = names[-1]
     width, height = (size, size) if isinstance(size, int) else size
-    img = draw_shape(shape, colour, background, width, height, rng)
+    img = draw_shape(shape, colour, background, width, height, rng, radius, offset)
     buf = io.BytesIO()
     if fmt == "jpg":
         img.save(buf, format="JPEG", quality=92)
@@ -81,11 +90,14 @@ def write_shapes_shards(
     *,
     prefix: str = "shapes",
     sizes: Optional[list] = None,
+    radius: Tuple[float, float] = RADIUS,
+    offset: float = OFFSET,
 ) -> str:
     """Write ``n_samples`` shape images into ``n_shards`` tar shards (plus ``sizes.json``).
 
     Returns the brace pattern, e.g. ``out_dir/shapes-{000000..000003}.tar``. ``sizes`` (a list of
-    (width, height)) cycles through several image sizes instead of ``size x size``.
+    (width, height)) cycles through several image sizes instead of ``size x size``; ``radius`` and
+    ``offset``: the shapes' size and position jitter (see :func:`draw_shape`).
     """
     import webdataset as wds
 
@@ -99,9 +111,64 @@ def write_shapes_shards(
         with wds.TarWriter(os.path.join(out_dir, name)) as sink:
             for index in range(lo, hi):
                 sz = sizes[index % len(sizes)] if sizes else size
-                key, data, caption, meta = shape_sample(index, sz, seed)
+                key, data, caption, meta = shape_sample(index, sz, seed, radius=radius, offset=offset)
                 sink.write({"__key__": key, "jpg": data, "txt": caption, "json": meta})
         counts[name] = hi - lo
     with open(os.path.join(out_dir, "sizes.json"), "w") as fh:
         json.dump(counts, fh, indent=1)
     return os.path.join(out_dir, f"{prefix}-{{{0:06d}..{n_shards - 1:06d}}}.tar")
+
+
+def _template(shape: str, box: Tuple[float, float, float, float], width: int, height: int) -> np.ndarray:
+    """Boolean mask of ``shape`` drawn as :func:`draw_shape` draws it, filling the box (x0, y0, x1, y1)."""
+    img = Image.new("L", (width, height), 0)
+    d = ImageDraw.Draw(img)
+    x0, y0, x1, y1 = box
+    xc, yc = (x0 + x1) / 2, (y0 + y1) / 2
+    if shape == "circle":
+        d.ellipse([x0, y0, x1, y1], fill=255)
+    elif shape == "square":
+        d.rectangle([x0, y0, x1, y1], fill=255)
+    elif shape == "triangle":
+        d.polygon([(xc, y0), (x0, y1), (x1, y1)], fill=255)
+    else:
+        d.polygon([(xc, y0), (x1, yc), (xc, y1), (x0, yc)], fill=255)
+    return np.asarray(img) > 127
+
+
+def nearest_colour(rgb) -> str:
+    """The name of the dataset colour nearest to ``rgb`` (Euclidean distance in RGB)."""
+    return min(COLOURS, key=lambda n: sum((float(a) - b) ** 2 for a, b in zip(rgb, COLOURS[n])))
+
+
+def read_shape_image(image) -> Dict[str, object]:
+    """Read a shapes image back (a generated sample, or a model's drawing of a shapes caption).
+
+    Returns ``{"background", "colour", "shape", "iou"}``: the background is the median of the 4-pixel
+    border ring; the shape is the set of pixels farther from the background than half the distance of the
+    farthest 10% of pixels; its colour is that region's median; the shape is the one of :data:`SHAPES`
+    whose outline, drawn in the region's bounding box, overlaps it most (``iou``: that overlap; a drawing
+    with no distinct region, or one smaller than 2% of the image, reads as shape ``"none"``).
+    Colours are named by :func:`nearest_colour`.
+    """
+    px = np.asarray(image.convert("RGB") if hasattr(image, "convert") else image, dtype=np.float64)
+    h, w = px.shape[:2]
+    ring = np.concatenate([px[:4].reshape(-1, 3), px[-4:].reshape(-1, 3), px[:, :4].reshape(-1, 3),
+                           px[:, -4:].reshape(-1, 3)])
+    bg = np.median(ring, axis=0)
+    dist = np.sqrt(((px - bg) ** 2).sum(-1))
+    far = float(np.quantile(dist, 0.9))
+    mask = dist > far / 2
+    out: Dict[str, object] = {"background": nearest_colour(bg), "colour": None, "shape": "none", "iou": 0.0}
+    if far < 40 or mask.mean() < 0.02:  # nothing stands out from the background
+        return out
+    out["colour"] = nearest_colour(np.median(px[mask], axis=0))
+    ys, xs = np.nonzero(mask)
+    box = (float(xs.min()), float(ys.min()), float(xs.max()), float(ys.max()))
+    ious = {}
+    for shape in SHAPES:
+        t = _template(shape, box, w, h)
+        ious[shape] = float((t & mask).sum() / max(1, (t | mask).sum()))
+    out["shape"] = max(ious, key=ious.get)
+    out["iou"] = ious[out["shape"]]
+    return out
