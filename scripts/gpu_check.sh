@@ -4,6 +4,9 @@
 # steps under torch.cuda.set_sync_debug_mode("error"), and the step benchmark (images/s per GPU, MFU).
 # It prints a table to paste into a bug report.      bash scripts/gpu_check.sh   (OUT=folder to keep logs)
 set -uo pipefail
+if [ -n "${OUT:-}" ]; then  # a relative OUT is the caller's, not the repository's
+  mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
+fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/gpu_check}
@@ -24,6 +27,7 @@ if not (out / "pipe" / "model_index.json").exists():
 if not (out / "shapes").exists():
     write_shapes_shards(out / "shapes", n_samples=512, n_shards=8, size=64, seed=0)
 PYEOF
+[ $? -eq 0 ] || { echo "gpu_check: could not write the tiny pipeline and shards to $OUT" >&2; exit 2; }
 COMMON=(experiment.log_dir="$OUT/runs" experiment.num_examples_to_see=1024 experiment.save_every=16
         experiment.log_every=8 experiment.sample_per_prompt=2 experiment.sample_steps=10 system.batch_size=16
         system.workers=4 system.device=cuda model.pretrained="$OUT/pipe" model.mixed_precision=bf16 model.use_ema=true
@@ -37,23 +41,38 @@ check() {
   ROWS+=("$(printf '%-28s %-8s %5ds' "$name" "$r" $((SECONDS - t0)))")
 }
 check bf16_train_export_sample "$PY" train.py "${COMMON[@]}" experiment.name=bf16
-check ddp_nccl_${NGPU}gpu "$PY" -m torch.distributed.run --nproc_per_node="$NGPU" train.py "${COMMON[@]}" \
+check ddp_nccl_${NGPU}gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py "${COMMON[@]}" \
   experiment.name=ddp distributed.strategy=ddp distributed.dist_backend=nccl
-check fsdp2_nccl_${NGPU}gpu "$PY" -m torch.distributed.run --nproc_per_node="$NGPU" train.py "${COMMON[@]}" \
+check fsdp2_nccl_${NGPU}gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py "${COMMON[@]}" \
   experiment.name=fsdp distributed.strategy=fsdp distributed.dist_backend=nccl
+if [ "$NGPU" -lt 2 ]; then  # one rank: no process group, so the strategy is "single" (parallel.Strategy)
+  ROWS+=("  (1 GPU: the two torchrun rows ran one rank without DDP/FSDP2/NCCL; those need 2+ GPUs)")
+fi
 check compile "$PY" train.py "${COMMON[@]}" experiment.name=compile model.compile=true
 if "$PY" -c "import xformers" 2>/dev/null; then
   check xformers "$PY" train.py "${COMMON[@]}" experiment.name=xformers model.xformers=true
+  # A failing xformers (e.g. built for another torch) only logs a warning and trains with SDPA.
+  if grep -q "using PyTorch SDPA attention instead" "$OUT/xformers.log"; then
+    ROWS[${#ROWS[@]}-1]="$(printf '%-28s %-8s' xformers "FAIL (fell back to SDPA: $OUT/xformers.log)")"
+  fi
 else
   ROWS+=("$(printf '%-28s %-8s' xformers 'not installed')")
 fi
 check sync_debug_window "$PY" scripts/sync_check.py --device cuda
+rm -f "$OUT/bench_step.json"  # a failed benchmark must not leave an earlier run's numbers to print
 check bench_step "$PY" benchmarks/bench_step.py --device cuda --out "$OUT/bench_step.json"
 echo
 echo "sd-training gpu_check ($(date -u '+%F %T') UTC)"
 "$PY" -c "import torch, diffusers; p = torch.cuda.get_device_properties(0); print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, diffusers {diffusers.__version__}; {torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB)')"
 printf '%s\n' "${ROWS[@]}"
 if [ -f "$OUT/bench_step.json" ]; then
-  "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); [print(f\"  SD 1.x {r.get('resolution')} px: {r.get('images_per_sec', 0):.1f} img/s per GPU, MFU {100 * (r.get('mfu') or 0):.1f}%, peak {r.get('peak_memory_gb', 0):.1f} GB\") for r in d.get('sd1_unet', [])]" "$OUT/bench_step.json" || true
+  "$PY" - "$OUT/bench_step.json" <<'PYEOF' || true
+import json, sys
+for r in json.load(open(sys.argv[1])).get("sd1_unet", []):
+    # No MFU (None) for a GPU missing from sd_training.flops.PEAK_TFLOPS: say so rather than print 0%.
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (GPU not in the peak table)"
+    print(f"  SD 1.x {r.get('resolution')} px: {r.get('images_per_sec', 0):.1f} img/s per GPU, MFU {mfu}, "
+          f"peak {r.get('peak_memory_gb', 0):.1f} GB")
+PYEOF
 fi
 ! printf '%s\n' "${ROWS[@]}" | grep -q FAIL
