@@ -43,18 +43,23 @@ def draw_shape(shape: str, colour: str, background: str, width: int, height: int
     r = side * float(rng.uniform(radius[0], radius[1]))
     cx = width / 2 + float(rng.uniform(-offset, offset)) * width
     cy = height / 2 + float(rng.uniform(-offset, offset)) * height
-    fill = COLOURS[colour]
+    _outline(d, shape, cx, cy, r, r, COLOURS[colour])
+    return img
+
+
+def _outline(d: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, rx: float, ry: float, fill) -> None:
+    """Fill ``shape`` centred on (cx, cy) with half-width ``rx`` and half-height ``ry``: the one geometry
+    both the drawing (:func:`draw_shape`) and the reading (:func:`read_shape_image`) use."""
     if shape == "circle":
-        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+        d.ellipse([cx - rx, cy - ry, cx + rx, cy + ry], fill=fill)
     elif shape == "square":
-        d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+        d.rectangle([cx - rx, cy - ry, cx + rx, cy + ry], fill=fill)
     elif shape == "triangle":
-        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+        d.polygon([(cx, cy - ry), (cx - rx, cy + ry), (cx + rx, cy + ry)], fill=fill)
     elif shape == "diamond":
-        d.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=fill)
+        d.polygon([(cx, cy - ry), (cx + rx, cy), (cx, cy + ry), (cx - rx, cy)], fill=fill)
     else:
         raise ValueError(f"unknown shape {shape!r}; one of {SHAPES}")
-    return img
 
 
 def shape_sample(index: int, size, seed: int = 0, fmt: str = "jpg", radius: Tuple[float, float] = RADIUS,
@@ -122,17 +127,8 @@ def write_shapes_shards(
 def _template(shape: str, box: Tuple[float, float, float, float], width: int, height: int) -> np.ndarray:
     """Boolean mask of ``shape`` drawn as :func:`draw_shape` draws it, filling the box (x0, y0, x1, y1)."""
     img = Image.new("L", (width, height), 0)
-    d = ImageDraw.Draw(img)
     x0, y0, x1, y1 = box
-    xc, yc = (x0 + x1) / 2, (y0 + y1) / 2
-    if shape == "circle":
-        d.ellipse([x0, y0, x1, y1], fill=255)
-    elif shape == "square":
-        d.rectangle([x0, y0, x1, y1], fill=255)
-    elif shape == "triangle":
-        d.polygon([(xc, y0), (x0, y1), (x1, y1)], fill=255)
-    else:
-        d.polygon([(xc, y0), (x1, yc), (xc, y1), (x0, yc)], fill=255)
+    _outline(ImageDraw.Draw(img), shape, (x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2, (y1 - y0) / 2, 255)
     return np.asarray(img) > 127
 
 
