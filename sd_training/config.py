@@ -533,6 +533,10 @@ def check_ranges(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Checks that need several keys or a closed set of values; world-size checks come at start-up."""
     check_ranges(cfg)
+    radius = list(cfg.quickstart.shapes_radius)
+    if len(radius) != 2 or not 0 < radius[0] <= radius[1] <= 0.5:
+        raise ConfigError(f"'quickstart.shapes_radius' must be [low, high] with 0 < low <= high <= 0.5 (fractions of "
+                          f"the image side), got {radius}")
     _choice("wandb.mode", cfg.wandb.mode, ("auto", "online", "offline", "disabled"))
     _choice("system.device", cfg.system.device, ("auto", "cpu", "cuda"))
     _choice("distributed.dist_backend", cfg.distributed.dist_backend, ("auto", "nccl", "gloo"))

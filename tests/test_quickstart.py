@@ -187,7 +187,8 @@ def test_the_shape_reader_reads_the_generated_shapes_exactly():
 
 def test_the_shapes_dataset_is_rewritten_when_its_settings_change(tmp_path):
     """quickstart.shapes_* always take effect: the dataset is kept while its recorded settings match and
-    written again (centred shapes, here) when they do not; a bad range is refused with the key's name."""
+    written again (centred shapes, here) when they do not; a bad range is refused when the config loads,
+    naming the key."""
     from sd_training.config import QuickstartConfig
     from sd_training.quickstart import SHAPES_SPEC, prepare
 
@@ -212,6 +213,8 @@ def test_the_shapes_dataset_is_rewritten_when_its_settings_change(tmp_path):
                     ys, xs = np.nonzero(np.abs(px - px[0, 0]).sum(-1) > 120)
                     boxes.add(((xs.min() + xs.max()) / 2, (ys.min() + ys.max()) / 2))
     assert len(boxes) >= 2 and all(abs(x - 31.5) <= 3 and abs(y - 31.5) <= 3 for x, y in boxes), boxes
-    cfg.shapes_radius = [0.4, 0.3]
-    with pytest.raises(ValueError, match=r"quickstart.shapes_radius"):
-        prepare(cfg, is_main=True)
+    from sd_training.config import ConfigError
+    from sd_training.configure import load
+
+    with pytest.raises(ConfigError, match=r"quickstart.shapes_radius"):
+        load([f"config={ROOT / 'configs' / 'quickstart.yaml'}", "quickstart.shapes_radius=[0.4,0.3]"])
