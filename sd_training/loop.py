@@ -23,6 +23,7 @@ from .models import component_sources
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .outputs import RunOutputs
 from .parallel import Strategy
+from .precision import autocast_dtype
 from .preemption import StopFlag, requeue_job, under_slurm
 from .progress import PROGRESS
 from .reshard import load_model_state
@@ -32,9 +33,6 @@ from .trackers import build_trackers
 from .train_state import EMAMeta, LogWindow, NonFiniteLossError, Plan, TrainState, hms, seed_everything
 
 log = logging.getLogger(__name__)
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def main(cfg: TrainConfig, stop: StopFlag | None = None) -> dict:
     """Train as configured; returns a summary (final step, paths). Tests call this directly.
@@ -144,7 +142,7 @@ class Trainer(RunOutputs):
                 src = load_component(type(self.net).from_pretrained, e.path, self.net_name, "model.ema.path")
                 self.ema.load_weights(src)
         mp = cfg.model.mixed_precision
-        self.autocast_dtype = AUTOCAST_DTYPES.get(mp)
+        self.autocast_dtype = autocast_dtype(mp)
         # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=(mp == "fp16"))
         # Only the trained UNet (and its EMA) is wrapped; the frozen VAE and text encoder never are.

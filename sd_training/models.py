@@ -21,6 +21,7 @@ import torch
 from .config import ModelConfig
 from .fields import ConfigError
 from .loading import load_component as _load
+from .precision import frozen_vae_dtype
 from .text_encoders import build_text_encoder
 
 log = logging.getLogger(__name__)
@@ -179,16 +180,6 @@ def set_attention_backend(unet: torch.nn.Module, cfg: ModelConfig, device: torch
     return "sdpa"
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def frozen_dtype(requested: str, mixed_precision: str) -> torch.dtype:
-    """``auto``: bf16 under bf16 mixed precision, else fp32 (the SD VAE overflows in fp16)."""
-    if requested == "auto":
-        return torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    return DTYPES[requested]
-
-
 def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     module.requires_grad_(False)
     module.eval()
@@ -257,7 +248,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_co
         reload_fp32=reload_fp32,
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=_frozen(vae, device, frozen_dtype(cfg.vae.dtype, cfg.mixed_precision)),
+        vae=_frozen(vae, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision)),
         unet=unet,
         noise_scheduler=noise_scheduler,
         inference_scheduler=inference_scheduler,

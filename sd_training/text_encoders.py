@@ -37,28 +37,17 @@ from .export import unwrap
 from .fields import ConfigError
 from .loading import load_component as _load
 from .optim import param_groups
+from .precision import DTYPES, frozen_text_dtype
 from .schema.text_encoder import TextEncoderConfig
 from .tiny import build_clip_tokenizer
 
 log = logging.getLogger(__name__)
 
 TYPES = ("clip", "open_clip")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Written into the converted / truncated encoder's config.json: the clip_skip its layers already reflect.
 CLIP_SKIP_KEY = "sd_training_clip_skip"
 CLIP_VOCAB_SIZE = 49408  # the BPE vocabulary of OpenAI CLIP and of open_clip's default tokenizer
 OPEN_CLIP_PAD = "!"  # id 0: open_clip pads with 0, and SD 2's tokenizer does the same
-
-
-
-
-def frozen_text_dtype(requested: str, mixed_precision: str) -> torch.dtype:
-    """``auto``: the compute dtype of the run (bf16, fp16; else fp32). CLIP text towers are safe in fp16,
-    unlike the SD VAE; a frozen encoder in the training precision halves its memory and runs on tensor
-    cores, and its hidden states are cast to fp32 for the UNet (``objective.encode_text``)."""
-    if requested == "auto":
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
-    return DTYPES[requested]
 
 
 def _error(message: str) -> ValueError:

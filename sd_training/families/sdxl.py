@@ -32,8 +32,8 @@ from ..fields import ConfigError
 from ..flops import StepFlops, count_step_flops, text_encode_flops
 from ..loading import load_component
 from ..models import build_models
+from ..precision import frozen_text_dtype
 from ..text_encoders import (
-    frozen_text_dtype,
     place_text_encoder,
     text_encoder_for_pipeline,
     text_encoder_param_groups,
