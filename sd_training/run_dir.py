@@ -1,4 +1,5 @@
-"""The run folder: everything a run writes lives under ``experiment.log_dir/experiment.name/``.
+"""The run folder: every name in it is spelled here, and what protects it (one run at a time, no new run
+on top of an old one, every step logged once after a resume).
 
     <log_dir>/<name>/
       config.yaml               resolved config (re-run with config=<this file>)
@@ -9,24 +10,80 @@
       current_pipeline_ema/     the same with EMA weights (model.use_ema=True)
       pipelines/step_<N>[_ema]/ every export, when experiment.save_only_most_recent=False
       samples/step_<N>.png      sample grid of each export
+      eval/step_<N>/            eval images of each export; eval/results/ their FID / CLIP scores
+      tensorboard/              event files (experiment.tensorboard)
       wandb/                    wandb's files (offline runs sync from here)
-      sources.json              where the UNet, VAE and text encoder came from
+      sources.json              where the trained and frozen components came from
+      memory_plan.json          per-device bytes of the modules under the run's strategy
       sample_keys/rank_<N>.jsonl  the samples of every step (experiment.record_sample_keys)
-      .lock                     held by the running job (see sd_training.run_guard)
+      .lock                     held by the running job
+
+The guards (rank 0):
+
+* :meth:`RunDir.lock`: an ``flock`` on ``.lock``, released by the kernel when the process dies (no stale
+  locks after a kill -9), the holder's host and pid written inside.
+* :meth:`RunDir.refuse_or_move_aside`: a folder that already holds checkpoints is refused unless the run
+  resumes it (``experiment.resume``) or the user asks for a fresh start (``experiment.start_fresh``),
+  which moves the old contents aside; nothing is deleted.
+* :meth:`RunDir.cut_metrics_back`: after a resume at step S, rows past S (logged after the checkpoint by
+  the run that was killed) are dropped, so every step is logged once.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
+import re
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
+
+from .config import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def step_name(step: int) -> str:
+    """The name of everything a step writes: ``step_00001000`` (checkpoints, pipelines, samples, eval)."""
+    return f"step_{step:08d}"
+
+
+class RunFolderInUse(ConfigError):
+    pass
 
 
 class RunDir:
     def __init__(self, log_dir: str, name: str):
         self.root = Path(log_dir) / name
+
+    @classmethod
+    def at(cls, root: str | Path) -> "RunDir":
+        """The run folder at ``root`` (another run's, e.g. for model.init_from)."""
+        return cls(str(Path(root).parent), Path(root).name)
+
+    # -- files and folders ----------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def sources(self) -> Path:
+        return self.root / "sources.json"
+
+    @property
+    def memory_plan(self) -> Path:
+        return self.root / "memory_plan.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
 
     @property
     def checkpoints(self) -> Path:
@@ -37,8 +94,23 @@ class RunDir:
         return self.root / "samples"
 
     @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
+    def pipelines(self) -> Path:
+        return self.root / "pipelines"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def eval_results(self) -> Path:
+        return self.root / "eval" / "results"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / LOCK_NAME
+
+    def log_file(self, rank: int) -> Path:
+        return self.root / "train.log" if rank == 0 else self.root / "logs" / f"rank_{rank}.log"
 
     def sample_keys(self, rank: int) -> Path:
         return self.root / "sample_keys" / f"rank_{rank}.jsonl"
@@ -47,7 +119,13 @@ class RunDir:
         suffix = "_ema" if ema else ""
         if step is None:
             return self.root / f"current_pipeline{suffix}"
-        return self.root / "pipelines" / f"step_{step:08d}{suffix}"
+        return self.pipelines / f"{step_name(step)}{suffix}"
+
+    def sample_grid(self, step: int, suffix: str = "") -> Path:
+        return self.samples / f"{step_name(step)}{suffix}.png"
+
+    def eval_images(self, step: int) -> Path:
+        return self.root / "eval" / step_name(step)
 
     def create(self) -> None:
         for d in (self.root, self.checkpoints, self.samples, self.root / "logs"):
@@ -55,7 +133,7 @@ class RunDir:
 
     def setup_logging(self, rank: int) -> None:
         """Console (rank 0 only, at INFO) plus one log file per rank."""
-        path = self.root / "train.log" if rank == 0 else self.root / "logs" / f"rank_{rank}.log"
+        path = self.log_file(rank)
         fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
         root = logging.getLogger()
         for h in list(root.handlers):
@@ -70,6 +148,89 @@ class RunDir:
             h._sd_training = True
             root.addHandler(h)
         root.setLevel(logging.INFO)
+
+    # -- guards (rank 0) ------------------------------------------------------------------------
+    def lock(self):
+        """Hold the run folder's lock for the life of this process; returns the open file."""
+        return lock_run_folder(self.root)
+
+    def refuse_or_move_aside(self, checkpoint_steps: list[int], resume: bool, start_fresh: bool) -> Path | None:
+        return prepare_fresh_start(self.root, checkpoint_steps, resume, start_fresh)
+
+    def cut_metrics_back(self, step: int) -> int:
+        return cut_metrics_back(self.metrics, step)
+
+    def repair_exports(self) -> list[Path]:
+        """Exports a kill interrupted while one replaced the other: the previous one is put back."""
+        return repair_swaps(self.root, self.pipelines)
+
+
+def lock_run_folder(root: Path):
+    """Hold an exclusive lock on the run folder for the life of this process; returns the open file."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / LOCK_NAME
+    fh = open(path, "a+")  # noqa: SIM115 (held open, locked, for the life of the run)
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise RunFolderInUse(
+            f"run folder {root} is in use by {holder}. Two runs in one folder would delete each other's "
+            "checkpoints: wait for it to end (or stop it), or set another experiment.name"
+        ) from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    fh.flush()
+    return fh
+
+
+def prepare_fresh_start(root: Path, checkpoint_steps: list[int], resume: bool, start_fresh: bool) -> Path | None:
+    """Refuse to train a new run on top of an old one; with ``start_fresh`` move the old one aside.
+
+    Returns the folder the old contents were moved to, or None."""
+    if not checkpoint_steps or (resume and not start_fresh):
+        return None
+    if not start_fresh:
+        raise ConfigError(
+            f"run folder {root} holds checkpoints of an earlier run (steps {checkpoint_steps[0]}..{checkpoint_steps[-1]}) "
+            "and experiment.resume=false: a new run there would mix its metrics and samples with the old ones "
+            "and its checkpoint retention would delete the old run's. Set experiment.resume=true to continue it, "
+            "another experiment.name, or experiment.start_fresh=true to move the old contents aside and start over"
+        )
+    aside = root.with_name(f"{root.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    aside.mkdir()
+    for entry in root.iterdir():
+        if entry.name != LOCK_NAME:
+            os.replace(entry, aside / entry.name)
+    log.warning("experiment.start_fresh: the earlier run's files were moved to %s", aside)
+    return aside
+
+
+def cut_metrics_back(path: Path, step: int) -> int:
+    """Drop metric rows logged after ``step`` (by the run that was killed after its last checkpoint);
+    returns how many were dropped. Written to a temporary file, then renamed."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except json.JSONDecodeError:  # a line cut by the kill
+            dropped += 1
+            continue
+        if row_step > step:
+            dropped += 1
+        else:
+            keep.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+        log.info("metrics.jsonl: %d row(s) logged after step %d by the interrupted run removed", dropped, step)
+    return dropped
 
 
 def repair_swaps(*folders: Path) -> list[Path]:
