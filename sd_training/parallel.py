@@ -2,13 +2,9 @@
 the model family names).
 
 Only the trained module (and its EMA copy) is ever wrapped; frozen components stay plain modules.
-The strategy also owns how the trained module's state is saved and gathered:
-
-- ``ddp``: every rank holds the full weights; rank 0 writes them (``shared`` state in the checkpoint).
-- ``fsdp``: each rank holds a shard; all ranks write their shards with torch.distributed.checkpoint
-  (DCP) into ``checkpoints/step_N/sharded/``, and exports gather the full weights on rank 0.
-
-Either layout resumes under either strategy on any number of ranks (``reshard.load_model_state``).
+Under ``ddp`` every rank holds the full weights; under ``fsdp`` each rank holds a shard, and exports
+gather the full weights (:meth:`Strategy.plain_copy`). How either is saved and resumed (full tensors or
+DCP shards, resharded as read) is ``checkpoint.model_state``'s.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -28,9 +23,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-NET_KEY = "unet"  # the trained module's entry in a sharded checkpoint
-
-
 class Strategy:
     def __init__(self, name: str, is_distributed: bool, device: torch.device, param_dtype: torch.dtype | None,
                  dist_cfg=None):
@@ -39,7 +31,6 @@ class Strategy:
         self.device = device
         self.param_dtype = param_dtype
         self.cfg = dist_cfg
-        self._save_group = None  # gloo group of asynchronous sharded saves (created at the first one)
 
     @property
     def sharded(self) -> bool:
@@ -104,58 +95,6 @@ class Strategy:
         if self.name == "fsdp":
             model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
-
-    # ------------------------------------------------------------------ state
-    def sharded_state(self, net, optimizer, ema_shadow) -> dict:
-        """FSDP: the sharded state DCP writes (collective). The trained module's key stays "unet", as
-        in checkpoints written before model families (they resume)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        model_sd, optim_sd = get_state_dict(net, optimizer)
-        state = {NET_KEY: model_sd, "optimizer": optim_sd}
-        if ema_shadow is not None:
-            state["ema"] = get_model_state_dict(ema_shadow)
-        return state
-
-    def save_sharded(self, state: dict, folder: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(state, checkpoint_id=str(folder))
-
-    def save_sharded_async(self, state: dict, folder: Path):
-        """DCP's ``async_save``: the shards are staged to CPU memory before it returns (training may change
-        the weights at once), then written by a background thread; returns the future. Its collectives run
-        on a gloo group of their own, so they never interleave with training's (NCCL) collectives."""
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        if self._save_group is None:
-            self._save_group = dist.new_group(backend="gloo")  # collective: every rank, first async save
-        return dcp.async_save(state, checkpoint_id=str(folder), process_group=self._save_group)
-
-    def load_sharded(self, folder: Path, net, optimizer, ema_shadow) -> None:
-        """A sharded (DCP) checkpoint, written on any number of ranks, into this run's own layout: DCP reads
-        each rank's DTensor shards under fsdp, the full tensors under ddp (every rank) and in one process
-        (no process group: no collective), resharding as it reads."""
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        state = self.sharded_state(net, optimizer, ema_shadow)  # the layout to load into
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
-        set_state_dict(net, optimizer, model_state_dict=state[NET_KEY], optim_state_dict=state["optimizer"])
-        if ema_shadow is not None:
-            set_model_state_dict(ema_shadow, state["ema"])
-
-    def load_full(self, net, optimizer, ema_shadow, net_sd: dict, optim_sd: dict, ema_sd: dict | None) -> None:
-        """FSDP (collective): full tensors that every rank holds (a ddp or one-process checkpoint's; the
-        optimizer state keyed by parameter name) into this rank's shards: each rank keeps its slice."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-        full = StateDictOptions(full_state_dict=True)
-        set_state_dict(net, optimizer, model_state_dict=net_sd, optim_state_dict=optim_sd, options=full)
-        if ema_shadow is not None:
-            set_model_state_dict(ema_shadow, ema_sd, options=full)
 
     def plain_copy(self, module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """An unsharded module with the full weights on every rank, for export, samples and eval images.

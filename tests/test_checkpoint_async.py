@@ -35,7 +35,7 @@ def test_async_save_writes_the_state_of_the_save_not_later_changes(tmp_path):
 
 
 def test_the_next_save_waits_for_the_one_in_flight_and_retention_still_applies(tmp_path, monkeypatch):
-    import sd_training.checkpoint as checkpoint
+    import sd_training.checkpoint.store as checkpoint
 
     ck = Checkpointer(tmp_path, keep_last=2, asynchronous=True)
     gate = threading.Event()
@@ -58,7 +58,7 @@ def test_the_next_save_waits_for_the_one_in_flight_and_retention_still_applies(t
 
 def test_a_failed_background_write_is_raised_at_wait_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
     """(A full disk in the writer, as the synchronous path's tmpfs test produces it for real.)"""
-    import sd_training.checkpoint as checkpoint
+    import sd_training.checkpoint.store as checkpoint
 
     ck = Checkpointer(tmp_path, asynchronous=True)
     ck.save(1, _state(1.0), {"rng": torch.zeros(1)}, {"step": 1}, "", rank=0)

@@ -28,14 +28,16 @@ def worker(out: str, argv: list[str]) -> None:
 
     from sd_training import distributed
     from sd_training.configure import load
+    from sd_training.checkpoint import CheckpointManager
     from sd_training.loop import Trainer
 
     cfg = load(argv)
     info = distributed.setup(cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url)
     try:
         t = Trainer(cfg, info)
-        t._resume_layout = lambda latest: None  # the data position and RNG: not this test's subject
-        t._setup()
+        # The data position and RNG: not this test's subject.
+        CheckpointManager._resume_data_and_rng = lambda self, latest: None
+        t.setup()
         # Full tensors on rank 0 (collective under fsdp); a plain module's own state otherwise.
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if t.strategy.sharded else StateDictOptions()
         names = {id(p): n for n, p in t.net.named_parameters()}

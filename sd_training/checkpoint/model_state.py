@@ -1,20 +1,21 @@
-"""Elastic resume of the model state: the trained net, its optimizer state and the EMA of a checkpoint
-written by either strategy on any number of ranks, loaded bit for bit into a run of either strategy on
-any number of ranks (one process without a process group included).
+"""The model state of a checkpoint: the trained net, its optimizer state and the EMA, saved in the run's
+layout and loaded bit for bit from either layout, written on any number of ranks, into a run of either
+strategy on any number of ranks (one process without a process group included). Save and load are
+side by side here; the names come from ``layout``.
 
-A checkpoint holds them in one of two layouts:
+The two layouts:
 
 - full tensors (``ddp`` or one process), rank 0's files: ``<net>.pt`` (the net's state dict),
   ``optimizer.pt`` (a plain ``optimizer.state_dict()``: state keyed by parameter index, counted through
   the optimizer's groups in order, ``optim.param_groups`` then the family's extra groups) and ``ema.pt``
   (the shadow's state dict and the EMA's scalars);
-- DCP shards (``fsdp``): ``sharded/`` with ``unet`` (the net), ``optimizer`` (keyed by parameter name,
-  as ``get_optimizer_state_dict`` writes it) and ``ema`` (the shadow), plus ``ema_meta.pt`` (the scalars).
+- DCP shards (``fsdp``): ``sharded/`` with the net, the optimizer (keyed by parameter name, as
+  ``get_optimizer_state_dict`` writes it) and the EMA shadow, plus ``ema_meta.pt`` (the scalars).
 
 Shards load into any run through DCP, which reshards as it reads: into this rank's DTensor shards under
-fsdp, into full tensors under ddp or in one process (``Strategy.load_sharded``). Full tensors load as
-they are under ddp; under fsdp every rank keeps its slice of them (``Strategy.load_full``), the optimizer
-state renamed from parameter indices to parameter names first (:func:`indexed_to_named`).
+fsdp, into full tensors under ddp or in one process. Full tensors load as they are under ddp; under fsdp
+every rank keeps its slice of them, the optimizer state renamed from parameter indices to parameter
+names first (:func:`indexed_to_named`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from .layout import DCP_EMA, DCP_NET, DCP_OPTIMIZER, EMA, EMA_META, OPTIMIZER, SHARDED, is_sharded, rank_files
 
 
 @dataclass(frozen=True)
@@ -33,12 +45,119 @@ class Layout:
     world_size: int
 
     @classmethod
-    def of(cls, folder: Path) -> "Layout":
-        return cls((Path(folder) / "sharded").is_dir(), len(list(Path(folder).glob("rank_*.pt"))))
+    def of(cls, folder: Path) -> Layout:
+        return cls(is_sharded(folder), len(rank_files(folder)))
 
     @property
     def kind(self) -> str:
         return "fsdp" if self.sharded else ("ddp" if self.world_size > 1 else "one-process")
+
+
+class _EMAScalars:
+    """The EMA's scalars as a state of their own (``ema_meta``), when its weights are sharded."""
+
+    def __init__(self, ema):
+        self.ema = ema
+
+    def state_dict(self) -> dict:
+        return self.ema.meta_state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.ema.load_meta_state_dict(sd)
+
+
+class ModelState:
+    """The net, its optimizer and the EMA of one run, in the layout of its strategy (``strategy.sharded``)."""
+
+    def __init__(self, strategy, net: torch.nn.Module, net_name: str, optimizer: torch.optim.Optimizer, ema=None):
+        self.strategy, self.net, self.net_name, self.optimizer, self.ema = strategy, net, net_name, optimizer, ema
+        self._save_group = None  # gloo group of asynchronous sharded saves (created at the first one)
+
+    @property
+    def shadow(self):
+        return self.ema.shadow if self.ema is not None else None
+
+    # -- save -------------------------------------------------------------------------------------
+    def plain_objects(self) -> dict:
+        """The objects whose ``state_dict()`` rank 0 writes as ``<name>.pt`` files."""
+        if self.strategy.sharded:
+            return {EMA_META: _EMAScalars(self.ema)} if self.ema is not None else {}
+        objs = {self.net_name: self.net, OPTIMIZER: self.optimizer}
+        if self.ema is not None:
+            objs[EMA] = self.ema
+        return objs
+
+    def sharded_writer(self, asynchronous: bool):
+        """fsdp: ``write(folder)`` for every rank (collective; asynchronous: returns DCP's future, staged
+        before it returns); None when the state is all in the plain files."""
+        if not self.strategy.sharded:
+            return None
+        state = self._sharded_state()
+        if not asynchronous:
+            return lambda folder: dcp.save(state, checkpoint_id=str(folder))
+        if self._save_group is None:
+            # DCP's collectives on a gloo group of their own: they never interleave with training's (NCCL).
+            self._save_group = dist.new_group(backend="gloo")  # collective: every rank, first async save
+        group = self._save_group
+        return lambda folder: dcp.async_save(state, checkpoint_id=str(folder), process_group=group)
+
+    def _sharded_state(self) -> dict:
+        """The sharded state DCP writes and reads (collective under fsdp)."""
+        model_sd, optim_sd = get_state_dict(self.net, self.optimizer)
+        state = {DCP_NET: model_sd, DCP_OPTIMIZER: optim_sd}
+        if self.ema is not None:
+            state[DCP_EMA] = get_model_state_dict(self.shadow)
+        return state
+
+    # -- load -------------------------------------------------------------------------------------
+    def load(self, folder: Path, shared: dict, world_size: int) -> str | None:
+        """Load the checkpoint ``folder`` (``shared``: its plain files, as ``Checkpointer.load`` read them
+        on every rank) whichever layout and rank count wrote it. Collective under fsdp. Returns a line
+        saying what was converted; None when the layout is this run's own."""
+        folder = Path(folder)
+        saved = Layout.of(folder)
+        needed = [] if saved.sharded else [self.net_name, OPTIMIZER]
+        if self.ema is not None:
+            needed.append(EMA_META if saved.sharded else EMA)
+        for name in needed:
+            if name not in shared:
+                raise RuntimeError(f"checkpoint {folder} has no '{name}' state: it was written with other settings "
+                                   "(model.use_ema); resume with those, or start a new run name")
+        if saved.sharded:
+            param_names(self.net, self.optimizer)  # a trained text encoder has no state there: say so before DCP
+            self._load_sharded(folder / SHARDED)
+            if self.ema is not None:
+                self.ema.load_meta_state_dict(shared[EMA_META])
+        elif self.strategy.sharded:
+            params = dict(self.net.named_parameters())
+            optim_sd = indexed_to_named(shared[OPTIMIZER], param_names(self.net, self.optimizer), params)
+            self._load_full(shared[self.net_name], optim_sd, shared[EMA]["shadow"] if self.ema is not None else None)
+            if self.ema is not None:
+                self.ema.load_meta_state_dict(shared[EMA])
+        else:
+            self.net.load_state_dict(shared[self.net_name])
+            self.optimizer.load_state_dict(shared[OPTIMIZER])
+            if self.ema is not None:
+                self.ema.load_state_dict(shared[EMA])
+        return describe(saved, self.strategy.sharded, world_size, self.ema is not None)
+
+    def _load_sharded(self, folder: Path) -> None:
+        """DCP shards, written on any number of ranks, into this run's own layout: each rank's DTensor shards
+        under fsdp, the full tensors under ddp (every rank) and in one process (no process group: no
+        collective), resharding as it reads."""
+        state = self._sharded_state()  # the layout to load into
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
+        set_state_dict(self.net, self.optimizer, model_state_dict=state[DCP_NET], optim_state_dict=state[DCP_OPTIMIZER])
+        if self.ema is not None:
+            set_model_state_dict(self.shadow, state[DCP_EMA])
+
+    def _load_full(self, net_sd: dict, optim_sd: dict, ema_sd: dict | None) -> None:
+        """fsdp (collective): full tensors that every rank holds (the optimizer state keyed by parameter name)
+        into this rank's shards: each rank keeps its slice."""
+        full = StateDictOptions(full_state_dict=True)
+        set_state_dict(self.net, self.optimizer, model_state_dict=net_sd, optim_state_dict=optim_sd, options=full)
+        if self.ema is not None:
+            set_model_state_dict(self.shadow, ema_sd, options=full)
 
 
 def param_names(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -75,42 +194,6 @@ def indexed_to_named(osd: dict, names: list[list[str]], params: dict[str, torch.
                                    f"{tuple(t.shape)}, this run's parameter {name} {tuple(params[name].shape)}")
         state[name] = s
     return {"state": state, "param_groups": [{**g, "params": n} for g, n in zip(groups, names)]}
-
-
-def load_model_state(folder: Path, shared: dict, strategy, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     ema, net_name: str, world_size: int) -> str | None:
-    """Load the net, the optimizer state and the EMA of checkpoint ``folder`` (``shared``: its plain files,
-    as ``Checkpointer.load`` read them on every rank) into this run, whichever layout and rank count wrote
-    it. Collective under fsdp. Returns a line saying what was converted; None when the layout is this
-    run's own."""
-    folder = Path(folder)
-    saved = Layout.of(folder)
-    needed = [] if saved.sharded else [net_name, "optimizer"]
-    if ema is not None:
-        needed.append("ema_meta" if saved.sharded else "ema")
-    for name in needed:
-        if name not in shared:
-            raise RuntimeError(f"checkpoint {folder} has no '{name}' state: it was written with other settings "
-                               "(model.use_ema); resume with those, or start a new run name")
-    shadow = ema.shadow if ema is not None else None
-    if saved.sharded:
-        param_names(net, optimizer)  # a trained text encoder has no state there: say so before DCP does
-        strategy.load_sharded(folder / "sharded", net, optimizer, shadow)
-        if ema is not None:
-            ema.load_meta_state_dict(shared["ema_meta"])
-    elif strategy.sharded:
-        params = dict(net.named_parameters())
-        optim_sd = indexed_to_named(shared["optimizer"], param_names(net, optimizer), params)
-        strategy.load_full(net, optimizer, shadow, shared[net_name], optim_sd,
-                           shared["ema"]["shadow"] if ema is not None else None)
-        if ema is not None:
-            ema.load_meta_state_dict(shared["ema"])
-    else:
-        net.load_state_dict(shared[net_name])
-        optimizer.load_state_dict(shared["optimizer"])
-        if ema is not None:
-            ema.load_state_dict(shared["ema"])
-    return describe(saved, strategy.sharded, world_size, ema is not None)
 
 
 def describe(saved: Layout, sharded: bool, world_size: int, ema: bool) -> str | None:

@@ -1,16 +1,5 @@
-"""Resume state: zero-padded step folders, written under a temporary name, marked complete, renamed.
-
-    checkpoints/step_00001000/
-      unet.pt            raw (non-EMA) UNet weights, always
-      ema.pt             EMA weights (model.use_ema)
-      optimizer.pt       optimizer state
-      lr_scheduler.pt    LR scheduler state
-      grad_scaler.pt     fp16 gradient scaler state
-      sharded/           FSDP instead of unet/ema/optimizer.pt: every rank's shards (torch.distributed.checkpoint)
-      rank_<R>.pt        per rank: RNG states (python, numpy, torch CPU and CUDA) and data-loader position
-      train_state.json   step, images seen, tracker run id ...
-      config.yaml        the resolved config of the run that wrote it
-      COMPLETE           written last: only folders that have it are ever resumed from
+"""The checkpoint folder format: zero-padded step folders (names in ``layout``), written under a
+temporary name, marked complete, renamed; kept or deleted by the retention settings; read back.
 
 The checkpointer sees a dict of objects with ``state_dict()`` / ``load_state_dict()``. Rank 0 writes the
 shared state (replicated under DDP); every rank writes its own ``rank_<R>.pt``. A SIGKILL at any moment
@@ -26,12 +15,12 @@ DCP's ``async_save`` (staged before it returns); a rank's file is written once i
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import pickle
 import random
-import re
 import shutil
 import threading
 import time
@@ -40,18 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed
-from .fields import ConfigError
+from .. import distributed
+from ..config import ConfigError
+from ..run_dir import STEP_RE, step_name
+from .layout import CONFIG, MARKER, TRAIN_STATE, rank_file, rank_files, rank_of, shared_file
 
 log = logging.getLogger(__name__)
-
-STEP_RE = re.compile(r"^step_(\d{8,})$")
-MARKER = "COMPLETE"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
 
 def rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -106,8 +89,6 @@ def complete_steps(root: Path) -> list[int]:
 
 def describe_write_error(path: Path, e: BaseException) -> str:
     """One line that says why writing ``path`` failed and what to do."""
-    import errno
-
     folder = Path(path).parent
     try:
         free = shutil.disk_usage(folder).free
@@ -199,7 +180,7 @@ class Checkpointer:
 
     def latest(self) -> Path | None:
         steps = complete_steps(self.root)
-        return self.root / step_dir_name(steps[-1]) if steps else None
+        return self.root / step_name(steps[-1]) if steps else None
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk; re-raise its error here, in the training thread."""
@@ -224,8 +205,8 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self.wait()  # one save at a time: the previous one is complete (or its error raised) first
-        final = self.root / step_dir_name(step)
-        tmp = self.root / (step_dir_name(step) + ".tmp")
+        final = self.root / step_name(step)
+        tmp = self.root / (step_name(step) + ".tmp")
         if rank == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -233,7 +214,7 @@ class Checkpointer:
         distributed.barrier()  # the folder exists before any rank writes into it
         state_json = json.dumps({**train_state, "checkpoint_files": sorted(shared)}, indent=1)
         if not self.asynchronous:
-            _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
+            _atomic_torch_save(per_rank, rank_file(tmp, rank))
             if write_sharded is not None:
                 write_sharded(tmp / "sharded")
             if rank == 0:
@@ -259,10 +240,10 @@ class Checkpointer:
 
     def _write_shared(self, tmp: Path, shared: dict, state_json: str, config_yaml: str) -> None:
         for name, obj in shared.items():
-            _atomic_torch_save(obj, tmp / f"{name}.pt")
+            _atomic_torch_save(obj, shared_file(tmp, name))
         # The files a loader may open: nothing else in the folder is ever read.
-        (tmp / "train_state.json").write_text(state_json)
-        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / TRAIN_STATE).write_text(state_json)
+        (tmp / CONFIG).write_text(config_yaml)
 
     def _complete(self, tmp: Path, final: Path) -> None:
         (tmp / MARKER).write_text(f"{time.time()}\n")
@@ -277,19 +258,19 @@ class Checkpointer:
             self._snapshot.ready()
             if sharded is not None:
                 sharded.result()  # this rank's shards (and, on rank 0, DCP's metadata) are on disk
-            _atomic_torch_save(per_rank, tmp / f"rank_{rank}.pt")
+            _atomic_torch_save(per_rank, rank_file(tmp, rank))
             if rank != 0:
                 return
             self._write_shared(tmp, shared, state_json, config_yaml)
             deadline = time.monotonic() + self.rank_files_timeout_s
-            missing = [r for r in range(world) if not (tmp / f"rank_{r}.pt").exists()]
+            missing = [r for r in range(world) if not rank_file(tmp, r).exists()]
             while missing:  # the other ranks' writers: their files appear complete (written, then renamed)
                 if time.monotonic() > deadline:
                     raise CheckpointWriteError(
                         f"{tmp}: rank file(s) {missing[:8]} did not appear within {self.rank_files_timeout_s:.0f}s; "
                         "this checkpoint stays incomplete (ignored on resume); the previous one is intact")
                 time.sleep(0.05)
-                missing = [r for r in missing if not (tmp / f"rank_{r}.pt").exists()]
+                missing = [r for r in missing if not rank_file(tmp, r).exists()]
             self._complete(tmp, final)
             log.info("saved checkpoint %s in %.1fs (training waited %.3fs)", final, time.perf_counter() - t0,
                      self.last_stall_s)
@@ -303,7 +284,7 @@ class Checkpointer:
             keep |= {s for s in steps if s % self.keep_every == 0}
         for s in steps:
             if s not in keep:
-                shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+                shutil.rmtree(self.root / step_name(s), ignore_errors=True)
         for d in self.root.glob("*.tmp"):  # leftovers of a save that was killed
             shutil.rmtree(d, ignore_errors=True)
 
@@ -314,14 +295,14 @@ class Checkpointer:
         path = Path(path)
         if not (path / MARKER).exists():
             raise RuntimeError(f"checkpoint {path} is incomplete (no {MARKER} marker)")
-        train_state = json.loads((path / "train_state.json").read_text())
+        train_state = json.loads((path / TRAIN_STATE).read_text())
         names = train_state.pop("checkpoint_files", None)
         if names is None:  # written before the list existed
-            names = sorted(p.stem for p in path.glob("*.pt") if not p.name.startswith("rank_"))
+            names = sorted(p.stem for p in path.glob("*.pt") if p not in rank_files(path))
         # weights_only: tensors and plain containers only; a pickle that would run code is refused.
-        shared = {n: _load_weights_only(path / f"{n}.pt", map_location) for n in names}
-        rank_file = path / f"rank_{rank}.pt"
-        per_rank = _load_weights_only(rank_file, map_location) if rank_file.exists() else None
+        shared = {n: _load_weights_only(shared_file(path, n), map_location) for n in names}
+        own = rank_file(path, rank)
+        per_rank = _load_weights_only(own, map_location) if own.exists() else None
         return shared, per_rank, train_state
 
     @staticmethod
@@ -329,8 +310,8 @@ class Checkpointer:
         """Every rank's file of a complete checkpoint, in rank order (small: data positions and RNG
         states). A run on another number of ranks reads them all to take over the saved positions."""
         path = Path(path)
-        files = sorted(path.glob("rank_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-        if [int(p.stem.split("_")[1]) for p in files] != list(range(len(files))) or not files:
+        files = rank_files(path)
+        if [rank_of(p) for p in files] != list(range(len(files))) or not files:
             raise RuntimeError(f"checkpoint {path} lacks rank files: found {[p.name for p in files]}")
         return [_load_weights_only(p, map_location) for p in files]
 
