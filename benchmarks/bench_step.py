@@ -87,7 +87,7 @@ def make_trainer(root: Path, pipeline: Path, shards: str, device: str, precision
     }
     cfg = load([f"{k}={v}" for k, v in args.items()], yaml_text=yaml_text)
     trainer = Trainer(cfg, distributed.setup(device))
-    trainer._setup()
+    trainer.setup()
     return trainer
 
 
@@ -257,13 +257,13 @@ def bench_checkpoint_stall(trainer, step_s: float, saves: int = 3) -> dict:
     """How long one resume checkpoint holds the training thread, synchronous (the baseline) against
     asynchronous, as a share of the training time at checkpoint_every=100 (goal: under 1%)."""
     out = {}
-    ck = trainer.checkpointer
+    ck = trainer.checkpoints.store
     for mode in ("synchronous", "asynchronous"):
         ck.asynchronous = mode == "asynchronous"
         stalls, totals = [], []
         for _ in range(saves):
             t0 = time.perf_counter()
-            trainer._save_checkpoint()
+            trainer.checkpoints.save()
             stalls.append(ck.last_stall_s)
             ck.wait()
             totals.append(time.perf_counter() - t0)

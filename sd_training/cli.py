@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 
+from . import quickstart
 from .config import ConfigError, help_text
 from .configure import load
+from .loop import main as train
 from .preemption import EXIT_STOPPED_NOT_REQUEUED, StopFlag
 
 # Problems found while building models or data from the config (DatasetConfigError included): one
@@ -24,10 +26,10 @@ def main(argv: list[str], stop: StopFlag | None = None) -> int:
     except USER_ERRORS as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from .loop import main as train
-
     try:
-        summary = train(cfg, stop)
+        # The generated inputs (tiny pipeline, shapes dataset) of configs that ask for them, written by
+        # rank 0 before anything is built from them.
+        summary = train(cfg, stop, prepare=lambda info: quickstart.prepare(cfg.quickstart, info.is_main))
     except USER_ERRORS as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ import math
 import os
 from pathlib import Path
 
+from .run_dir import RunDir
+
 log = logging.getLogger(__name__)
 
 
@@ -124,10 +126,11 @@ class Trackers:
             t.close()
 
 
-def build_trackers(cfg, run_root: Path, metrics_path: Path, wandb_id: str | None, config_dict: dict) -> Trackers:
-    items: list = [JsonlTracker(metrics_path)]
+def build_trackers(cfg, run_dir: RunDir, wandb_id: str | None, config_dict: dict) -> Trackers:
+    """metrics.jsonl always; wandb (its files under the run folder) and tensorboard as configured."""
+    items: list = [JsonlTracker(run_dir.metrics)]
     if wandb_mode(cfg.wandb.mode) != "disabled":
-        items.append(WandbTracker(cfg.wandb, run_root, wandb_id, config_dict))
+        items.append(WandbTracker(cfg.wandb, run_dir.root, wandb_id, config_dict))
     if cfg.experiment.tensorboard:
-        items.append(TensorboardTracker(run_root / "tensorboard"))
+        items.append(TensorboardTracker(run_dir.tensorboard))
     return Trackers(items)

@@ -1,5 +1,5 @@
 """The training run's small state: counters saved in checkpoints, the numbers derived from the config,
-the sums of one log interval, and the error a run stops with when its steps stay non-finite."""
+and the error a run stops with when its steps stay non-finite."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from .config import ConfigError, TrainConfig
-from .ema import EMA
 
 
 @dataclass
@@ -41,7 +40,7 @@ class Plan:
     accumulation: int  # micro-batches per optimizer step on each rank
 
     @classmethod
-    def make(cls, cfg: TrainConfig, world_size: int) -> "Plan":
+    def make(cls, cfg: TrainConfig, world_size: int) -> Plan:
         s = cfg.system
         accum = s.gradient_accumulation
         if s.global_batch_size:
@@ -79,54 +78,3 @@ def hms(seconds: float) -> str:
 
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive non-finite steps: the run saved and stopped."""
-
-
-class EMAMeta:
-    """The EMA's scalars, saved as a plain file when its weights are sharded (FSDP)."""
-
-    def __init__(self, ema: EMA):
-        self.ema = ema
-
-    def state_dict(self) -> dict:
-        return self.ema.meta_state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.ema.load_meta_state_dict(sd)
-
-
-class LogWindow:
-    """Sums over one log interval (kept on the device: no sync until the interval is logged)."""
-
-    def __init__(self):
-        self.loss_sum = 0.0
-        self.loss_count = 0
-        self.q_sum = torch.zeros(4)
-        self.q_count = torch.zeros(4)
-        self.grad_norm = 0.0
-        self.last_loss = float("nan")
-        self.parts: dict = {}
-        self.parts_count = 0
-        self.data_time = 0.0
-        self.step_time = 0.0
-        self.steps = 0
-
-    def add_parts(self, parts: dict) -> None:
-        """Named loss terms (e.g. the VAE's reconstruction and KL), averaged over the interval."""
-        for k, v in parts.items():  # kept on the device until the interval is logged
-            self.parts[k] = self.parts.get(k, 0.0) + (v.detach().float() if isinstance(v, torch.Tensor) else float(v))
-        self.parts_count += 1
-
-    def add_loss(self, loss: torch.Tensor, per_sample: torch.Tensor, timesteps: torch.Tensor, num_timesteps: int) -> None:
-        if not isinstance(self.loss_sum, torch.Tensor):
-            self.loss_sum = torch.zeros((), device=loss.device)
-            self.q_sum = self.q_sum.to(loss.device)
-            self.q_count = self.q_count.to(loss.device)
-        self.loss_sum = self.loss_sum + loss.float()
-        self.last_loss = loss
-        self.loss_count += 1
-        if timesteps is None:  # autoencoder stage: no timesteps
-            return
-        # Loss by timestep quartile (as guided-diffusion logs): where in the noise range the model struggles.
-        q = (timesteps * 4 // num_timesteps).clamp(max=3)
-        self.q_sum.index_add_(0, q, per_sample.float())
-        self.q_count.index_add_(0, q, torch.ones_like(per_sample, dtype=torch.float))

@@ -24,7 +24,7 @@ def main(out: str, argv: list[str]) -> None:
     info = distributed.setup(cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url)
     try:
         t = Trainer(cfg, info)
-        t._setup()
+        t.setup()
         accum, b = cfg.system.gradient_accumulation, cfg.system.batch_size
         assert b * accum * info.world_size == GLOBAL_BATCH, "the config must split the global batch exactly"
         g = torch.Generator().manual_seed(1234)

@@ -86,7 +86,7 @@ def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_di
         "dataset.params.text_embeddings": "true"}))
     t = Trainer(load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{"dataset.params.resolution": RES})),
                 distributed.setup("cpu"))
-    t._setup()
+    t.setup()
     shard = next(iter(latent_loader(latent_dir, latent_sampling="mean", text_embeddings=True)))
     image = next(iter(image_loader(shapes_shards)))
     assert shard["keys"] == image["keys"]

@@ -19,7 +19,7 @@ from sd_training.optim import build_optimizer, lr_factor, lr_scale, param_groups
 def make_trainer(tmp_path, pipeline, shards, name="r", **overrides) -> Trainer:
     cfg = load(train_args(tmp_path, pipeline, shards, name=name, **overrides))
     t = Trainer(cfg, distributed.setup("cpu"))
-    t._setup()
+    t.setup()
     return t
 
 
@@ -188,7 +188,7 @@ def test_sliced_attention_and_channels_last(tmp_path, tiny_pipeline, shapes_shar
 def test_fp16_uses_a_grad_scaler(tmp_path, tiny_pipeline, shapes_shards):
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.mixed_precision": "fp16"})
     assert t.scaler.is_enabled()
-    assert "grad_scaler" in t._resumable()
+    assert "grad_scaler" in t.checkpoints.plain_objects()
 
 
 def test_compile_wrapper_never_leaks_into_saved_keys(tmp_path, tiny_pipeline, shapes_shards, monkeypatch):
@@ -199,7 +199,7 @@ def test_compile_wrapper_never_leaks_into_saved_keys(tmp_path, tiny_pipeline, sh
     assert type(t.model).__name__ == "OptimizedModule"
     t._micro_step(fixed_batch(t), sync=True)
     t._optimizer_step()
-    assert not any("_orig_mod" in k for k in t._resumable()["unet"].state_dict())
+    assert not any("_orig_mod" in k for k in t.checkpoints.plain_objects()["unet"].state_dict())
 
 
 # ---------------------------------------------------------------- init modes and NaN guard

@@ -173,7 +173,7 @@ def test_sdxl_latent_shards_give_the_same_step_as_pixels(sdxl_latents, sdxl_pipe
         "dataset.type": "latents", "dataset.params.resolution": 32, "dataset.params.text_embeddings": "true"}))
     t = Trainer(load(train_args(tmp_path, sdxl_pipeline, shapes_shards, **{"dataset.params.resolution": 32})),
                 distributed.setup("cpu"))
-    t._setup()
+    t.setup()
     tokens = t.family.tokenizers
 
     def first(path, **params):

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..run_dir import step_name
 from .evaluate import EvalSettings
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class AsyncEvaluator:
         if (pipeline is None) == (images is None):
             raise ValueError("submit: give exactly one of pipeline= or images=")
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        name = f"step_{step:08d}"
+        name = step_name(step)
         result = self.out_dir / f"{name}.json"
         result.unlink(missing_ok=True)
         cmd = [self.python, "-m", "sd_training.evaluation", "--out", str(result), "--step", str(step)]

@@ -1,0 +1,133 @@
+"""What the Trainer is made of, built from the config: the model parts (the family's components, the
+EMA, the precision, the strategy's wrapper) and the optimizer parts (parameter groups, trained encoders,
+the optimizer and its LR schedule). Every input is an argument; nothing here trains or saves."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import families
+from .checkpoint import init_weights_from
+from .config import TrainConfig
+from .distributed import DistInfo
+from .ema import EMA, decay_from_strength
+from .families.base import Family
+from .loading import load_component
+from .memory_plan import as_dicts, format_plan, memory_plan
+from .models import component_sources
+from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
+from .parallel import Strategy
+from .precision import autocast_dtype
+from .run_dir import RunDir
+from .train_state import Plan, seed_everything
+
+log = logging.getLogger("sd_training.loop")
+
+
+@dataclass
+class ModelParts:
+    family: Family
+    net: torch.nn.Module  # the trained module, bare (no DDP / FSDP / compile wrapper): its weights are read here
+    ema: EMA | None
+    strategy: Strategy
+    model: torch.nn.Module  # what the step calls: the family's loss module, wrapped (and compiled)
+    autocast_dtype: torch.dtype | None  # None: fp32
+    scaler: torch.amp.GradScaler  # enabled under fp16 only
+
+
+@dataclass
+class OptimizerParts:
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LambdaLR
+    encoders: dict[str, torch.nn.Module]  # trained with the net (a text encoder), by checkpoint name; bare
+    encoder_models: dict[str, torch.nn.Module]  # the same as the step calls them (DDP on several ranks)
+    device_side_skip: bool  # a fused optimizer takes the non-finite flag as a device tensor (no host sync)
+
+
+def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -> ModelParts:
+    """The family's components (seeded), init_from, the EMA, the precision and the strategy's wrapper."""
+    device = info.device
+    # Per-rank seed: different noise and timesteps on every rank, reproducible across restarts. Seeded
+    # after the generated inputs (cli: quickstart.prepare), which must not move the training RNG.
+    seed_everything(cfg.system.seed + info.rank)
+    family = families.create(cfg, device, cfg.system.seed, info.is_main)
+    if info.is_main:  # the run folder says where its components came from
+        sources = component_sources(cfg.model)
+        run_dir.sources.write_text(json.dumps(sources, indent=1) + "\n")
+        for name, entry in sources.items():
+            if "provenance" in entry:
+                log.info("%s from %s: %s", name, entry["source"], entry["provenance"].get("what", "see sources.json"))
+    net = family.net
+    if cfg.model.init_from:
+        init_weights_from(cfg.model.init_from, net, family.net_name, want_ema=cfg.model.init_weights == "ema")
+    ema = _build_ema(cfg, net, family.net_name, plan.total_steps, device)
+    dtype = autocast_dtype(cfg.model.mixed_precision)
+    # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.model.mixed_precision == "fp16")
+    # Only the trained module (and its EMA) is wrapped; the frozen components never are.
+    strategy = Strategy(cfg.distributed.strategy, info.is_distributed, device, dtype, cfg.distributed)
+    _log_memory_plan(cfg, info, family, net, ema, strategy, dtype, run_dir)
+    model = strategy.wrap(family.loss_module, ema.shadow if ema is not None else None, family.shard_units)
+    if cfg.model.compile:
+        # The compiled wrapper is only called; weights are always read from the bare net (no _orig_mod keys).
+        model = torch.compile(model)
+    return ModelParts(family, net, ema, strategy, model, dtype, scaler)
+
+
+def _build_ema(cfg: TrainConfig, net: torch.nn.Module, net_name: str, total_steps: int,
+               device: torch.device) -> EMA | None:
+    if not cfg.model.use_ema:
+        return None
+    e = cfg.model.ema
+    decay = e.decay
+    if e.strength_target is not None:
+        decay = decay_from_strength(e.strength_target, total_steps, e.update_every)
+        log.info("EMA decay %.8f derived from model.ema.strength_target=%s", decay, e.strength_target)
+    ema = EMA(net, decay, e.update_every, e.start_step, e.warmup, torch.device("cpu") if e.device == "cpu" else device)
+    if e.path:
+        ema.load_weights(load_component(type(net).from_pretrained, e.path, net_name, "model.ema.path"))
+    return ema
+
+
+def _log_memory_plan(cfg: TrainConfig, info: DistInfo, family: Family, net: torch.nn.Module, ema: EMA | None,
+                     strategy: Strategy, dtype: torch.dtype | None, run_dir: RunDir) -> None:
+    """Per-GPU bytes of the trained and frozen modules under each strategy, before the first step."""
+    rows = memory_plan(
+        net, family.frozen_modules(), cfg.optimizer.name, info.world_size, ema is not None,
+        cfg.model.ema.device == "cpu", 2 if dtype is not None else 4, family.shard_units,
+        cfg.distributed.fsdp_unit, replicated=family.trained_encoders().values(),
+    )
+    if info.is_main:
+        log.info("%s", format_plan(rows, strategy.plan_name, info.world_size))
+        plan = {"strategy": strategy.plan_name, "world_size": info.world_size, "rows": as_dicts(rows)}
+        run_dir.memory_plan.write_text(json.dumps(plan, indent=1) + "\n")
+
+
+def build_optimizer_parts(cfg: TrainConfig, info: DistInfo, plan: Plan, parts: ModelParts) -> OptimizerParts:
+    """Parameter groups (after wrapping: FSDP2 has replaced the parameters by sharded DTensors), trained
+    encoders under DDP, the optimizer and the LR schedule."""
+    o, family = cfg.optimizer, parts.family
+    scale = lr_scale(o, plan.global_batch)
+    peak_lr = o.params.learning_rate * scale
+    if o.scale_lr:
+        log.info("optimizer.scale_lr: peak LR %.3g = %.3g x (global batch %d)^0.55",
+                 peak_lr, o.params.learning_rate, plan.global_batch)
+    groups = param_groups(parts.net, o.params.weight_decay, o.no_decay_norm_and_bias)
+    groups += family.extra_param_groups(peak_lr, scale)
+    # Encoders trained with the net (a text encoder) are replicated with plain DDP, never sharded.
+    encoders = family.trained_encoders()
+    encoder_models = dict(encoders)
+    if info.is_distributed:
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        encoder_models = {name: torch.nn.parallel.DistributedDataParallel(m, device_ids=ids)
+                          for name, m in encoders.items()}
+    family.use_wrapped_encoders(encoder_models)
+    optimizer = build_optimizer(groups, o, parts.strategy.optimizer_device, peak_lr)
+    device_side_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
+        g.get("fused") for g in optimizer.param_groups)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, plan.total_steps)
+    return OptimizerParts(optimizer, lr_scheduler, encoders, encoder_models, device_side_skip)
