@@ -3,7 +3,7 @@
     python benchmarks/bench_step.py                       # CPU: tiny pipeline, batch 8, fp32
     python benchmarks/bench_step.py --device cuda         # + SD 1.x UNet at 256 and 512 px in bf16
 
-Ours: ``sd_training.loop.Trainer`` after ``_setup()`` (tiny config from ``sd_training.configure.load``),
+Ours: ``sd_training.loop.Trainer`` after ``_setup()`` (tiny config from ``sd_training.config.checks.load``),
 one ``_micro_step(batch, sync=True)`` then ``_optimizer_step()``. Baseline: what diffusers'
 train_text_to_image.py does per step - VAE encode, text encode, noise, add_noise, UNet, MSE,
 backward, clip_grad_norm_, AdamW step, LR scheduler step, zero_grad - on its own copy of the same
@@ -72,7 +72,7 @@ def make_trainer(root: Path, pipeline: Path, shards: str, device: str, precision
                  yaml_text: str | None = None, name: str | None = None):
     """A real Trainer after ``_setup()`` on a tiny config (as tests/conftest.py's train_args)."""
     from sd_training import distributed
-    from sd_training.configure import load
+    from sd_training.config.checks import load
     from sd_training.loop import Trainer
 
     args = {
@@ -307,7 +307,7 @@ def bench_sd(root: Path, tiny: Path, shards: str, args) -> list[dict]:
         yaml_text = json.dumps({"model": {"unet": {"params": {**unet, "sample_size": res // 8}}}})
         trainer = make_trainer(root, pipeline, shards, args.device, args.precision, batch, res, yaml_text)
         # The trainer counts them at start-up (for its own MFU metric); counted here when it does not.
-        step_flops = getattr(trainer, "step_flops", None) or flops.count_step_flops(trainer.models, res, encode_images=False)
+        step_flops = trainer.metrics.step_flops or flops.count_step_flops(trainer.models, res, encode_images=False)
         if step_flops.vae_encode:  # the trainer counted the VAE, which this in-memory-latents step does not run
             step_flops = flops.StepFlops(step_flops.unet_forward, step_flops.unet_train, 0, step_flops.text_encode)
         data = make_batch(trainer.models.tokenizer, batch, res, device, latents=res // 8)
