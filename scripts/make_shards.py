@@ -26,10 +26,10 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 from PIL import Image
 
+from sd_training.config.dataset import DatasetConfig, canonical_type
 from sd_training.data import build_sources
 from sd_training.data.sources import read_image_path
 from sd_training.data.stats import Stats
-from sd_training.schema.dataset import DatasetConfig, canonical_type
 
 FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from sd_training import distributed
-    from sd_training.configure import load
+    from sd_training.config.checks import load
     from sd_training.data.synthetic import write_shapes_shards
     from sd_training.loop import Trainer
     from sd_training.sync_count import BlockingCalls

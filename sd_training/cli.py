@@ -6,7 +6,7 @@ import sys
 
 from . import quickstart
 from .config import ConfigError, help_text
-from .configure import load
+from .config.checks import load
 from .loop import main as train
 from .preemption import EXIT_STOPPED_NOT_REQUEUED, StopFlag
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .fields import ConfigError
+from .config import ConfigError
 
 log = logging.getLogger(__name__)
 

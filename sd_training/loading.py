@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .fields import ConfigError
+from .config import ConfigError
 
 
 def load_component(loader, src: str, subfolder: str, what: str, **kwargs):

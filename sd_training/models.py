@@ -18,8 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import ModelConfig
-from .fields import ConfigError
+from .config import ConfigError, ModelConfig
 from .loading import load_component as _load
 from .precision import frozen_vae_dtype
 from .text_encoders import build_text_encoder

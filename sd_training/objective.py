@@ -36,8 +36,8 @@ from typing import Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .fields import ConfigError
-from .schema.objective import ObjectiveConfig
+from .config import ConfigError
+from .config.schema import ObjectiveConfig
 from .text_encoders import text_model_of
 
 log = logging.getLogger(__name__)

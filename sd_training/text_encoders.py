@@ -33,12 +33,12 @@ import tempfile
 
 import torch
 
+from .config import ConfigError
+from .config.schema import TextEncoderConfig
 from .export import unwrap
-from .fields import ConfigError
 from .loading import load_component as _load
 from .optim import param_groups
 from .precision import DTYPES, frozen_text_dtype
-from .schema.text_encoder import TextEncoderConfig
 from .tiny import build_clip_tokenizer
 
 log = logging.getLogger(__name__)

@@ -94,8 +94,8 @@ def test_bf16_gradient_reduction_matches_one_process_within_its_rounding(tmp_pat
     ({}, "nccl", "distributed.dist_backend=nccl asks for GPUs"),
 ])
 def test_auto_device_without_a_gpu_where_one_was_meant_is_an_error(monkeypatch, env, backend, words):
+    from sd_training.config import ConfigError
     from sd_training.distributed import SLURM_GPU_VARS, pick_device
-    from sd_training.fields import ConfigError
 
     for var in SLURM_GPU_VARS + ("SLURM_TRES_PER_TASK", "SLURM_JOB_GRES"):
         monkeypatch.delenv(var, raising=False)

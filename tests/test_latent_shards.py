@@ -77,7 +77,7 @@ def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_di
     """The issue's check: the loss and gradients of Trainer._micro_step from shard latents (and stored text
     embeddings) equal those from latents encoded online from the same images (posterior mean)."""
     from sd_training import distributed
-    from sd_training.configure import load
+    from sd_training.config.checks import load
     from sd_training.loop import Trainer
 
     # The same config loads with the latent source: the schema and validation know dataset.type=latents.

@@ -7,7 +7,7 @@ import pytest
 from conftest import train_args
 
 from sd_training.config import ConfigError
-from sd_training.configure import load
+from sd_training.config.checks import load
 from sd_training.loop import main as train
 
 

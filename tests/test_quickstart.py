@@ -214,7 +214,7 @@ def test_the_shapes_dataset_is_rewritten_when_its_settings_change(tmp_path):
                     boxes.add(((xs.min() + xs.max()) / 2, (ys.min() + ys.max()) / 2))
     assert len(boxes) >= 2 and all(abs(x - 31.5) <= 3 and abs(y - 31.5) <= 3 for x, y in boxes), boxes
     from sd_training.config import ConfigError
-    from sd_training.configure import load
+    from sd_training.config.checks import load
 
     with pytest.raises(ConfigError, match=r"quickstart.shapes_radius"):
         load([f"config={ROOT / 'configs' / 'quickstart.yaml'}", "quickstart.shapes_radius=[0.4,0.3]"])

@@ -27,8 +27,8 @@ def worker(out: str, argv: list[str]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     from sd_training import distributed
-    from sd_training.configure import load
     from sd_training.checkpoint import CheckpointManager
+    from sd_training.config.checks import load
     from sd_training.loop import Trainer
 
     cfg = load(argv)

@@ -18,7 +18,7 @@ import torch
 from conftest import train_args
 
 from sd_training import families
-from sd_training.configure import load
+from sd_training.config.checks import load
 from sd_training.objective import (
     STREAMS,
     ObjectiveConfig,

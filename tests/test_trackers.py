@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import train_args
 
-from sd_training.configure import load
+from sd_training.config.checks import load
 from sd_training.loop import main as train
 from sd_training.trackers import wandb_mode
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import train_args
 
-from sd_training.configure import load
+from sd_training.config.checks import load
 from sd_training.loop import main as train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import dataclasses
 import os
 from typing import Any, List
 
-from ..schema.dataset import (
+from ..config.dataset import (
     SOURCE_PARAM_KEYS,
     DatasetConfig,
     DatasetConfigError,

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..schema.dataset import DatasetConfigError
+from ..config.dataset import DatasetConfigError
 
 PACKAGE_METADATA = Path(__file__).resolve().parent.parent / "metadata"
 

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from ..schema.dataset import DatasetConfigError
+from ..config.dataset import DatasetConfigError
 
 _ORDER_OPS: Dict[str, Callable[[Any, Any], bool]] = {
     "<=": operator.le,

@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from ..schema.dataset import DatasetConfigError
+from ..config.dataset import DatasetConfigError
 from .sources import Source, outside_root_error
 from .stats import Stats
 from .tables import auto_chunk

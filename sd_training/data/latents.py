@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..schema.dataset import DatasetConfigError
+from ..config.dataset import DatasetConfigError
 from ..text_encoders import CLIP_SKIP_KEY
 from .samples import SIZE_FIELDS, SampleProcessor
 from .sources import REMOTE, ShardError, WebDatasetSource, iter_tar_samples, open_stream

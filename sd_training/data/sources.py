@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from ..schema.dataset import DatasetConfigError
+from ..config.dataset import DatasetConfigError
 from .stats import Stats
 
 REMOTE = re.compile(r"^(https?|pipe|s3|gs|ais|hf|scp|sftp|ftps)[:]")

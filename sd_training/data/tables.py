@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..schema.dataset import DatasetConfigError
+from ..config.dataset import DatasetConfigError
 from .sources import ShardError, Source, outside_root_error
 from .stats import Stats, log
 

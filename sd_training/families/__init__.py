@@ -11,8 +11,7 @@ import os
 
 import torch
 
-from ..config import ModelConfig, TrainConfig
-from ..fields import ConfigError
+from ..config import ConfigError, ModelConfig, TrainConfig
 from .autoencoder import Autoencoder
 from .base import Family, LossOut, SampleSettings
 from .sd import StableDiffusion

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from ..config import TrainConfig
+from ..config.dataset import is_latent_type
 from ..data.latents import check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
@@ -21,7 +22,6 @@ from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid
 from ..flops import StepFlops, count_step_flops
 from ..models import build_models
 from ..objective import configure_schedulers, diffusion_loss, encode_images, encode_text
-from ..schema.dataset import is_latent_type
 from ..text_encoders import text_encoder_for_pipeline, text_encoder_param_groups
 from .base import Family, LossOut, SampleSettings
 

@@ -24,21 +24,15 @@ from dataclasses import replace
 
 import torch
 
-from ..config import TrainConfig
+from ..config import ConfigError, TrainConfig
 from ..data.latents import check_latents_match
 from ..data.samples import SIZE_FIELDS
 from ..export import unwrap
-from ..fields import ConfigError
 from ..flops import StepFlops, count_step_flops, text_encode_flops
 from ..loading import load_component
 from ..models import build_models
 from ..precision import frozen_text_dtype
-from ..text_encoders import (
-    place_text_encoder,
-    text_encoder_for_pipeline,
-    text_encoder_param_groups,
-    text_model_of,
-)
+from ..text_encoders import place_text_encoder, text_encoder_for_pipeline, text_encoder_param_groups, text_model_of
 from .sd import StableDiffusion, is_latent_data
 
 log = logging.getLogger(__name__)

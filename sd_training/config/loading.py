@@ -1,0 +1,285 @@
+"""Loading a config: the command line and YAML layers merged onto the schema, ``~key`` removals,
+interpolations resolved, then the schema-level rules (``rules.validate``); ``--help`` and the dump.
+
+Precedence is schema defaults < YAML (``config=path.yaml``, repeatable) < ``key.sub=value`` on the
+command line; ``~key.sub`` drops a key the YAML layers set, so the schema default applies. Unknown
+keys and wrong types fail at start-up with the key's full path and the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import fields, is_dataclass
+from typing import Any, get_type_hints
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from .fields import ConfigError
+from .rules import validate
+from .schema import TrainConfig, is_free_dict, schema_entries, unwrap_optional
+
+# Files that ship inside the package (sd_training/assets/NAME): a config names them ${asset:NAME}, which
+# resolves to an absolute path wherever the package is installed and whatever the working directory.
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+
+USAGE = "usage: python train.py config=path/to/run.yaml [key.sub=value ...] [~key.sub ...]"
+
+
+def _asset(name: str) -> str:
+    path = os.path.join(ASSETS, str(name))
+    if not os.path.exists(path):
+        raise ConfigError(f"${{asset:{name}}}: no such file or folder in {ASSETS} "
+                          f"(shipped: {', '.join(sorted(os.listdir(ASSETS))) if os.path.isdir(ASSETS) else 'none'})")
+    return path
+
+
+# omegaconf 2.4 renamed register_new_resolver (which it deprecates) to register_resolver.
+(getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver)("asset", _asset, replace=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Keys: suggestions, YAML's booleans, unknown keys.
+# ----------------------------------------------------------------------------------------------
+
+
+def _all_paths() -> list[str]:
+    return [p for p, *_ in schema_entries()]
+
+
+def _suggest(bad_path: str) -> str:
+    paths = _all_paths()
+    # Same leaf in another section first ("experiment.batch_size" -> "system.batch_size"), then spelling.
+    leaf = bad_path.rsplit(".", 1)[-1]
+    same_leaf = [p for p in paths if p.rsplit(".", 1)[-1] == leaf]
+    close = same_leaf or difflib.get_close_matches(bad_path, paths, n=1, cutoff=0.6)
+    if not close:
+        close = [p for p in paths if p.rsplit(".", 1)[-1] in difflib.get_close_matches(leaf, [q.rsplit(".", 1)[-1] for q in paths], n=1)]
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+_STR_FIELDS = {path for path, tp, _d, _m, is_section in schema_entries() if not is_section and tp is str}
+
+
+def _unbool_strings(user: DictConfig) -> None:
+    """YAML 1.1 reads a bare no/yes/off/on as a boolean; a string field (e.g. model.mixed_precision: no)
+    gets the word back instead of a type error."""
+    for path in _STR_FIELDS:
+        value = OmegaConf.select(user, path, default=None, throw_on_missing=False, throw_on_resolution_failure=False)
+        if isinstance(value, bool):
+            OmegaConf.update(user, path, "yes" if value else "no", force_add=True)
+
+
+_BOOL_WORDS = {"y", "yes", "n", "no", "true", "false", "on", "off"}
+
+
+def _quote_bool_words(override: str) -> str:
+    """``experiment.name=off``: a string field keeps the word as typed (YAML would read a bool)."""
+    key, sep, value = override.partition("=")
+    if sep and value.lower() in _BOOL_WORDS and key.strip() in _STR_FIELDS:
+        return f"{key}='{value}'"
+    return override
+
+
+def _check_keys(node: Any, cls, prefix: str = "") -> None:
+    """Reject keys the schema does not have, before OmegaConf's merge (whose messages are terse)."""
+    if not isinstance(node, (dict, DictConfig)):
+        return
+    hints = {name: unwrap_optional(tp) for name, tp in get_type_hints(cls).items()}
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            raise ConfigError(f"unknown config key '{path}'{_suggest(path)}")
+        if is_dataclass(hints[key]):
+            value = node[key] if isinstance(node, dict) else node._get_node(key)._value()
+            if isinstance(value, (dict, DictConfig)):
+                _check_keys(value, hints[key], path + ".")
+
+
+def _check_removable(path: str) -> None:
+    """``~path`` must name a key of the schema (or one inside a free-form mapping such as model.unet.params)."""
+    parts = path.split(".")
+    cls = TrainConfig
+    for i, part in enumerate(parts):
+        if part not in {fl.name for fl in fields(cls)}:
+            raise ConfigError(f"cannot remove '~{path}': unknown config key '{path}'{_suggest(path)}")
+        tp = unwrap_optional(get_type_hints(cls)[part])
+        if is_free_dict(tp):
+            return  # the rest of the path is inside the mapping
+        if not is_dataclass(tp):
+            if i != len(parts) - 1:
+                raise ConfigError(f"cannot remove '~{path}': '{'.'.join(parts[:i + 1])}' is a value, not a section")
+            return
+        cls = tp
+
+
+def _remove(user: DictConfig, path: str) -> None:
+    """Drop ``path`` from the merged YAML layers; a key no layer sets already has the schema default."""
+    _check_removable(path)
+    parent_path, _, key = path.rpartition(".")
+    parent = OmegaConf.select(user, parent_path, default=None, throw_on_missing=False) if parent_path else user
+    if isinstance(parent, DictConfig) and key in parent:
+        parent.pop(key)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading.
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """Split ``config=path`` (repeatable: later files override earlier ones, e.g. a per-model base
+    config then a recipe), ``key=value`` overrides and ``~key`` removals; anything else is an error."""
+    config_paths, overrides, removals = [], [], []
+    for arg in argv:
+        if arg.startswith("~"):
+            if "=" in arg or len(arg) == 1:
+                raise ConfigError(f"argument '{arg}': ~key.sub removes a key from the config files and takes no value")
+            removals.append(arg[1:])
+            continue
+        if "=" not in arg:
+            raise ConfigError(f"argument '{arg}' is not key=value (use config=path.yaml, key.sub=value and ~key.sub; "
+                              "--help lists keys)")
+        key, value = arg.split("=", 1)
+        if key in ("config", "--config"):
+            config_paths.append(value)
+        else:
+            overrides.append(f"{key.lstrip('-')}={value}")
+    both = sorted(set(removals) & {o.split("=", 1)[0] for o in overrides})
+    if both:
+        raise ConfigError(f"'{both[0]}' is both removed (~{both[0]}) and set on the command line: keep one")
+    return config_paths, overrides, removals
+
+
+def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
+    """The resolved ``TrainConfig`` from the command line (and/or YAML text), with the schema's own checks.
+
+    The sections' owners check the rest: use ``sd_training.config.checks.load`` for a config to train with."""
+    argv = sys.argv[1:] if argv is None else argv
+    config_paths, overrides, removals = parse_argv(argv)
+    layers = []
+    for config_path in config_paths:
+        if not os.path.exists(config_path):
+            raise ConfigError(f"config file '{config_path}' does not exist")
+        try:
+            layers.append(OmegaConf.load(config_path))
+        except Exception as e:  # yaml syntax errors
+            raise ConfigError(f"cannot parse config file '{config_path}': {e}") from e
+    if yaml_text is not None:
+        layers.append(OmegaConf.create(yaml_text))
+    try:
+        cli = OmegaConf.from_dotlist([_quote_bool_words(o) for o in overrides])
+    except Exception as e:
+        raise ConfigError(f"cannot parse command-line overrides {overrides}: {e}") from e
+
+    user = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
+    if not isinstance(user, DictConfig):
+        raise ConfigError(f"config files {config_paths} must hold a mapping of sections")
+    for path in removals:
+        _remove(user, path)
+    user = OmegaConf.merge(user, cli)
+    _check_keys(user, TrainConfig)
+    _unbool_strings(user)
+    # A ??? that no later layer filled. Checked before the schema merge, where OmegaConf would let a
+    # ??? fall back to the schema default instead of stopping.
+    _raise_missing(sorted(OmegaConf.missing_keys(user)))
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), user)
+    except ConfigKeyError as e:
+        raise ConfigError(f"unknown config key '{e.full_key}'{_suggest(str(e.full_key))}") from None
+    except ValidationError as e:
+        raise ConfigError(f"wrong type for '{e.full_key}': {str(e).splitlines()[0]}") from None
+    return resolve(cfg)
+
+
+def _raise_missing(missing: list[str]) -> None:
+    if not missing:
+        return
+    hint = ""
+    if "wandb.api_key" in missing:
+        hint = " (wandb.api_key is optional here: delete the line and export WANDB_API_KEY instead)"
+    raise ConfigError(
+        "required config keys are not set (they are ??? in the config): " + ", ".join(missing)
+        + f". Set them in the YAML or on the command line, e.g. {missing[0]}=...{hint}"
+    )
+
+
+def _mixture_path(cfg: DictConfig) -> None:
+    """``dataset.params.sources`` replaces ``path``, which then names the sources joined by '::'."""
+    params = cfg.dataset.params
+    sources = params.get("sources") or []
+    if not sources:
+        return
+    if not OmegaConf.is_missing(params, "path"):
+        raise ConfigError("'dataset.params.path' and 'dataset.params.sources' are both set: a mixture's paths are "
+                          "in its sources; remove dataset.params.path")
+    if any(not hasattr(e, "get") or not e.get("path") for e in sources):
+        return  # named by the dataset checks
+    params.path = "::".join(str(e.get("path")) for e in sources)
+
+
+def resolve(cfg: DictConfig) -> TrainConfig:
+    """Check required keys, resolve interpolations, convert to dataclasses and validate."""
+    _mixture_path(cfg)
+    _raise_missing(sorted(OmegaConf.missing_keys(cfg)))
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"required config key '{e.full_key}' is not set (interpolated from a ??? value)") from None
+    except InterpolationResolutionError as e:
+        raise ConfigError(f"cannot resolve the interpolation in '{e.full_key}': {e.msg}") from None
+    except ValidationError as e:
+        raise ConfigError(f"wrong type for '{e.full_key}': {str(e).splitlines()[0]}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid config at '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
+    validate(obj)
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# Output.
+# ----------------------------------------------------------------------------------------------
+
+
+REDACTED = "<redacted>"
+
+
+def public_dict(cfg: TrainConfig) -> dict:
+    """The resolved config as plain containers, secrets replaced: what config.yaml, checkpoints and the
+    wandb run config hold. ``wandb.api_key`` never leaves the process (the run uses it, nothing stores it)."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg))
+    if out.get("wandb", {}).get("api_key"):
+        out["wandb"]["api_key"] = REDACTED
+    return out
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML, secrets redacted (written into the run directory, loadable with config=...)."""
+    return OmegaConf.to_yaml(OmegaConf.create(public_dict(cfg)))
+
+
+def help_text() -> str:
+    lines = [USAGE, "",
+             "Precedence: schema defaults < YAML < command line. ??? = required. (a | b) = the values a key accepts.",
+             "~key.sub drops a key the YAML files set, so its default applies.", ""]
+    for path, _tp, default, meta, is_section in schema_entries():
+        depth = path.count(".")
+        help_ = meta.get("help", "")
+        if is_section:
+            lines.append(f"{'  ' * depth}{path.rsplit('.', 1)[-1]}:  # {help_}")
+            continue
+        shown = "???" if default == MISSING else repr(default) if isinstance(default, str) else default
+        if isinstance(shown, (ListConfig, DictConfig)):
+            shown = OmegaConf.to_container(shown)
+        if "choices" in meta:
+            help_ = f"({' | '.join(meta['choices'])}) {help_}"
+        lines.append(f"{'  ' * depth}{path.rsplit('.', 1)[-1]}: {shown}  # {help_}")
+    return "\n".join(lines)

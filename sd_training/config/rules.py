@@ -1,0 +1,150 @@
+"""The schema-level rules: every field against its declared choices and range (``fields.check_fields``),
+the ``dataset`` section's rules (``dataset.check_dataset``), and the rules that need several keys. Run by
+``loading.parse``; the sections' owners check the rest (``checks.check``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+from .dataset import check_dataset
+from .fields import ConfigError, check_fields
+from .schema import OptimizerConfig, OptimizerParams, TrainConfig
+
+# Keys of optimizer.params each optimizer reads (learning_rate, weight_decay, max_grad_norm: all).
+_OPTIMIZER_KEYS = {
+    "adamw": {"beta1", "beta2", "epsilon"},
+    "adamw8bit": {"beta1", "beta2", "epsilon"},
+    "adafactor": set(),
+    "sgd": {"momentum"},
+}
+
+
+def _value_at(cfg, path: str):
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Choices, ranges and the checks that need several keys; world-size checks come at start-up."""
+    # YAML reads a bare on/off as a boolean: yes/no/true/false are accepted and mean on/off.
+    cfg.experiment.progress_bar = {"yes": "on", "true": "on", "no": "off", "false": "off"}.get(
+        str(cfg.experiment.progress_bar).lower(), cfg.experiment.progress_bar)
+    for section in fields(cfg):
+        if section.name == "dataset":
+            check_dataset(cfg.dataset)
+        else:
+            check_fields(getattr(cfg, section.name), section.name + ".")
+    _check_aliases(cfg)
+    if cfg.optimizer.params.beta1 >= 1 or cfg.optimizer.params.beta2 >= 1:
+        raise ConfigError("'optimizer.params.beta1' and 'beta2' must be < 1 (the moment estimates would never decay)")
+    if cfg.experiment.sample_resolution is not None and cfg.experiment.sample_resolution % 8:
+        raise ConfigError(f"'experiment.sample_resolution' must be a multiple of 8 (the VAE downsamples by 8), "
+                          f"got {cfg.experiment.sample_resolution}")
+    root = os.path.normpath(os.path.join(cfg.experiment.log_dir, cfg.experiment.name))
+    if os.path.isabs(cfg.experiment.name) or os.path.relpath(root, cfg.experiment.log_dir).startswith(".."):
+        raise ConfigError(f"'experiment.name' ({cfg.experiment.name}) leaves experiment.log_dir: use a plain name "
+                          "(sub/folders are fine, '..' and absolute paths are not)")
+    radius = list(cfg.quickstart.shapes_radius)
+    if len(radius) != 2 or not 0 < radius[0] <= radius[1] <= 0.5:
+        raise ConfigError(f"'quickstart.shapes_radius' must be [low, high] with 0 < low <= high <= 0.5 (fractions of "
+                          f"the image side), got {radius}")
+    if cfg.dataset.params.text_embeddings and cfg.model.text_encoder.train:
+        raise ConfigError("dataset.params.text_embeddings=true cannot train the text encoder (model.text_encoder.train)")
+    _check_optimizer_keys(cfg.optimizer)
+    if not cfg.model.use_ema:
+        for key in ("export_weights", "sample_from"):
+            if getattr(cfg.experiment, key) in ("ema", "both"):
+                raise ConfigError(f"'experiment.{key}={getattr(cfg.experiment, key)}' needs model.use_ema=true")
+    if cfg.model.use_ema and cfg.model.ema.device == "cpu" and cfg.distributed.strategy == "fsdp":
+        raise ConfigError("'model.ema.device=cpu' is not supported with distributed.strategy=fsdp (the EMA is sharded like the UNet)")
+    if cfg.model.ema.strength_target is not None and not 0 < cfg.model.ema.strength_target < 1:
+        raise ConfigError("'model.ema.strength_target' must be within (0, 1)")
+    if cfg.lr_scheduler.scheduler == "Constant" and cfg.lr_scheduler.params.warmup_length > 0:
+        raise ConfigError("lr_scheduler.scheduler=Constant has no warmup: set lr_scheduler.params.warmup_length=0 or use ConstantWithWarmup")
+    if cfg.lr_scheduler.scheduler not in ("CosineWithWarmup", "LinearWithWarmup"):
+        if cfg.lr_scheduler.params.decay_length is not None or cfg.lr_scheduler.params.min_lr_ratio != 0.0:
+            raise ConfigError("'lr_scheduler.params.decay_length' / 'min_lr_ratio' only apply to CosineWithWarmup and "
+                              "LinearWithWarmup (a config file sets them? drop them with ~lr_scheduler.params.decay_length "
+                              "~lr_scheduler.params.min_lr_ratio)")
+    _check_model_sources(cfg)
+    _check_evaluation(cfg)
+    if cfg.model.text_encoder.train and cfg.distributed.strategy == "fsdp":
+        raise ConfigError("'model.text_encoder.train' is not supported with distributed.strategy=fsdp (use ddp): the "
+                          "text encoder is not sharded, and one gradient norm cannot mix sharded and plain gradients")
+    if cfg.distributed.fsdp_cpu_offload and cfg.distributed.strategy != "fsdp":
+        raise ConfigError("'distributed.fsdp_cpu_offload' applies to distributed.strategy=fsdp; set the strategy or remove it")
+    if cfg.model.mixed_precision == "fp16" and cfg.distributed.strategy == "fsdp":
+        raise ConfigError("'model.mixed_precision=fp16' is not supported with distributed.strategy=fsdp: each rank "
+                          "would find fp16 overflows in its own shards and skip steps the others take. Use "
+                          "model.mixed_precision=bf16 (GPUs since A100), or distributed.strategy=ddp for fp16")
+
+
+def _check_aliases(cfg: TrainConfig) -> None:
+    """Aliases kept for seed-001 configs: they must agree with the key that is actually used."""
+    for alias, used, a, b in [
+        ("system.dist_backend", "distributed.dist_backend", cfg.system.dist_backend, cfg.distributed.dist_backend),
+        ("system.dist_url", "distributed.dist_url", cfg.system.dist_url, cfg.distributed.dist_url),
+        ("lr_scheduler.params.learning_rate", "optimizer.params.learning_rate",
+         cfg.lr_scheduler.params.learning_rate, cfg.optimizer.params.learning_rate),
+        ("dataset.params.num_examples_to_see", "experiment.num_examples_to_see",
+         cfg.dataset.params.num_examples_to_see, cfg.experiment.num_examples_to_see),
+    ]:
+        if a != b and b == _value_at(TrainConfig(), used) and not (isinstance(a, str) and a.startswith("${")):
+            # Only the alias was set (an older open-diffusion config): it is the user's value.
+            section, key = used.rsplit(".", 1)
+            setattr(_value_at(cfg, section), key, a)
+            check_fields(_value_at(cfg, section), section + ".")
+        elif a != b:
+            raise ConfigError(f"'{alias}' ({a}) differs from '{used}' ({b}); set only '{used}' (the alias follows it)")
+
+
+def _check_optimizer_keys(cfg: OptimizerConfig) -> None:
+    """A hyper-parameter the chosen optimizer does not read must stay at its default (never ignored)."""
+    defaults = OptimizerParams()
+    for key in ("beta1", "beta2", "epsilon", "momentum"):
+        if key not in _OPTIMIZER_KEYS[cfg.name] and getattr(cfg.params, key) != getattr(defaults, key):
+            raise ConfigError(f"'optimizer.params.{key}' does not apply to optimizer.name={cfg.name}; remove it")
+    if cfg.name != "adamw" and cfg.implementation != "auto":
+        raise ConfigError(f"'optimizer.implementation' only applies to adamw, not {cfg.name}")
+    if cfg.name != "sgd" and cfg.nesterov:
+        raise ConfigError("'optimizer.nesterov' only applies to optimizer.name=sgd")
+
+
+def _check_model_sources(cfg: TrainConfig) -> None:
+    """Every component has a source: model.pretrained, or its own pretrained (the UNet: or its params)."""
+    m = cfg.model
+    if m.unet.params and m.unet.pretrained is not None:
+        raise ConfigError("set either 'model.unet.pretrained' or 'model.unet.params' (from scratch), not both")
+    if m.pretrained:
+        return
+    for name in ("vae", "text_encoder", "tokenizer", "noise_scheduler_training", "noise_scheduler_inference"):
+        if name in ("text_encoder", "tokenizer") and m.text_encoder.type == "open_clip":
+            continue  # built from open_clip_model + open_clip_weights
+        if getattr(m, name).pretrained is None:
+            raise ConfigError(
+                f"'model.{name}.pretrained' is not set and there is no 'model.pretrained' to take it from: "
+                "set model.pretrained=PIPELINE (local folder or hub id) or each component"
+            )
+    if m.unet.pretrained is None and not m.unet.params:
+        raise ConfigError("the UNet has no source: set model.pretrained, model.unet.pretrained, or model.unet.params")
+
+
+def _check_evaluation(cfg: TrainConfig) -> None:
+    ev = cfg.evaluation
+    if (ev.ref_stats or ev.ref_images or ev.clip_model) and cfg.experiment.num_eval_images < 1:
+        raise ConfigError("'evaluation' scores the eval images: set experiment.num_eval_images (and eval_caption_file)")
+    if ev.clip_config and not ev.clip_model:
+        raise ConfigError("'evaluation.clip_config' needs 'evaluation.clip_model' (the name it defines)")
+    if ev.clip_model and not ev.clip_pretrained:
+        raise ConfigError("'evaluation.clip_model' needs 'evaluation.clip_pretrained' (a local weights file)")
+    if ev.ref_stats and not ev.ref_images and not os.path.exists(ev.ref_stats):
+        raise ConfigError(f"'evaluation.ref_stats' {ev.ref_stats} does not exist and there are no ref_images to compute it from")
+    if cfg.experiment.num_eval_images > 0 and not cfg.experiment.eval_caption_file:
+        raise ConfigError("'experiment.num_eval_images' > 0 needs 'experiment.eval_caption_file' (the prompts)")
+    if cfg.experiment.eval_caption_file and not os.path.exists(cfg.experiment.eval_caption_file):
+        raise ConfigError(f"'experiment.eval_caption_file' {cfg.experiment.eval_caption_file} does not exist")

@@ -1,0 +1,319 @@
+"""The config schema: every section as a plain dataclass, each field ``f(default, help, choices=...,
+ranges)``. Imports no torch and no model, objective or data code; a family's own sections come from
+``sd_training.families.options``.
+
+Section and key names follow open-diffusion's template config so an existing config runs once its
+``???`` are filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
+
+from omegaconf import MISSING
+
+from ..families.options import FamilyModelFields, FamilySections
+from .dataset import DatasetConfig
+from .fields import ComponentConfig, f
+
+# Precision names (sd_training.precision maps them to torch dtypes).
+PRECISIONS = ("no", "bf16", "fp16")  # model.mixed_precision: the step's compute precision
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")  # a frozen component's stored weights (besides auto)
+SCHEDULERS = ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup")
+
+
+@dataclass
+class ObjectiveConfig:
+    """The ``objective`` section (the diffusion loss); checked by ``sd_training.objective``."""
+
+    prediction_type: Optional[str] = f(
+        None, "what the UNet predicts (None: the training scheduler's own prediction_type)",
+        choices=("epsilon", "v_prediction", "sample"),
+    )
+    loss_weighting: str = f("none", "per-sample loss weight (min_snr: min(SNR, snr_gamma) in x0 units)", choices=("none", "min_snr"))
+    snr_gamma: float = f(5.0, "min_snr: the SNR cap gamma (dimensionless; 5 in Hang et al.)")
+    noise_offset: float = f(0.0, "std of the per-channel constant (zero-frequency) noise added to the unit noise (0: off)")
+    pyramid_noise_discount: float = f(0.0, "multi-resolution noise: weight ratio between successive coarser levels, in [0, 1) (0: off)")
+    input_perturbation: float = f(0.0, "std of extra noise added to the UNet input only, in units of the noise (0: off)")
+    zero_terminal_snr: bool = f(False, "rescale betas to SNR 0 at the last timestep (Lin et al.); needs v_prediction or sample")
+    timestep_sampling: str = f("uniform", "distribution of training timesteps", choices=("uniform", "logit_normal"))
+    logit_mean: float = f(0.0, "logit_normal: mean of the normal in logit(t / num_train_timesteps) units", ge=None)
+    logit_std: float = f(1.0, "logit_normal: std of the normal in logit(t / num_train_timesteps) units", gt=0)
+
+
+@dataclass
+class TextEncoderConfig:
+    """``model.text_encoder``; checked and built by ``sd_training.text_encoders``."""
+
+    pretrained: Optional[str] = f(
+        None, "type clip: pipeline root or text_encoder folder, local path or hub id (None: model.pretrained)"
+    )
+    type: str = f("clip", "clip: a transformers CLIPTextModel folder (SD 1.x, SD 2.x); open_clip: open_clip_model + open_clip_weights",
+                  choices=("clip", "open_clip"))
+    open_clip_model: Optional[str] = f(None, "type open_clip: architecture name, e.g. ViT-H-14, or local-dir:FOLDER with open_clip_config.json")
+    open_clip_weights: Optional[str] = f(None, "type open_clip: local path of the checkpoint file (.bin / .pt / .safetensors)")
+    clip_skip: int = f(0, "layers counted back from the last: 0 or 1 = last, 2 = penultimate (kohya/EveryDream); baked into exports")
+    max_length: Optional[int] = f(None, "tokens per caption, start and end tokens included (None: the tokenizer's model_max_length, 77)", ge=1)
+    train: bool = f(False, "train the text encoder with the UNet (False: frozen, eval mode, no gradients)")
+    learning_rate: Optional[float] = f(None, "train: peak learning rate of the text encoder, same schedule (None: optimizer.params.learning_rate)")
+    dtype: str = f("auto", "frozen text encoder weights (auto: the training precision: bf16 under bf16, fp16 under fp16, else fp32; train: fp32 or auto)",
+                   choices=("auto", *WEIGHT_DTYPES))
+
+
+@dataclass
+class WandbConfig:
+    mode: str = f("auto", "auto: online when wandb has credentials, else offline", choices=("auto", "online", "offline", "disabled"))
+    project: str = f("${experiment.project}", "wandb project")
+    entity: Optional[str] = f(None, "wandb team or user (None: wandb's default entity)")
+    api_key: Optional[str] = f(None, "discouraged: prefer the WANDB_API_KEY environment variable or `wandb login`")
+    tags: List[str] = f([], "tags attached to the wandb run")
+
+
+@dataclass
+class SystemConfig:
+    gradient_accumulation: int = f(1, "micro-batches per optimizer step (leave at 1 with global_batch_size)", ge=1)
+    global_batch_size: int = f(0, "images per optimizer step over all ranks; when set, the accumulation is derived from it, the batch size and the rank count, so a resume on another rank count keeps it (0: batch_size x gradient_accumulation x ranks)")
+    batch_size: int = f(32, "images per device per micro-batch", ge=1)
+    workers: int = f(6, "data-loading worker processes per device (SLURM: cpus-per-task)")
+    dist_backend: str = f("${distributed.dist_backend}", "alias of distributed.dist_backend (must agree with it)")
+    dist_url: str = f("${distributed.dist_url}", "alias of distributed.dist_url (must agree with it)")
+    device: str = f("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+    seed: int = f(0, "global seed; each rank derives its own from it", ge=None)
+    tf32: bool = f(True, "CUDA: fp32 matmuls and convolutions use TF32 tensor cores (Ampere and newer; the frozen fp32 parts, fp32 training); False: full fp32")
+
+
+@dataclass
+class DistributedConfig:
+    dist_backend: str = f("auto", "auto: nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
+    dist_url: str = f("env://", "process-group init method; env:// reads MASTER_ADDR/MASTER_PORT")
+    timeout_minutes: float = f(30.0, "minutes a collective may wait before the job fails", gt=0)
+    strategy: str = f("ddp", "ddp: replicated UNet; fsdp: FSDP2 fully_shard per UNet block, sharded checkpoints", choices=("ddp", "fsdp"))
+    bucket_cap_mb: float = f(25.0, "ddp: gradient bucket size in MB (larger: fewer, bigger all-reduces)", gt=0)
+    static_graph: bool = f(False, "ddp: the graph is the same every step (no unused parameters): lets DDP overlap more")
+    grad_reduce_dtype: str = f("fp32", "dtype gradients are reduced in (bf16: half the traffic; ddp: a compression hook, fsdp: reduce_dtype)", choices=("fp32", "bf16"))
+    fsdp_unit: str = f("layer", "fsdp: shard units: layer: each resnet and transformer block; block: each down/mid/up block", choices=("layer", "block"))
+    fsdp_cpu_offload: bool = f(False, "fsdp: keep the weight, gradient, optimizer and EMA shards in pinned CPU memory (CPUOffloadPolicy; the optimizer steps on the CPU): fits larger models in less GPU memory, slower")
+    reshard_after_forward: bool = f(True, "fsdp: free the gathered parameters after the forward (less memory; False: no re-gather in backward)")
+    flag_sync_every: int = f(10, "optimizer steps between the host checks: the ranks agree on a stop signal or a timed save, the non-finite counters are read (1: every step)", ge=1)
+
+
+@dataclass
+class ExperimentConfig:
+    log_dir: str = f("runs", "directory that holds run directories")
+    name: str = f(MISSING, "run name: the run directory is log_dir/name")
+    project: str = f("sd-training", "project name (the wandb project by default)")
+    num_examples_to_see: int = f(MISSING, "images to train on, all devices together", ge=1)
+    save_every: int = f(2000, "optimizer steps between exported pipelines (and at the end)", ge=1)
+    save_only_most_recent: bool = f(True, "keep only the newest exported pipeline (pipelines/current)")
+    checkpoint_every: Optional[int] = f(None, "optimizer steps between resume checkpoints (None: save_every)", ge=1)
+    save_every_minutes: Optional[float] = f(None, "also write a resume checkpoint after this many minutes since the last one", gt=0)
+    checkpoint_async: bool = f(True, "write resume checkpoints in a background thread: the step waits only for a copy to host memory (FSDP's sharded state is written synchronously)")
+    keep_last_checkpoints: int = f(2, "complete resume checkpoints kept (older ones are deleted)")
+    keep_checkpoint_every: Optional[int] = f(None, "optimizer steps: checkpoints at multiples of this are kept forever", ge=1)
+    resume: bool = f(True, "continue from the newest complete checkpoint in the run directory, if any")
+    start_fresh: bool = f(False, "a run directory that holds checkpoints: move its contents aside (<name>.old-<time>) and start over")
+    allow_config_change: bool = f(False, "resume although keys that change the training differ from the checkpoint's config")
+    max_nonfinite_steps: int = f(10, "consecutive optimizer steps with a non-finite loss or gradient before the run saves and stops", ge=1)
+    export_weights: str = f("auto", "pipelines exported (auto: raw, plus ema with model.use_ema)", choices=("auto", "raw", "ema", "both"))
+    sample_from: str = f("auto", "weights of the sample grids (auto: ema with model.use_ema, else raw)", choices=("auto", "raw", "ema", "both"))
+    requeue: bool = f(True, "on SIGUSR1/SIGTERM under SLURM: save, then `scontrol requeue` the job")
+    log_every: int = f(10, "optimizer steps between metric lines", ge=1)
+    record_sample_keys: bool = f(False, "write the keys of every step's samples to sample_keys/rank_<N>.jsonl (which data each step trained on; compare runs and layouts)")
+    progress_bar: str = f("auto", "live progress bar (auto: on an interactive terminal, not under SLURM batch; yes/no/true/false mean on/off)", choices=("auto", "on", "off"))
+    tensorboard: bool = f(False, "also write tensorboard event files to <run>/tensorboard")
+    peak_tflops: Optional[float] = f(None, "peak dense TFLOP/s of one device for MFU (None: the A100/H100/H200 table; CPU: no MFU)", gt=0)
+    sample_prompts: List[str] = f(
+        ["a photo of a cat", "a red circle on a blue background", "a painting of a lighthouse at sunset"],
+        "prompts of the sample grid written with each exported pipeline",
+    )
+    sample_per_prompt: int = f(4, "images per prompt in the sample grid (seeds sample_seed, sample_seed+1, ...)")
+    eval_caption_file: Optional[str] = f(None, "prompt file (.txt one per line, or .csv with a caption column) for eval images")
+    num_eval_images: int = f(0, "images generated from eval_caption_file at each export, split across ranks (0: none)")
+    sample_seed: int = f(0, "first generator seed of the sample grid (fixed, so grids compare across steps)", ge=None)
+    sample_steps: int = f(25, "denoising steps per sample", ge=1)
+    sample_guidance_scale: float = f(7.5, "classifier-free guidance scale of the samples")
+    sample_resolution: Optional[int] = f(None, "pixels of the samples, a multiple of 8 (None: dataset.params.resolution)")
+
+
+@dataclass
+class OptimizerParams:
+    learning_rate: float = f(1e-4, "peak learning rate")
+    beta1: float = f(0.9, "AdamW beta1", le=1)
+    beta2: float = f(0.999, "AdamW beta2", le=1)
+    weight_decay: float = f(0.01, "decoupled weight decay (AdamW)")
+    epsilon: float = f(1e-8, "AdamW epsilon", gt=0)
+    momentum: float = f(0.0, "SGD momentum")
+    max_grad_norm: Optional[float] = f(1.0, "clip the gradient norm to this after accumulation (None: no clipping)")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = f("adamw", "the optimizer (adamw8bit: bitsandbytes)", choices=("adamw", "adamw8bit", "adafactor", "sgd"))
+    params: OptimizerParams = f(OptimizerParams, "optimizer hyper-parameters")
+    implementation: str = f("auto", "adamw kernels (auto: fused on CUDA, for_loop on CPU)", choices=("auto", "fused", "foreach", "for_loop"))
+    nesterov: bool = f(False, "sgd: Nesterov momentum")
+    scale_lr: bool = f(False, "multiply the peak LR by (global batch)^0.55 (EveryDream2's rule; the result is logged)")
+    no_decay_norm_and_bias: bool = f(True, "no weight decay on normalisation weights and biases")
+
+
+@dataclass
+class LRSchedulerParams:
+    learning_rate: float = f("${optimizer.params.learning_rate}", "peak learning rate (must agree with the optimizer's)")
+    warmup_length: int = f(500, "optimizer steps of linear warmup from 0")
+    decay_length: Optional[int] = f(None, "Cosine/LinearWithWarmup: optimizer steps of decay after warmup (None: to the end)", ge=1)
+    min_lr_ratio: float = f(0.0, "Cosine/LinearWithWarmup: the final learning rate as a fraction of the peak", le=1)
+
+
+@dataclass
+class LRSchedulerConfig:
+    scheduler: str = f("ConstantWithWarmup", "the learning-rate schedule", choices=SCHEDULERS)
+    params: LRSchedulerParams = f(LRSchedulerParams, "schedule parameters, counted in optimizer steps")
+
+
+@dataclass
+class VAEConfig:
+    pretrained: Optional[str] = f(None, "pipeline root or vae folder (None: from model.pretrained)")
+    dtype: str = f("auto", "frozen VAE weights (auto: bf16 under bf16, else fp32; fp16: upcast to fp32 on overflow)", choices=("auto", *WEIGHT_DTYPES))
+    latent_sampling: str = f("sample", "latents of online encoding (sample: of the posterior, as SD trains; mean: its mean)", choices=("sample", "mean"))
+
+
+@dataclass
+class UNetConfig:
+    pretrained: Optional[str] = f(None, "pipeline root or unet folder to start from (None: model.pretrained, else from scratch)")
+    target: str = f("UNet2DConditionModel", "diffusers UNet class used for from-scratch training")
+    params: Dict[str, Any] = f({}, "constructor arguments of target for from-scratch training")
+
+
+@dataclass
+class EMAConfig:
+    decay: float = f(0.9999, "EMA decay per update", le=1)
+    update_every: int = f(1, "optimizer steps between EMA updates", ge=1)
+    start_step: int = f(0, "optimizer steps during which the EMA copies the weights instead of averaging")
+    warmup: bool = f(False, "ramp the decay as min(decay, (1 + n) / (10 + n)) over the first n updates")
+    device: str = f("auto", "auto: the UNet's device; cpu (seed 000): saves accelerator memory, use a larger update_every", choices=("auto", "cpu"))
+    strength_target: Optional[float] = f(None, "EveryDream2: derive decay so decay^(updates in the run) = this (overrides decay; logged)", le=1)
+    path: Optional[str] = f(None, "pipeline root or unet folder holding EMA weights to start from (None: copy of the UNet)")
+
+
+@dataclass
+class CommonModelFields:
+    """The ``model`` section's fields every family reads."""
+
+    pretrained: Optional[str] = f(None, "diffusers pipeline: local folder or hub id (the default for every component)")
+    family: str = f("auto", "auto (from the pipeline's model_index.json) or a family name (sd_training.families.registry)")
+    revision: Optional[str] = f(None, "hub revision of the pretrained pipeline")
+    vae: VAEConfig = f(VAEConfig, "the frozen autoencoder")
+    text_encoder: TextEncoderConfig = f(TextEncoderConfig, "the text encoder (frozen unless train)")
+    tokenizer: ComponentConfig = f(ComponentConfig, "the tokenizer")
+    noise_scheduler_training: ComponentConfig = f(ComponentConfig, "scheduler config for training noise (built as DDPMScheduler)")
+    noise_scheduler_inference: ComponentConfig = f(ComponentConfig, "scheduler of exported pipelines and samples (its own class)")
+    unet: UNetConfig = f(UNetConfig, "the trained UNet")
+    train_target: str = f("unet", "what trains: unet: the diffusion model; vae: the pipeline's autoencoder (its own section)", choices=("unet", "vae"))
+    use_ema: bool = f(False, "keep an exponential moving average of the UNet weights; exported as pipelines/*_ema")
+    ema: EMAConfig = f(EMAConfig, "EMA settings")
+    mixed_precision: str = f("no", "compute precision (fp16 uses a gradient scaler)", choices=PRECISIONS)
+    gradient_checkpointing: bool = f(False, "recompute activations in backward (~40% slower, much less memory)")
+    xformers: bool = f(False, "use xformers memory-efficient attention (falls back to SDPA, with a warning, where unavailable)")
+    attention: str = f("sdpa", "attention backend (model.xformers=True means xformers)", choices=("sdpa", "xformers", "sliced"))
+    channels_last: bool = f(False, "UNet weights and inputs in channels-last memory format (faster convolutions on recent GPUs)")
+    compile: bool = f(False, "torch.compile the UNet (minutes of compilation; saved weights never carry its prefix)")
+    init_from: Optional[str] = f(None, "stage 2: start the UNet from another run's dir, checkpoint (step_N) or exported pipeline")
+    init_weights: str = f("ema", "with init_from (ema: when present, else raw)", choices=("ema", "raw"))
+
+
+@dataclass
+class ModelConfig(FamilyModelFields, CommonModelFields):
+    """The ``model`` section: the shared fields, then the families' own (``families.options``)."""
+
+
+@dataclass
+class QuickstartConfig:
+    tiny_pipeline: Optional[str] = f(None, "folder: build a tiny random-weight pipeline here when absent (point model.pretrained at it)")
+    shapes_dataset: Optional[str] = f(None, "folder: write generated-shapes WebDataset shards here when absent")
+    shapes_samples: int = f(2000, "images in the generated-shapes dataset", ge=1)
+    shapes_per_shard: int = f(250, "images per generated shard", ge=1)
+    shapes_size: int = f(64, "pixels (square) of the generated images", ge=1)
+    shapes_radius: List[float] = f([0.25, 0.4], "range of a shape's half-size, as a fraction of the image side")
+    shapes_offset: float = f(0.1, "largest shift of a shape's centre from the image centre, as a fraction of the side")
+
+
+@dataclass
+class ValidationConfig:
+    path: Optional[str] = f(None, "held-out shards (same format as dataset.params.path); None: no validation")
+    num_batches: int = f(4, "batches per rank, read once and kept: every validation scores the same images", ge=1)
+    every: Optional[int] = f(None, "optimizer steps between validations (None: experiment.save_every); also at step 0", ge=1)
+    seed: int = f(1234, "seed of the fixed noise and timesteps, so the loss compares across steps and restarts", ge=None)
+
+
+@dataclass
+class EvaluationConfig:
+    ref_stats: Optional[str] = f(None, ".npz FID reference statistics: read if present, else written from ref_images")
+    ref_images: Optional[str] = f(None, "FID reference set: image folder or WebDataset shards (held-out data)")
+    ref_max_images: Optional[int] = f(None, "images of the reference set used (None: all)", ge=1)
+    clip_model: Optional[str] = f(None, "open_clip model name for CLIP score (e.g. ViT-L-14), or local-dir:PATH")
+    clip_pretrained: Optional[str] = f(None, "local weights file of clip_model (nothing is downloaded)")
+    clip_config: Optional[str] = f(None, "open_clip model config .json defining clip_model, when open_clip does not bundle it")
+    asynchronous: bool = f(True, "score in a background process so training does not wait (results logged with their step)")
+    threads: Optional[int] = f(None, "CPU threads of the background evaluation (None: torch's default)", ge=1)
+    device: str = f("cpu", "device of Inception / CLIP", choices=("cpu", "cuda", "auto"))
+
+
+@dataclass
+class CommonSections:
+    """The top-level sections every run reads."""
+
+    wandb: WandbConfig = f(WandbConfig, "Weights & Biases tracking")
+    system: SystemConfig = f(SystemConfig, "per-device batch, accumulation, workers, device")
+    distributed: DistributedConfig = f(DistributedConfig, "process group")
+    experiment: ExperimentConfig = f(ExperimentConfig, "run name, length, saving, samples")
+    optimizer: OptimizerConfig = f(OptimizerConfig, "optimizer")
+    model: ModelConfig = f(ModelConfig, "models")
+    dataset: DatasetConfig = f(DatasetConfig, "training data")
+    lr_scheduler: LRSchedulerConfig = f(LRSchedulerConfig, "learning-rate schedule")
+    objective: ObjectiveConfig = f(ObjectiveConfig, "prediction type, loss weighting, noise and timestep sampling")
+    validation: ValidationConfig = f(ValidationConfig, "held-out loss at fixed timesteps and noise")
+    evaluation: EvaluationConfig = f(EvaluationConfig, "FID / CLIP score of the eval images (experiment.num_eval_images)")
+    quickstart: QuickstartConfig = f(QuickstartConfig, "generated model and data for runs with no downloads (configs/quickstart.yaml)")
+
+
+@dataclass
+class TrainConfig(FamilySections, CommonSections):
+    """The whole config: the shared sections, then the families' own (``families.options``)."""
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Schema walking: the valid key paths, free-form dict fields, help text.
+# ----------------------------------------------------------------------------------------------
+
+
+def is_free_dict(tp) -> bool:
+    return tp is dict or get_origin(tp) in (dict, Dict)
+
+
+def unwrap_optional(tp):
+    args = [a for a in get_args(tp) if a is not type(None)]
+    return args[0] if get_origin(tp) is not None and len(args) == 1 and type(None) in get_args(tp) else tp
+
+
+def schema_entries(cls=TrainConfig, prefix: str = ""):
+    """Yield (path, type, default, field metadata, is_section) for every field of the schema, depth first."""
+    hints = get_type_hints(cls)
+    instance = cls()
+    for fld in fields(cls):
+        path = f"{prefix}{fld.name}"
+        tp = unwrap_optional(hints[fld.name])
+        if is_dataclass(tp):
+            yield path, tp, None, fld.metadata, True
+            yield from schema_entries(tp, path + ".")
+        else:
+            yield path, tp, getattr(instance, fld.name), fld.metadata, False
+
+
+def section_at(path: str) -> Any:
+    """The dataclass of the section at ``path`` ("" for ``TrainConfig``)."""
+    cls = TrainConfig
+    for part in filter(None, path.split(".")):
+        cls = unwrap_optional(get_type_hints(cls)[part])
+    return cls
