@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sd_training.config import ConfigError, help_text, to_yaml
-from sd_training.configure import load
+from sd_training.config.checks import load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,7 +155,7 @@ def test_bare_no_is_a_string_where_the_schema_wants_one(tmp_path):
 @pytest.mark.faults
 def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
     from sd_training.config import public_dict, to_yaml
-    from sd_training.configure import load
+    from sd_training.config.checks import load
 
     cfg = load(["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8",
                 "wandb.api_key=sk-secret-123"])
@@ -181,7 +181,7 @@ def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
 @pytest.mark.faults
 def test_numeric_keys_are_range_checked_at_start_up(override, words):
     from sd_training.config import ConfigError
-    from sd_training.configure import load
+    from sd_training.config.checks import load
 
     base = ["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8"]
     load(base)  # the base is fine
@@ -191,7 +191,7 @@ def test_numeric_keys_are_range_checked_at_start_up(override, words):
 
 def test_an_open_diffusion_alias_set_alone_is_the_users_value():
     from sd_training.config import ConfigError
-    from sd_training.configure import load
+    from sd_training.config.checks import load
 
     base = ["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8"]
     cfg = load(base + ["system.dist_backend=gloo"])
@@ -237,3 +237,87 @@ def test_a_global_batch_size_a_layout_cannot_reach_is_refused_with_the_numbers()
     with pytest.raises(ConfigError, match="leave 'system.gradient_accumulation' at 1"):
         Plan.make(both, 1)
     assert Plan.make(load(["system.batch_size=2", "system.gradient_accumulation=3", *REQUIRED]), 2).global_batch == 12
+
+
+def test_removing_a_key_on_the_command_line_restores_the_schema_default():
+    """``~key`` drops a key the YAML layers set: the quickstart's cosine settings do not block another schedule."""
+    quickstart = f"config={ROOT / 'configs' / 'quickstart.yaml'}"
+    with pytest.raises(ConfigError, match="only apply to CosineWithWarmup.*~lr_scheduler.params.min_lr_ratio"):
+        load([quickstart, "lr_scheduler.scheduler=ConstantWithWarmup"])
+    cfg = load([quickstart, "lr_scheduler.scheduler=ConstantWithWarmup", "~lr_scheduler.params.decay_length",
+                "~lr_scheduler.params.min_lr_ratio"])
+    assert cfg.lr_scheduler.scheduler == "ConstantWithWarmup"
+    assert (cfg.lr_scheduler.params.decay_length, cfg.lr_scheduler.params.min_lr_ratio) == (None, 0.0)
+    assert cfg.lr_scheduler.params.warmup_length == 30  # the rest of the file still applies
+
+
+def test_removal_of_sections_keys_and_mapping_entries(tmp_path):
+    path = write(tmp_path, MINIMAL + "system: {batch_size: 4, workers: 3}\n")
+    cfg = load([f"config={path}", "~system.batch_size"])
+    assert (cfg.system.batch_size, cfg.system.workers) == (32, 3)
+    assert load([f"config={path}", "~system"]).system.workers == 6  # a whole section
+    # A removed section can be set again key by key after the files.
+    assert load([f"config={path}", "~system", "system.batch_size=5"]).system.batch_size == 5
+    # Inside a free-form mapping (parse: the schema's rules, without the UNet's constructor check).
+    from sd_training.config import parse
+
+    cfg = parse([f"config={path}", "~model.unet.params.b"], yaml_text="model: {unet: {params: {a: 1, b: 2}}}")
+    assert cfg.model.unet.params == {"a": 1} and cfg.model.pretrained == "/some/pipeline"
+    # A key of the schema that no file sets already has its default: nothing to remove.
+    assert load([f"config={path}", "~optimizer.params.beta1"]).optimizer.params.beta1 == 0.9
+    # Removing a required key makes it missing again.
+    with pytest.raises(ConfigError, match=r"required config keys are not set.*experiment\.name"):
+        load([f"config={path}", "~experiment.name"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["~system.bach_size"], r"cannot remove '~system.bach_size': unknown config key.*did you mean 'system.batch_size'"),
+    (["~systm"], "unknown config key 'systm'"),
+    (["~system.batch_size.x"], "'system.batch_size' is a value, not a section"),
+    (["~system.batch_size=4"], "takes no value"),
+    (["~"], "takes no value"),
+    (["~system.batch_size", "system.batch_size=4"], "both removed .* and set"),
+])
+def test_bad_removals_are_refused_naming_the_key(tmp_path, args, words):
+    with pytest.raises(ConfigError, match=words):
+        load([f"config={write(tmp_path, MINIMAL)}", *args])
+
+
+def test_removal_is_in_the_usage_line():
+    assert help_text().splitlines()[0].endswith("[~key.sub ...]")
+
+
+def test_choices_are_declared_in_the_field_shown_by_help_and_checked_once(tmp_path):
+    """--help lists a key's choices from its field; the one check names the key and the closest choice."""
+    from dataclasses import fields, is_dataclass
+
+    from sd_training.config import TrainConfig, schema_entries
+
+    text = help_text()
+    assert "mixed_precision: 'no'  # (no | bf16 | fp16) " in text
+    assert "strategy: 'ddp'  # (ddp | fsdp) " in text
+    declared = [(path, meta, default) for path, _tp, default, meta, section in schema_entries()
+                if not section and "choices" in meta]
+    assert len(declared) >= 19  # the former hand-written _choice(...) calls, and more
+    for path, meta, default in declared:
+        assert default is None or default in meta["choices"], path  # every default is one of its choices
+        assert " | ".join(meta["choices"][:2]) not in meta["help"], f"{path}'s help repeats its choices"
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"distributed.strategy='fsdq': expected one of ddp or fsdp; did you mean 'fsdp'\?"):
+        load([f"config={path}", "distributed.strategy=fsdq"])
+    with pytest.raises(ConfigError, match=r"model.vae.dtype='fp8': expected one of auto, fp32, bf16 or fp16"):
+        load([f"config={path}", "model.vae.dtype=fp8"])
+    # yes/no words of the progress bar still mean on/off.
+    assert load([f"config={path}", "experiment.progress_bar=yes"]).experiment.progress_bar == "on"
+    assert is_dataclass(TrainConfig) and all(fl.metadata.get("help") for fl in fields(TrainConfig))
+
+
+def test_family_sections_come_from_the_families_options_with_the_same_keys(tmp_path):
+    cfg = load([f"config={write(tmp_path, MINIMAL)}", "model.text_encoder_2.pretrained=/te2", "model.tokenizer_2.pretrained=/tok2"])
+    assert (cfg.model.text_encoder_2.pretrained, cfg.model.tokenizer_2.pretrained) == ("/te2", "/tok2")
+    with pytest.raises(ConfigError, match="'vae_training' section applies to model.train_target=vae only"):
+        load([f"config={write(tmp_path, MINIMAL)}", "vae_training.kl_weight=0.1"])
+    config_dir = ROOT / "sd_training" / "config"
+    for name in ("text_encoder_2", "tokenizer_2", "sdxl", "VAEObjectiveConfig", "vae_training"):
+        for path in config_dir.glob("*.py"):
+            assert name not in path.read_text(), f"{path.name} spells the family-specific {name}"
