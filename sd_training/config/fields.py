@@ -89,7 +89,3 @@ def check_fields(section: Any, prefix: str) -> None:
         else:
             check_value(path, value, fld.metadata, getattr(defaults, fld.name))
 
-
-def choices_of(cls: type, name: str) -> tuple[str, ...]:
-    """The choices a field of a section declares (e.g. for a check that lists them)."""
-    return next(fl.metadata["choices"] for fl in fields(cls) if fl.name == name)

@@ -256,7 +256,7 @@ class EvaluationConfig:
     clip_config: Optional[str] = f(None, "open_clip model config .json defining clip_model, when open_clip does not bundle it")
     asynchronous: bool = f(True, "score in a background process so training does not wait (results logged with their step)")
     threads: Optional[int] = f(None, "CPU threads of the background evaluation (None: torch's default)", ge=1)
-    device: str = f("cpu", "device of Inception / CLIP", choices=("cpu", "cuda", "auto"))
+    device: str = f("cpu", "device of Inception / CLIP: cpu, cuda (cuda:N) or auto (a torch device name, not checked here)")
 
 
 @dataclass
@@ -310,10 +310,3 @@ def schema_entries(cls=TrainConfig, prefix: str = ""):
         else:
             yield path, tp, getattr(instance, fld.name), fld.metadata, False
 
-
-def section_at(path: str) -> Any:
-    """The dataclass of the section at ``path`` ("" for ``TrainConfig``)."""
-    cls = TrainConfig
-    for part in filter(None, path.split(".")):
-        cls = unwrap_optional(get_type_hints(cls)[part])
-    return cls
