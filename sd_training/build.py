@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import families
 from .checkpoint import init_weights_from
 from .config import TrainConfig
 from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
+from .families import registry
 from .families.base import Family
 from .loading import load_component
 from .memory_plan import as_dicts, format_plan, memory_plan
@@ -54,7 +54,7 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     # Per-rank seed: different noise and timesteps on every rank, reproducible across restarts. Seeded
     # after the generated inputs (cli: quickstart.prepare), which must not move the training RNG.
     seed_everything(cfg.system.seed + info.rank)
-    family = families.create(cfg, device, cfg.system.seed, info.is_main)
+    family = registry.create(cfg, device, cfg.system.seed, info.is_main)
     if info.is_main:  # the run folder says where its components came from
         sources = component_sources(cfg.model)
         run_dir.sources.write_text(json.dumps(sources, indent=1) + "\n")

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import train_args
 
-from sd_training import families
 from sd_training.config.checks import load
+from sd_training.families import registry as families
 from sd_training.objective import (
     STREAMS,
     ObjectiveConfig,

@@ -10,11 +10,11 @@ import torch
 from conftest import train_args
 from test_resume import N, args_for, assert_same, final_state, finish, kill_after_checkpoint, launch, losses
 
-from sd_training import families
 from sd_training.checkpoint import complete_steps
 from sd_training.config import ConfigError
 from sd_training.config.checks import load
 from sd_training.data.transforms import unit_range
+from sd_training.families import registry as families
 from sd_training.families.sdxl import encode_prompts, time_ids
 from sd_training.loop import main
 

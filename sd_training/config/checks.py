@@ -9,9 +9,8 @@ owners).
 
 from __future__ import annotations
 
-from .. import families
 from ..data.checks import check_dataset_inputs
-from ..families import options
+from ..families import options, registry
 from ..models import check_unet_params
 from ..objective import validate_objective_config
 from ..text_encoders import validate_text_encoder_config
@@ -26,7 +25,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
     if cfg.model.unet.params:
         check_unet_params(cfg.model.unet.target, cfg.model.unet.params)
     options.check(cfg)
-    families.validate(cfg)
+    registry.validate(cfg)
     check_dataset_inputs(cfg.dataset)
     return cfg
 

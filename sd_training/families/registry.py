@@ -1,0 +1,81 @@
+"""The family registry: ``model.family`` -> the family class, detection from a pipeline's model_index.json,
+and building the run's family. Adding a family is a module and one line in ``FAMILIES``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..config import ConfigError, ModelConfig, TrainConfig
+from .autoencoder import Autoencoder
+from .base import Family
+from .sd import StableDiffusion
+from .sdxl import StableDiffusionXL
+
+# model.family -> the family; adding one is a module and a line here.
+FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL}
+
+
+def _model_index(src: str) -> dict | None:
+    """The pipeline's model_index.json (a local folder, or a hub id in the local cache); None if unreadable."""
+    path = os.path.join(src, "model_index.json")
+    if os.path.isfile(path):
+        with open(path) as fh:
+            return json.load(fh)
+    if os.path.exists(src):
+        return None  # a component folder or something else: not a pipeline root
+    try:
+        from diffusers import DiffusionPipeline
+
+        return DiffusionPipeline.load_config(src)
+    except Exception:
+        return None
+
+
+def detect(cfg: ModelConfig, must: bool = True) -> str | None:
+    """The pipeline family's name: ``model.family``, else from the pipeline's model_index.json, else
+    ``sd`` when there is no pipeline root (components set one by one). ``must=False``: None when the
+    pipeline cannot be read yet (the quickstart builds it at start-up)."""
+    if cfg.family != "auto":
+        if cfg.family not in FAMILIES:
+            raise ConfigError(f"'model.family' is '{cfg.family}', expected auto or one of {', '.join(FAMILIES)}")
+        return cfg.family
+    if not cfg.pretrained:
+        return "sd"
+    index = _model_index(cfg.pretrained)
+    if index is None:
+        if not must:
+            return None
+        raise ConfigError(f"'model.family=auto' cannot read the model_index.json of model.pretrained={cfg.pretrained}: "
+                          f"set model.family to one of {', '.join(FAMILIES)}")
+    name = index.get("_class_name", "")
+    for family, cls in FAMILIES.items():
+        if name in cls.pipeline_classes:
+            return family
+    raise ConfigError(f"model.pretrained={cfg.pretrained} is a {name or 'pipeline without _class_name'}, which no "
+                      f"family trains (known: {', '.join(c for f in FAMILIES.values() for c in f.pipeline_classes)}); "
+                      "set model.family if it is one of them under another name")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """The family's config checks, when the family is known before start-up (else at start-up)."""
+    if cfg.model.train_target == "vae":
+        Autoencoder.validate(cfg)
+    name = detect(cfg.model, must=False)
+    if name is not None:
+        FAMILIES[name].validate(cfg)
+
+
+def create(cfg: TrainConfig, device: torch.device, seed: int, is_main: bool) -> Family:
+    """Build the run's family (its components included); checks the config against it first."""
+    name = detect(cfg.model)
+    pipeline_family = FAMILIES[name]
+    pipeline_family.validate(cfg)
+    if cfg.model.train_target == "vae":
+        Autoencoder.validate(cfg)
+        return Autoencoder(cfg, device, seed, is_main, pipeline_family)
+    return pipeline_family(cfg, device, seed, is_main)
+
+
