@@ -79,7 +79,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="images per VAE call, per rank")
     p.add_argument("--workers", type=int, default=4, help="image-decoding processes per rank (0: in the main process)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--vae-dtype", default="fp32", choices=sorted(VAE_DTYPES), help="precision of the VAE encode (fp16 overflows; see vae_objective)")
+    p.add_argument("--vae-dtype", default="fp32", choices=sorted(VAE_DTYPES), help="precision of the VAE encode (fp16 overflows; see families/autoencoder_loss)")
     p.add_argument("--seed", type=int, default=0, help="--store sample: seed of the posterior draws (per shard and sample)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)

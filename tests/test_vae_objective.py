@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sd_training.vae_objective import (
+from sd_training.families.autoencoder_loss import (
     FP16_MAX,
     VAEObjectiveConfig,
     VAEPrecisionError,

@@ -19,7 +19,7 @@ from ..data import build_train_loader
 from ..data.transforms import unit_range
 from ..export import image_grid
 from ..objective import host_seeds
-from ..vae_objective import measure_scaling_factor, vae_loss, validate_vae_stage
+from .autoencoder_loss import measure_scaling_factor, vae_loss, validate_vae_stage
 from .base import Family, LossOut, SampleSettings
 
 log = logging.getLogger(__name__)

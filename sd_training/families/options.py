@@ -13,7 +13,7 @@ from ..config.fields import ComponentConfig, ConfigError, f
 
 @dataclass
 class VAEObjectiveConfig:
-    """The ``vae_training`` section (the autoencoder stage's loss); checked by ``families.vae_objective``."""
+    """The ``vae_training`` section (the autoencoder stage's loss); checked by ``families.autoencoder_loss``."""
 
     reconstruction: str = f("l1", "pixel reconstruction loss, mean over pixel values in [-1, 1] units", choices=("l1", "l2"))
     kl_weight: float = f(1e-6, "weight of KL(posterior || N(0, I)) summed over the latent, per 3*H*W pixel values (LDM KL-f8: 1e-6)")

@@ -38,12 +38,12 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .config import ConfigError
-from .config.dataset import is_latent_type
-from .config.schema import ObjectiveConfig
-from .data.transforms import unit_range
-from .families.options import VAEObjectiveConfig
-from .objective import SampleSeeds, sample_generators
+from ..config import ConfigError
+from ..config.dataset import is_latent_type
+from ..config.schema import ObjectiveConfig
+from ..data.transforms import unit_range
+from ..objective import SampleSeeds, sample_generators
+from .options import VAEObjectiveConfig
 
 log = logging.getLogger(__name__)
 
