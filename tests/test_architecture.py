@@ -1,8 +1,11 @@
-"""The architecture the README promises, checked: the trainer, checkpointing, strategies and export name
-no model family, and the config schema imports no model, objective or data code."""
+"""The architecture docs/architecture.md promises, checked: the trainer, checkpointing, strategies, outputs
+and export name no model family; no family name or family field appears outside families/ (scripts and
+data included); the Trainer holds no checkpoint code; the run folder's names are RunDir's; the config
+schema imports no torch, model, objective or data code."""
 
 import ast
 import io
+import re
 import subprocess
 import sys
 import tokenize
@@ -11,8 +14,9 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "sd_training"
-GENERIC = ["loop.py", "checkpoint.py", "parallel.py", "export.py", "ema.py", "optim.py", "run_guard.py",
-           "preemption.py", "trackers.py"]
+GENERIC = ["loop.py", "build.py", "metrics.py", "outputs.py", "run_dir.py", "parallel.py", "export.py", "ema.py",
+           "optim.py", "preemption.py", "trackers.py", "train_state.py", "precision.py",
+           *(f"checkpoint/{p.name}" for p in sorted((PKG / "checkpoint").glob("*.py")))]
 # Identifiers that belong to a family: its components, its classes, how it is chosen.
 FAMILY_NAMES = {
     "sdxl", "vae", "unet", "text_encoder", "text_encoder_2", "tokenizer_2", "train_target", "StableDiffusion",
@@ -69,3 +73,101 @@ def test_config_schema_imports_no_model_objective_or_data_code():
     assert "torch" not in subprocess.run(
         [sys.executable, "-c", imports + "print(' '.join(sys.modules))"],
         capture_output=True, text=True, check=True).stdout.split()
+
+
+# ---------------------------------------------------------------- families are whole plug-ins
+
+FAMILIES_DIR = PKG / "families"
+SCANNED = [p for p in [*PKG.rglob("*.py"), *(PKG.parent / "scripts").rglob("*.py"),
+                       *(PKG.parent / "benchmarks").rglob("*.py"), PKG.parent / "train.py"]
+           if FAMILIES_DIR not in p.parents]
+
+
+def family_words() -> tuple[set[str], set[str]]:
+    """(identifiers, words) that belong to one family: every registered family's name, class and pipeline
+    classes, and the fields only one family has (SDXL's second encoder). Read from the registry, so a new
+    family is covered the day it is registered."""
+    from sd_training.families import registry
+
+    names = set(registry.FAMILIES) | {"autoencoder"}
+    classes = {cls.__name__ for cls in registry.FAMILIES.values()} | {"Autoencoder"}
+    pipelines = {p for cls in registry.FAMILIES.values() for p in cls.pipeline_classes}
+    fields = {"text_encoder_2", "tokenizer_2"}
+    # As an identifier "sd" is the usual name of a state dict; as a string it is the family's name.
+    return (names - {"sd"}) | classes | pipelines | fields, names | fields
+
+
+def code_nodes(path: Path):
+    """The AST nodes of a file, docstrings left out (prose, as comments are)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n for n in ast.walk(tree) if id(n) not in docstrings]
+
+
+def family_mentions(path: Path) -> list[str]:
+    """Family identifiers in code, and string literals that are a family's name or name a family field,
+    with their lines."""
+    identifiers, words = family_words()
+    found = []
+    for node in code_nodes(path):
+        if isinstance(node, ast.Name) and node.id in identifiers:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in identifiers:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in identifiers:
+            found.append(f"{node.lineno}: def {node.name}")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and (node.value in words or any(f in node.value for f in ("text_encoder_2", "tokenizer_2")))):
+            found.append(f"{node.lineno}: {node.value!r}")
+    return sorted(found, key=lambda m: int(m.split(":")[0]))
+
+
+@pytest.mark.parametrize("path", SCANNED, ids=lambda p: str(p.relative_to(PKG.parent)))
+def test_no_family_name_or_field_outside_families(path):
+    """Scripts, data code, the config and the trainer ask the family (registry.detect, its hooks) instead
+    of comparing names; a family's own fields are declared under families/."""
+    assert not family_mentions(path), f"{path.name} names a family: {family_mentions(path)}"
+
+
+def test_the_family_scan_bites(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Docstrings may say sdxl."""\nif name == "sdxl":\n    te = models.text_encoder_2\n'
+                   'key = "model.tokenizer_2.pretrained"\n')
+    assert [m.split(":")[0] for m in family_mentions(bad)] == ["2", "3", "4"]
+
+
+# ---------------------------------------------------------------- a Trainer that delegates
+
+def test_the_trainer_holds_no_checkpoint_or_resume_code():
+    from sd_training.loop import Trainer
+
+    own = [name for name in vars(Trainer) if re.search(r"checkpoint|resum|reshard|init_from|_state_dict", name)]
+    assert not own, f"the Trainer has checkpoint methods {own}: they belong to sd_training.checkpoint"
+    source = (PKG / "loop.py").read_text()
+    for word in ("torch.save", "torch.load", "load_state_dict", "dcp."):
+        assert word not in source, f"loop.py calls {word}: saving and loading belong to sd_training.checkpoint"
+
+
+def test_loop_reads_on_a_few_screens():
+    """loop.py holds set-up, the loop and the step: under ~350 lines, no function over ~80."""
+    source = (PKG / "loop.py").read_text()
+    assert len(source.splitlines()) <= 360
+    long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 80]
+    assert not long, f"functions over 80 lines in loop.py: {long}"
+
+
+def test_the_run_folder_names_are_spelled_in_run_dir_only():
+    """Every file and folder name of a run folder belongs to RunDir (step_<N> included)."""
+    names = ("config.yaml", "sources.json", "memory_plan.json", "metrics.jsonl", "current_pipeline", "tensorboard",
+             "train.log", ".lock")
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "run_dir.py" or path.parent.name == "checkpoint" and path.name == "layout.py":
+            continue
+        strings = [n.value for n in code_nodes(path) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        offenders += [f"{path.relative_to(PKG)}: {s!r}" for s in strings
+                      if s.startswith(names) or s == "step_"]  # f"step_{n:08d}"
+    assert not offenders, offenders
