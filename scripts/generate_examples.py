@@ -81,7 +81,7 @@ def model_config(ckpt: Path, overrides: list[str]):
 
 def pipeline_from_checkpoint(ckpt: Path, ema: bool, overrides: list[str], device: torch.device):
     from sd_training.families.sd import make_pipeline
-    from sd_training.models import build_models
+    from sd_training.families.unet_components import build_models
 
     cfg, saved = model_config(ckpt, overrides)
     cfg.gradient_checkpointing = False  # inference

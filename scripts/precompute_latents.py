@@ -4,7 +4,7 @@ with ``dataset.type=latents`` (no VAE encode, optionally no text encoder, in the
 
     python scripts/precompute_latents.py --input "shards/{00000..00009}.tar" --pipeline PIPE_DIR --output OUT_DIR
         [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings [--clip-skip N] [--max-length 77]
-        [--family auto|sd|sdxl]] [--resolution 256] [--aspect-buckets [--bucket-step 64] [--max-aspect-ratio 2]]
+        [--family auto|NAME]] [--resolution 256] [--aspect-buckets [--bucket-step 64] [--max-aspect-ratio 2]]
         [--batch-size 32] [--workers 4] [--device auto|cpu|cuda] [--vae-dtype fp32|bf16] [--seed 0] [--no-progress]
     torchrun --nproc_per_node 8 scripts/precompute_latents.py ...       (the shards are split across ranks)
 
@@ -19,9 +19,10 @@ Output (format: ``sd_training/data/latents.py``): one tar per input shard with t
 std, the default, so training can draw a fresh posterior sample every epoch or use the mean;
 ``sample``: [C, h, w], one sample drawn here, half the bytes), ``KEY.txt``, ``KEY.json`` (the original
 metadata + ``latent_scaling_factor``, ``latent_store``), ``KEY.cls`` when present, and with
-``--text-embeddings`` ``KEY.text.npy`` (the text encoder's last hidden state [77, D]; SDXL: both
-encoders' penultimate states [77, D1 + D2] and ``KEY.pooled.npy``) plus ``OUT_DIR/empty.text.npy``
-(the empty caption's, substituted on caption dropout; SDXL: zeros, and ``empty.pooled.npy``). ``OUT_DIR/latents_info.json``
+``--text-embeddings`` ``KEY.text.npy`` (the pipeline family's text conditioning, ``Family.text_encoding``:
+one CLIP encoder's last hidden state [77, D], or two encoders' states [77, D1 + D2] and ``KEY.pooled.npy``)
+plus ``OUT_DIR/empty.text.npy`` (the empty caption's, substituted on caption dropout, and
+``empty.pooled.npy`` with pooled embeddings). ``OUT_DIR/latents_info.json``
 records the settings, the scaling factor and the counts; ``OUT_DIR/sizes.json`` the samples per shard.
 
 Distribution and resume: shard ``i`` (in brace order) belongs to rank ``i % WORLD_SIZE`` (torchrun or
@@ -53,6 +54,7 @@ import torch
 
 log = logging.getLogger("precompute_latents")
 from sd_training.data.samples import SIZE_FIELDS  # noqa: E402  (the image path's size conditioning fields)
+from sd_training.families.registry import FAMILIES  # noqa: E402
 
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
 VAE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -67,9 +69,9 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--store", default="mean_std", choices=("mean_std", "sample"), help="posterior mean and std (default) or one sample")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="storage dtype of latents and text embeddings")
     p.add_argument("--text-embeddings", action="store_true", help="also store the text encoder's outputs of each caption")
-    p.add_argument("--family", default="auto", choices=("auto", "sd", "sdxl"),
-                   help="with --text-embeddings: what the embeddings are (auto: the pipeline's model_index.json; "
-                        "sdxl stores both encoders' states and the pooled embedding)")
+    p.add_argument("--family", default="auto", choices=("auto", *FAMILIES),
+                   help="with --text-embeddings: the family whose text conditioning is stored (auto: from the "
+                        "pipeline's model_index.json)")
     p.add_argument("--clip-skip", type=int, default=0, help="with --text-embeddings: layers counted back from the last (0/1: last, 2: penultimate)")
     p.add_argument("--max-length", type=int, default=None, help="with --text-embeddings: tokens per caption (default: the tokenizer's, 77)")
     p.add_argument("--resolution", type=int, default=256, help="pixels: short side resized then center-cropped to this square (with --aspect-buckets: the buckets' area is resolution^2)")
@@ -99,41 +101,22 @@ def parse(argv: List[str]) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------
 
 
-class CaptionEncoder:
-    """Captions -> (hidden states [B, L, D], pooled [B, P] or None), float32 numpy, as training computes them.
-
-    SD: the text encoder's last hidden state (clip skip applied). SDXL: both encoders' penultimate states
-    concatenated and the second's pooled embedding, zeros for an empty caption (``families.sdxl``)."""
-
-    def __init__(self, family: str, tokenizers: list, encoders: list):
-        self.family, self.tokenizers, self.encoders = family, tokenizers, encoders
-
-    @torch.no_grad()
-    def __call__(self, captions: List[str]) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-        from sd_training.families.sdxl import encode_prompts
-        from sd_training.objective import encode_text
-
-        device = next(self.encoders[0].parameters()).device
-        ids = [tok(captions, padding="max_length", truncation=True, max_length=tok.model_max_length,
-                   return_tensors="pt").input_ids.to(device) for tok in self.tokenizers]
-        if self.family == "sdxl":
-            states, pooled = encode_prompts(*self.encoders, *ids, int(self.tokenizers[0].eos_token_id))
-            return states.cpu().numpy(), pooled.cpu().numpy()
-        return encode_text(self.encoders[0], ids[0]).cpu().numpy(), None
-
-
 def pipeline_family(args) -> str:
-    """sd | sdxl: ``--family``, else the pipeline's model_index.json (a vae folder alone: sd)."""
-    if args.family != "auto":
-        return args.family
-    index = Path(args.pipeline) / "model_index.json"
-    if index.is_file() and json.loads(index.read_text()).get("_class_name") == "StableDiffusionXLPipeline":
-        return "sdxl"
-    return "sd"
+    """The family's name: ``--family``, else from the pipeline's model_index.json (the registry's
+    detection; a folder without one: the default family)."""
+    from sd_training.config import ConfigError
+    from sd_training.families.registry import DEFAULT_FAMILY, detect_source
+
+    try:
+        return detect_source(args.family, args.pipeline, must=False, family_key="--family",
+                             source_key="--pipeline") or DEFAULT_FAMILY
+    except ConfigError as exn:
+        raise SystemExit(f"precompute_latents: {exn}") from None
 
 
 def load_models(args, device: torch.device):
-    """The VAE (and the caption encoder), frozen, and a fingerprint of the VAE's weights."""
+    """The VAE (and the family's caption encoder, ``Family.text_encoding``), frozen, and a fingerprint of
+    the VAE's weights."""
     from diffusers import AutoencoderKL
 
     from sd_training.loading import load_component
@@ -147,33 +130,11 @@ def load_models(args, device: torch.device):
     vae = vae.to(device).eval().requires_grad_(False)
     encoder = None
     if args.text_embeddings:
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-        from sd_training.text_encoders import apply_clip_skip
-
-        family = pipeline_family(args)
-        tokenizer = load_component(CLIPTokenizer.from_pretrained, args.pipeline, "tokenizer", "--pipeline (tokenizer/)")
-        text_encoder = load_component(CLIPTextModel.from_pretrained, args.pipeline, "text_encoder", "--pipeline (text_encoder/)")
-        if family == "sd":
-            apply_clip_skip(text_encoder, args.clip_skip)
-        elif args.clip_skip or args.max_length:
-            raise SystemExit("precompute_latents: SDXL conditions on both encoders' penultimate layers at 77 tokens: "
-                             "--clip-skip and --max-length do not apply")
-        # As the training's text encoder (model.text_encoder.clip_skip / max_length) would see the caption.
-        limit = text_encoder.config.max_position_embeddings
-        if args.max_length is not None:
-            if args.max_length > limit:
-                raise SystemExit(f"precompute_latents: --max-length {args.max_length} exceeds the text encoder's {limit} positions")
-            tokenizer.model_max_length = args.max_length
-        elif tokenizer.model_max_length > limit:  # a tokenizer saved without it reports a huge sentinel
-            tokenizer.model_max_length = limit
-        tokenizers, encoders = [tokenizer], [text_encoder]
-        if family == "sdxl":
-            tokenizers.append(load_component(CLIPTokenizer.from_pretrained, args.pipeline, "tokenizer_2",
-                                             "--pipeline (tokenizer_2/)"))
-            encoders.append(load_component(CLIPTextModelWithProjection.from_pretrained, args.pipeline, "text_encoder_2",
-                                           "--pipeline (text_encoder_2/)"))
-        encoder = CaptionEncoder(family, tokenizers, [e.to(device).eval().requires_grad_(False) for e in encoders])
+        family = FAMILIES[pipeline_family(args)]
+        try:  # as the training's text encoder (model.text_encoder.clip_skip / max_length) would see the caption
+            encoder = family.text_encoding(args.pipeline, device, clip_skip=args.clip_skip, max_length=args.max_length)
+        except (ValueError, NotImplementedError) as exn:
+            raise SystemExit(f"precompute_latents: --clip-skip / --max-length / --family: {exn}") from None
     return vae, fingerprint.hexdigest(), encoder
 
 
@@ -312,7 +273,7 @@ class ShardWriter:
             return 0
         dtype = DTYPES[self.args.dtype]
         mean, std = encode_images(self.vae, to_pixel_values(np.stack([s["pixels"] for s in batch])), self.scale)
-        texts, pooled = self.encoder([s["caption"] for s in batch]) if self.encoder else (None, None)
+        texts, pooled = self.encoder.encode([s["caption"] for s in batch]) if self.encoder else (None, None)
         n = 0
         for i, s in enumerate(batch):
             index, self.encoded = self.encoded, self.encoded + 1
@@ -332,7 +293,7 @@ class ShardWriter:
                 continue
             key = s["key"]
             meta = dict(s["meta"])
-            # SDXL's micro-conditioning of this crop: (h, w) of the source, (y, x) of the crop, (h, w) out.
+            # The size micro-conditioning of this crop: (h, w) of the source, (y, x) of the crop, (h, w) out.
             meta.update(latent_scaling_factor=self.scale, latent_store=self.args.store,
                         **{k: list(s[k]) for k in SIZE_FIELDS})
             _add(self.tar, f"{key}.latents.npy", npy_bytes(arr), self.mtime)
@@ -371,7 +332,7 @@ class ShardWriter:
 PROVENANCE = ("input", "vae_source", "text_encoder_source", "batch_size", "workers", "device")
 
 
-def make_info(args, vae, fingerprint: str, names: List[str], encoder: Optional[CaptionEncoder], text_shape,
+def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape,
               pooled_shape=None) -> Dict[str, Any]:
     from sd_training.data.latents import EMPTY_TEXT_FILE, FORMAT, FORMAT_VERSION
 
@@ -399,8 +360,8 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder: Optional[C
         "text_embeddings": bool(args.text_embeddings),
         "text_shape": list(text_shape) if text_shape else None,
         "pooled_shape": list(pooled_shape) if pooled_shape else None,
-        # None for SD (folders written before SDXL support resume unchanged)
-        "text_family": "sdxl" if encoder is not None and encoder.family == "sdxl" else None,
+        # The family's layout tag (Family.text_storage_tag; None: the single-encoder layout of older folders)
+        "text_family": encoder.tag if encoder is not None else None,
         "clip_skip": args.clip_skip if args.text_embeddings else None,
         "empty_text_file": EMPTY_TEXT_FILE if args.text_embeddings else None,
         "shards": names,
@@ -477,7 +438,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     vae, fingerprint, encoder = load_models(args, device)
     scale = float(vae.config.scaling_factor)
-    empty, empty_pooled = encoder([""]) if encoder is not None else (None, None)
+    empty, empty_pooled = encoder.encode([""]) if encoder is not None else (None, None)
     empty = empty[0] if empty is not None else None
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -502,7 +463,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     for k in todo:
         by_source.setdefault(units[k][0], []).append((units[k][1], names[k]))
     models = (vae, encoder)
-    max_len = encoder.tokenizers[0].model_max_length if encoder is not None else 77
+    max_len = encoder.max_length if encoder is not None else 77
     with tqdm(total=len(todo), unit="shard", desc=f"latents rank {rank}", disable=args.no_progress) as bar:
         for src, shards in by_source.items():
             data = ShardSamples(sources[src], params, shards, max_len)

@@ -55,7 +55,7 @@ def build(out: Path, work: Path, overrides: list[str]) -> dict:
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     val = [r["val/loss"] for r in rows if "val/loss" in r]
     provenance = {
-        "what": "the quickstart's VAE (AutoencoderKL, sd_training.tiny.TINY_VAE), trained by sd-training's autoencoder stage",
+        "what": "the quickstart's VAE (AutoencoderKL, sd_training.families.tiny.TINY_VAE), trained by sd-training's autoencoder stage",
         "rebuild": "python scripts/train_quickstart_vae.py (--check compares a rebuild with these bytes)",
         "config": str(CONFIG.relative_to(ROOT)),
         "overrides": overrides,

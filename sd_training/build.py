@@ -18,7 +18,6 @@ from .families import registry
 from .families.base import Family
 from .loading import load_component
 from .memory_plan import as_dicts, format_plan, memory_plan
-from .models import component_sources
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
 from .precision import autocast_dtype
@@ -56,7 +55,7 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     seed_everything(cfg.system.seed + info.rank)
     family = registry.create(cfg, device, cfg.system.seed, info.is_main)
     if info.is_main:  # the run folder says where its components came from
-        sources = component_sources(cfg.model)
+        sources = family.component_sources()
         run_dir.sources.write_text(json.dumps(sources, indent=1) + "\n")
         for name, entry in sources.items():
             if "provenance" in entry:

@@ -26,7 +26,7 @@ def _build_atomically(final: Path, build) -> None:
 
 def prepare(cfg: QuickstartConfig, is_main: bool) -> None:
     if is_main and cfg.tiny_pipeline and not (Path(cfg.tiny_pipeline) / "model_index.json").exists():
-        from .tiny import make_tiny_pipeline
+        from .families.tiny import make_tiny_pipeline
 
         log.info("building the tiny random-weight pipeline in %s", cfg.tiny_pipeline)
         _build_atomically(Path(cfg.tiny_pipeline), make_tiny_pipeline)

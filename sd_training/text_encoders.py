@@ -27,9 +27,13 @@ from __future__ import annotations
 
 import copy
 import difflib
+import gzip
+import importlib.util
+import json
 import logging
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -39,7 +43,6 @@ from .export import unwrap
 from .loading import load_component as _load
 from .optim import param_groups
 from .precision import DTYPES, frozen_text_dtype
-from .tiny import build_clip_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,85 @@ TYPES = ("clip", "open_clip")
 CLIP_SKIP_KEY = "sd_training_clip_skip"
 CLIP_VOCAB_SIZE = 49408  # the BPE vocabulary of OpenAI CLIP and of open_clip's default tokenizer
 OPEN_CLIP_PAD = "!"  # id 0: open_clip pads with 0, and SD 2's tokenizer does the same
+
+
+# ----------------------------------------------------------------------------------------------
+# CLIP's tokenizer, built offline from the BPE file open_clip ships
+# ----------------------------------------------------------------------------------------------
+
+# CLIP's byte-level BPE: 256 byte tokens, the same 256 with the end-of-word marker, the merges,
+# then the two special tokens. 49,408 entries in all for the stock merges file.
+_BPE_FILE = "bpe_simple_vocab_16e6.txt.gz"
+_N_MERGES = 49152 - 256 - 2  # open_clip's SimpleTokenizer keeps this many merge lines
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The reversible byte -> printable-unicode table GPT-2 and CLIP use for byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def clip_bpe_path() -> Path:
+    """Path of the CLIP BPE merges file that open_clip ships (found without importing open_clip)."""
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("open_clip_torch is not installed; it ships the CLIP BPE file we build the tokenizer from")
+    path = Path(list(spec.submodule_search_locations)[0]) / _BPE_FILE
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing from the open_clip_torch install")
+    return path
+
+
+def write_clip_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 77, pad_token: str = "<|endoftext|>") -> Path:
+    """Write a transformers ``CLIPTokenizer`` folder (vocab.json, merges.txt, configs) to ``out_dir``.
+
+    Its ids equal OpenAI CLIP's and open_clip's ("a photo of a cat" -> 49406 320 1125 539 320 2368 49407).
+    ``pad_token``: CLIP pads with the end token; SDXL's second tokenizer (OpenCLIP's) pads with "!" (id 0).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with gzip.open(clip_bpe_path(), "rt", encoding="utf-8") as f:
+        merges = f.read().split("\n")[1 : _N_MERGES + 1]
+    merges = [tuple(m.split()) for m in merges]
+    vocab = list(_bytes_to_unicode().values())
+    vocab = vocab + [v + "</w>" for v in vocab]
+    vocab.extend("".join(m) for m in merges)
+    vocab.extend(["<|startoftext|>", "<|endoftext|>"])
+    (out / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab)}, ensure_ascii=False))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n", encoding="utf-8")
+    special = {
+        "bos_token": "<|startoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": pad_token,
+    }
+    (out / "special_tokens_map.json").write_text(json.dumps(special))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "CLIPTokenizer", "model_max_length": model_max_length, **special})
+    )
+    return out
+
+
+def build_clip_tokenizer(cache_dir: str | os.PathLike | None = None, model_max_length: int = 77,
+                         pad_token: str = "<|endoftext|>"):
+    """A ``CLIPTokenizer`` built offline; files are written to ``cache_dir`` (a temp dir if None)."""
+    import tempfile
+
+    from transformers import CLIPTokenizer
+
+    folder = Path(cache_dir) if cache_dir else Path(tempfile.mkdtemp(prefix="clip_tokenizer_"))
+    if not (folder / "vocab.json").exists():
+        write_clip_tokenizer(folder, model_max_length, pad_token)
+    # Load from the folder: passing vocab/merges paths as keyword arguments silently builds a broken
+    # tokenizer in transformers 5 (see shared/notes/environment.md).
+    return CLIPTokenizer.from_pretrained(str(folder))
 
 
 def _error(message: str) -> ValueError:
@@ -221,6 +303,11 @@ def apply_clip_skip(text_encoder, clip_skip: int):
         text_encoder.config.num_hidden_layers = len(layers) - drop
     setattr(text_encoder.config, CLIP_SKIP_KEY, clip_skip)
     return text_encoder
+
+
+def clip_skip_of(text_encoder) -> int:
+    """The clip skip the encoder's layers reflect (1: the last layer, also for an encoder that records none)."""
+    return max(int(getattr(text_encoder.config, CLIP_SKIP_KEY, 0) or 0), 1)
 
 
 def open_clip_tokenizer(context_length: int = 77):

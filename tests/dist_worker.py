@@ -32,7 +32,7 @@ def main(out: str, argv: list[str]) -> None:
         ids = t.models.tokenizer(captions, padding="max_length", max_length=t.models.tokenizer.model_max_length,
                                  truncation=True, return_tensors="pt").input_ids
         extra = {}
-        if t.models.tokenizer_2 is not None:  # SDXL: the second tokenizer's ids (sizes: the trained resolution)
+        if getattr(t.models, "tokenizer_2", None) is not None:  # SDXL: the second tokenizer's ids (sizes: the trained resolution)
             tok = t.models.tokenizer_2
             extra["input_ids_2"] = tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True,
                                        return_tensors="pt").input_ids

@@ -252,24 +252,27 @@ def test_config_checks(latent_dir, tmp_path):
 def test_shards_made_for_other_models_are_refused(latent_dir, shapes_shards, models):
     import copy
 
-    from sd_training.data.latents import check_latents_match
-    from sd_training.text_encoders import apply_clip_skip
+    from sd_training.data.latents import StoredText, check_latents_match
+    from sd_training.text_encoders import apply_clip_skip, clip_skip_of
+
+    def text(te, tok):  # what the SD family expects of stored text (StableDiffusion.stored_text)
+        return StoredText(int(tok.model_max_length), int(te.config.hidden_size), clip_skip_of(te))
 
     vae, te = models
     lat = latent_loader(latent_dir, text_embeddings=True)
     assert lat.latents_info["count"] == 128
-    check_latents_match(lat, vae, te, tokenizer())  # the models that made them
+    check_latents_match(lat, vae, text(te, tokenizer()))  # the models that made them
     check_latents_match(image_loader(shapes_shards), None)  # image data: nothing to check
     other = copy.deepcopy(vae)
     other.register_to_config(scaling_factor=0.13025)
     with pytest.raises(DatasetConfigError, match=r"scaling factor 0.18215 \(the run's VAE: 0.13025\)"):
         check_latents_match(lat, other)
     with pytest.raises(DatasetConfigError, match="clip_skip 1 .*: 2"):
-        check_latents_match(lat, vae, apply_clip_skip(copy.deepcopy(te), 2), tokenizer())
+        check_latents_match(lat, vae, text(apply_clip_skip(copy.deepcopy(te), 2), tokenizer()))
     short = copy.deepcopy(tokenizer())
     short.model_max_length = 64
     with pytest.raises(DatasetConfigError, match=r"shape \[77, 64\] .*\[64, 64\]"):
-        check_latents_match(lat, vae, te, short)
+        check_latents_match(lat, vae, text(te, short))
 
 
 def test_bucketed_latent_shards_equal_the_online_encoding_of_bucketed_images(tmp_path, tiny_pipeline, models):

@@ -19,7 +19,7 @@ from sd_training.objective import (
     training_target,
     validate_objective_config,
 )
-from sd_training.tiny import SD_SCHEDULER
+from sd_training.families.tiny import SD_SCHEDULER
 
 
 def ddpm(**over):

@@ -30,7 +30,7 @@ from sd_training.objective import (
     sample_timesteps,
     stream_seed,
 )
-from sd_training.tiny import SD_SCHEDULER
+from sd_training.families.tiny import SD_SCHEDULER
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

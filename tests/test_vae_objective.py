@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def vae():
     from diffusers import AutoencoderKL
 
-    from sd_training.tiny import TINY_VAE
+    from sd_training.families.tiny import TINY_VAE
 
     torch.manual_seed(0)
     return AutoencoderKL(**TINY_VAE).eval()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..data.checks import check_dataset_inputs
 from ..families import options, registry
-from ..models import check_unet_params
+from ..families.unet_components import check_unet_params
 from ..objective import validate_objective_config
 from ..text_encoders import validate_text_encoder_config
 from .loading import parse

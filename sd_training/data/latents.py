@@ -9,16 +9,19 @@ named as WebDataset expects (the key ends at the first dot):
   ``KEY.txt``          the caption as the image path reads it (stripped), otherwise unmodified
   ``KEY.json``         the sample's original metadata + ``latent_scaling_factor`` and ``latent_store``
   ``KEY.cls``          the class index, when the input had one (``idx_to_prompt`` datasets)
-  ``KEY.text.npy``     with ``--text-embeddings``: the text encoder's last hidden state [L, D] of KEY.txt
-                       (SDXL: both encoders' penultimate states concatenated, [L, D1 + D2])
-  ``KEY.pooled.npy``   SDXL with ``--text-embeddings``: the second encoder's pooled embedding [P]
+  ``KEY.text.npy``     with ``--text-embeddings``: the family's text conditioning of KEY.txt, [L, D] (one
+                       CLIP encoder: its last hidden state; two: both encoders' states concatenated)
+  ``KEY.pooled.npy``   with ``--text-embeddings``, for a family conditioned on a pooled embedding too: [P]
+
+What the text arrays hold is the family's (``Family.text_encoding``; ``latents_info.json``'s
+``text_family`` names the layout); this module stores, reads and checks them without knowing it.
 
 ``KEY.json`` also holds the crop's size conditioning (``original_size``, ``crop_top_left``,
-``target_size``, as lists), which batches carry as the image path's do (SDXL conditions on them).
+``target_size``, as lists), which batches carry as the image path's do (size micro-conditioning).
 
 and next to the shards: ``latents_info.json`` (the settings, the scaling factor, counts; see the
 script), ``sizes.json`` ({shard: samples}) and, with text embeddings, ``empty.text.npy``: the embedding
-of the empty caption (SDXL: zeros, and ``empty.pooled.npy``). Storing scaled values costs nothing (a scale is exact to the dtype's precision)
+of the empty caption (and ``empty.pooled.npy`` with pooled embeddings). Storing scaled values costs nothing (a scale is exact to the dtype's precision)
 and means the reader never needs the VAE: s * (mean + std * eps) = s * mean + (s * std) * eps.
 
 Reading: the same sources, stream, shuffle buffer, resume position and counters as the image path;
@@ -39,12 +42,12 @@ from __future__ import annotations
 import io
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
 from ..config.dataset import DatasetConfigError
-from ..text_encoders import CLIP_SKIP_KEY
 from .samples import SIZE_FIELDS, SampleProcessor
 from .sources import REMOTE, ShardError, WebDatasetSource, iter_tar_samples, open_stream
 from .stats import Stats, log
@@ -58,6 +61,9 @@ INFO_FILE = "latents_info.json"
 EMPTY_TEXT_FILE = "empty.text.npy"
 EMPTY_POOLED_FILE = "empty.pooled.npy"
 STORES = ("mean_std", "sample")
+# The batch keys of stored text conditioning (the family reads them: ``Family.condition``).
+TEXT_STATES_KEY = "encoder_hidden_states"
+POOLED_KEY = "pooled_text_embeds"
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -189,7 +195,7 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
                         raise DatasetConfigError(f"{sibling(src.units[0], EMPTY_POOLED_FILE)}: {exn}") from exn
                 elif float(params.caption_dropout) > 0:
                     raise DatasetConfigError(
-                        f"dataset.params.caption_dropout with SDXL text_embeddings needs "
+                        f"dataset.params.caption_dropout with pooled text_embeddings needs "
                         f"{sibling(src.units[0], EMPTY_POOLED_FILE)} (written by scripts/precompute_latents.py)")
         if not info.get("complete", False):
             log.warning("data: %s says the precompute of %s has not finished: training on the shards written so far",
@@ -203,12 +209,23 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
     return next(iter(factors.values())) if factors else None
 
 
-def check_latents_match(loader, vae, text_encoder=None, tokenizer=None, text_width: Optional[int] = None,
-                        family: Optional[str] = None) -> None:
+@dataclass(frozen=True)
+class StoredText:
+    """The text conditioning a run expects in latent shards, as its family says (``Family.stored_text``):
+    ``length`` tokens x ``width`` channels of states, made with ``clip_skip`` (1: the last layer), in the
+    layout ``tag`` (``latents_info.json``'s ``text_family``: which family's conditioning; None for shards
+    of one encoder's states and no pooled embedding, the layout written before the field existed)."""
+
+    length: int
+    width: int
+    clip_skip: int = 1
+    tag: Optional[str] = None
+
+
+def check_latents_match(loader, vae, text: Optional[StoredText] = None) -> None:
     """Refuse latent shards made for other models than the run's: the VAE's scaling factor and latent
-    channels, and (when the batches carry stored text embeddings) their width (``text_width``: the
-    run's conditioning width, default the text encoder's hidden size), the token count, the clip skip and
-    the family they were made for (``family``: sdxl shards store the pooled embedding too). Raises :class:`DatasetConfigError`; a no-op for image data."""
+    channels, and (when the batches carry stored text embeddings and ``text`` is given) their shape, clip
+    skip and layout. Raises :class:`DatasetConfigError`; a no-op for image data."""
     info = getattr(loader, "latents_info", None)
     if loader.kind != "latents" or info is None:
         return
@@ -218,19 +235,17 @@ def check_latents_match(loader, vae, text_encoder=None, tokenizer=None, text_wid
         problems.append(f"scaling factor {info['latent_scaling_factor']} (the run's VAE: {scale})")
     if int(info["latent_channels"]) != int(vae.config.latent_channels):
         problems.append(f"{info['latent_channels']} latent channels (the run's VAE: {vae.config.latent_channels})")
-    if loader.proc.text_embeddings and text_encoder is not None:
-        want = [int(tokenizer.model_max_length) if tokenizer is not None else int(info["text_shape"][0]),
-                int(text_width or text_encoder.config.hidden_size)]
+    if loader.proc.text_embeddings and text is not None:
+        want = [int(text.length), int(text.width)]
         if list(info["text_shape"]) != want:
             problems.append(f"text embeddings of shape {info['text_shape']} (the run's text encoder: {want})")
-
         have = max(int(info.get("clip_skip") or 0), 1)
-        run = max(int(getattr(text_encoder.config, CLIP_SKIP_KEY, 0) or 0), 1)
-        if have != run:
-            problems.append(f"text embeddings with clip_skip {have} (the run's text encoder: {run})")
-        made_for = info.get("text_family") or "sd"
-        if family is not None and made_for != family:
-            problems.append(f"text embeddings of a {made_for} pipeline (this run trains {family})")
+        if have != text.clip_skip:
+            problems.append(f"text embeddings with clip_skip {have} (the run's text encoder: {text.clip_skip})")
+        made_for = info.get("text_family")
+        if made_for != text.tag:
+            problems.append(f"text embeddings in the {made_for or 'single-encoder'} layout (this run's family reads "
+                            f"the {text.tag or 'single-encoder'} layout)")
     if problems:
         raise DatasetConfigError(
             f"dataset.params.path: these latent shards were made for other models: {'; '.join(problems)}. "
@@ -242,9 +257,9 @@ class LatentSampleProcessor(SampleProcessor):
     """Latent samples: ``select`` as for images (metadata, filters, captions), then ``process`` decodes the
     stored arrays instead of an image, and ``collate`` stacks ``latents`` (and ``encoder_hidden_states``).
 
-    Given several tokenizers (SDXL's pair) batches carry ``input_ids_2`` as the image path's do; the
-    size fields come from each sample's json (written by the precompute script); SDXL text embeddings
-    add ``pooled_text_embeds``."""
+    Given several tokenizers, batches carry ``input_ids_2``, ... as the image path's do; the size fields
+    come from each sample's json (written by the precompute script); stored pooled embeddings add
+    ``pooled_text_embeds``."""
 
     missing_payload = "missing_latents"
 
@@ -385,7 +400,7 @@ class LatentSampleProcessor(SampleProcessor):
             if all(name in s["sizes"] for s in samples):
                 batch[name] = torch.tensor([s["sizes"][name] for s in samples], dtype=torch.int64)
         if self.text_embeddings:
-            batch["encoder_hidden_states"] = torch.from_numpy(np.stack([s["text"] for s in samples]))
+            batch[TEXT_STATES_KEY] = torch.from_numpy(np.stack([s["text"] for s in samples]))
             if all(s["pooled"] is not None for s in samples):
-                batch["pooled_text_embeds"] = torch.from_numpy(np.stack([s["pooled"] for s in samples]))
+                batch[POOLED_KEY] = torch.from_numpy(np.stack([s["pooled"] for s in samples]))
         return batch

@@ -78,8 +78,11 @@ class Autoencoder(Family):
         validate_vae_stage(cfg)
 
     def frozen_modules(self) -> list[torch.nn.Module]:
-        m = self.models
-        return [x for x in (m.unet, m.text_encoder, m.text_encoder_2) if x is not None]
+        # The UNet, then the pipeline family's frozen modules but the VAE (it trains here).
+        return [self.models.unet] + self.base.frozen_modules()
+
+    def component_sources(self) -> dict:
+        return self.base.component_sources()
 
     def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
         pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))

@@ -4,7 +4,9 @@ The trainer (``loop.py``), checkpointing, the strategies and the export code nam
 a :class:`Family` and call the methods below. A family is one module (``sd.py``, ``sdxl.py``,
 ``autoencoder.py``) that says how its components are built from ``model.*``, which module trains, how a
 batch becomes a loss (its conditioning included), what the exported diffusers pipeline is, how samples
-are made, and its FLOPs per image for MFU.
+are made, and its FLOPs per image for MFU; and, with no run (classmethods), its tiny random-weight
+pipeline (:meth:`Family.make_tiny_pipeline`) and how its captions are stored in latent shards
+(:meth:`Family.text_encoding`). Adding a family is its module and one line in ``registry.FAMILIES``.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import abc
 import contextlib
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 from PIL import Image
 
 from ..config import TrainConfig
+from ..data.latents import StoredText
 from ..flops import StepFlops
 
 
@@ -38,6 +42,33 @@ class SampleSettings(NamedTuple):
     guidance: float
     resolution: int
     dtype: torch.dtype | None  # autocast dtype of sampling (None: fp32)
+
+
+class TextEncoding:
+    """How a family's captions become the text conditioning latent shards store
+    (``scripts/precompute_latents.py --text-embeddings``): the tensors its training computes online.
+
+    ``encode(captions)`` gives (states [B, L, D], pooled [B, P] or None) as float32 numpy: the shards'
+    ``text.npy`` and ``pooled.npy`` members (``data/latents.py``). ``tag`` is what ``latents_info.json``
+    records as ``text_family`` (:meth:`Family.text_storage_tag`), so a run of another family refuses them.
+    ``encode_ids(encoders, ids)``: the family's own conditioning from each tokenizer's ids."""
+
+    def __init__(self, tag: str | None, tokenizers: Sequence, encoders: Sequence[torch.nn.Module],
+                 encode_ids: Callable[[Sequence[torch.nn.Module], list[torch.Tensor]], tuple]):
+        self.tag, self.tokenizers, self.encoders, self._encode_ids = tag, list(tokenizers), list(encoders), encode_ids
+
+    @property
+    def max_length(self) -> int:
+        """Tokens per caption of the first tokenizer."""
+        return int(self.tokenizers[0].model_max_length)
+
+    @torch.no_grad()
+    def encode(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
+        device = next(self.encoders[0].parameters()).device
+        ids = [tok(captions, padding="max_length", truncation=True, max_length=tok.model_max_length,
+                   return_tensors="pt").input_ids.to(device) for tok in self.tokenizers]
+        states, pooled = self._encode_ids(self.encoders, ids)
+        return states.float().cpu().numpy(), None if pooled is None else pooled.float().cpu().numpy()
 
 
 class Family(abc.ABC):
@@ -109,6 +140,14 @@ class Family(abc.ABC):
     def check_data(self, loader) -> None:
         """Refuse data made for other models (latent shards of another VAE or text encoder)."""
 
+    def stored_text(self) -> StoredText | None:
+        """What this run expects of text conditioning stored in latent shards; None: it reads none."""
+        return None
+
+    def component_sources(self) -> dict:
+        """Where each component came from, for the run folder's sources.json."""
+        return {}
+
     def step_flops(self) -> StepFlops | None:
         """FLOPs per training image (for MFU); None where MFU is not defined."""
         return None
@@ -127,3 +166,24 @@ class Family(abc.ABC):
         """Images ``rank``, ``rank + world_size``, ... of ``n`` eval images from ``settings.prompts``.
         Called only when ``makes_eval_images``; a family without eval images makes none."""
         return []
+
+    # -- with no run: tiny pipelines, latent shards -------------------------------------------------
+    @classmethod
+    def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
+        """Save a tiny random-weight pipeline of this family to ``out`` and return it; weights from torch's
+        RNG (``families.tiny.make_tiny_pipeline`` seeds it); ``scaling_factor``: the VAE's (None: the
+        family's usual one)."""
+        raise NotImplementedError(f"the {cls.name or cls.__name__} family has no tiny pipeline")
+
+    @classmethod
+    def text_storage_tag(cls) -> str | None:
+        """``text_family`` in ``latents_info.json``: which family's text conditioning the shards hold."""
+        return cls.name
+
+    @classmethod
+    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
+                      max_length: int | None = None) -> TextEncoding:
+        """The frozen text encoders of the pipeline folder ``pipeline`` on ``device``, as latent shards store
+        their output. ``clip_skip`` / ``max_length``: as ``model.text_encoder`` would set them (0 / None:
+        the pipeline's own); a family raises ``ValueError`` for settings it cannot apply."""
+        raise NotImplementedError(f"the {cls.name or cls.__name__} family stores no text embeddings")

@@ -16,6 +16,7 @@ from .sdxl import StableDiffusionXL
 
 # model.family -> the family; adding one is a module and a line here.
 FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL}
+DEFAULT_FAMILY = "sd"  # the family of components set one by one (no pipeline root to read)
 
 
 def _model_index(src: str) -> dict | None:
@@ -36,27 +37,34 @@ def _model_index(src: str) -> dict | None:
 
 def detect(cfg: ModelConfig, must: bool = True) -> str | None:
     """The pipeline family's name: ``model.family``, else from the pipeline's model_index.json, else
-    ``sd`` when there is no pipeline root (components set one by one). ``must=False``: None when the
-    pipeline cannot be read yet (the quickstart builds it at start-up)."""
-    if cfg.family != "auto":
-        if cfg.family not in FAMILIES:
-            raise ConfigError(f"'model.family' is '{cfg.family}', expected auto or one of {', '.join(FAMILIES)}")
-        return cfg.family
-    if not cfg.pretrained:
-        return "sd"
-    index = _model_index(cfg.pretrained)
+    the default family when there is no pipeline root (components set one by one). ``must=False``: None
+    when the pipeline cannot be read yet (the quickstart builds it at start-up)."""
+    return detect_source(cfg.family, cfg.pretrained, must)
+
+
+def detect_source(family: str, pretrained: str | None, must: bool = True, family_key: str = "model.family",
+                  source_key: str = "model.pretrained") -> str | None:
+    """:func:`detect` for a family name (``auto`` or a registry name) and a pipeline source given outside a
+    config (a script's arguments: ``family_key`` and ``source_key`` name them in errors)."""
+    if family != "auto":
+        if family not in FAMILIES:
+            raise ConfigError(f"'{family_key}' is '{family}', expected auto or one of {', '.join(FAMILIES)}")
+        return family
+    if not pretrained:
+        return DEFAULT_FAMILY
+    index = _model_index(pretrained)
     if index is None:
         if not must:
             return None
-        raise ConfigError(f"'model.family=auto' cannot read the model_index.json of model.pretrained={cfg.pretrained}: "
-                          f"set model.family to one of {', '.join(FAMILIES)}")
+        raise ConfigError(f"'{family_key}=auto' cannot read the model_index.json of {source_key}={pretrained}: "
+                          f"set {family_key} to one of {', '.join(FAMILIES)}")
     name = index.get("_class_name", "")
-    for family, cls in FAMILIES.items():
+    for family_name, cls in FAMILIES.items():
         if name in cls.pipeline_classes:
-            return family
-    raise ConfigError(f"model.pretrained={cfg.pretrained} is a {name or 'pipeline without _class_name'}, which no "
+            return family_name
+    raise ConfigError(f"{source_key}={pretrained} is a {name or 'pipeline without _class_name'}, which no "
                       f"family trains (known: {', '.join(c for f in FAMILIES.values() for c in f.pipeline_classes)}); "
-                      "set model.family if it is one of them under another name")
+                      f"set {family_key} if it is one of them under another name")
 
 
 def validate(cfg: TrainConfig) -> None:

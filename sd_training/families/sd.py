@@ -15,17 +15,28 @@ from PIL import Image
 
 from ..config import TrainConfig
 from ..config.dataset import is_latent_type
-from ..data.latents import check_latents_match
+from ..data.latents import TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
 from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
 from ..flops import StepFlops, count_step_flops
-from ..models import build_models
+from ..loading import load_component
 from ..objective import configure_schedulers, diffusion_loss, encode_images, encode_text
-from ..text_encoders import text_encoder_for_pipeline, text_encoder_param_groups
-from .base import Family, LossOut, SampleSettings
+from ..text_encoders import (
+    apply_clip_skip,
+    build_clip_tokenizer,
+    clip_skip_of,
+    text_encoder_for_pipeline,
+    text_encoder_param_groups,
+)
+from .base import Family, LossOut, SampleSettings, TextEncoding
+from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
+from .unet_components import build_models, component_sources
 
 log = logging.getLogger(__name__)
+
+SCALING_FACTOR = 0.18215  # SD 1.x/2.x's VAE
+
 
 def is_latent_data(cfg: TrainConfig) -> bool:
     return is_latent_type(cfg.dataset.type)
@@ -119,9 +130,7 @@ class StableDiffusion(Family):
         return {"text_encoder": self.models.text_encoder} if self.cfg.model.text_encoder.train else {}
 
     def frozen_modules(self) -> list[torch.nn.Module]:
-        m = self.models
-        mods = [m.vae] + [e for e in (m.text_encoder, m.text_encoder_2) if e is not None]
-        return [x for x in mods if not any(p.requires_grad for p in x.parameters())]
+        return [x for x in (self.models.vae, self.models.text_encoder) if not any(p.requires_grad for p in x.parameters())]
 
     def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
         o = self.cfg.optimizer
@@ -131,8 +140,8 @@ class StableDiffusion(Family):
     # -- the step ---------------------------------------------------------------------------------
     def condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, dict | None]:
         """The UNet's conditioning of a batch on the device: cross-attention states, added kwargs."""
-        if "encoder_hidden_states" in batch:  # precomputed text-encoder outputs (latent shards)
-            return batch["encoder_hidden_states"].to(self.device, non_blocking=True).float(), None
+        if TEXT_STATES_KEY in batch:  # precomputed text-encoder outputs (latent shards)
+            return batch[TEXT_STATES_KEY].to(self.device, non_blocking=True).float(), None
         encoder = self.models.text_encoder if validation else self._encoders.get("text_encoder", self.models.text_encoder)
         return encode_text(encoder, batch["input_ids"].to(self.device, non_blocking=True)), None
 
@@ -186,7 +195,15 @@ class StableDiffusion(Family):
     def check_data(self, loader) -> None:
         if is_latent_data(self.cfg):
             # Shards made with another VAE, scaling factor or text encoder would train silently wrong.
-            check_latents_match(loader, self.models.vae, self.models.text_encoder, self.models.tokenizer, family="sd")
+            check_latents_match(loader, self.models.vae, self.stored_text())
+
+    def stored_text(self) -> StoredText:
+        m = self.models
+        return StoredText(int(m.tokenizer.model_max_length), int(m.text_encoder.config.hidden_size),
+                          clip_skip_of(m.text_encoder), self.text_storage_tag())
+
+    def component_sources(self) -> dict:
+        return component_sources(self.cfg.model)
 
     def step_flops(self) -> StepFlops:
         # Counted once, on the meta device (no compute): model FLOPs = 3 x UNet forward per image;
@@ -221,3 +238,52 @@ class StableDiffusion(Family):
             return generate_images(pipe, settings.prompts, n, out, settings.seed, settings.steps, settings.guidance,
                                    settings.resolution, rank, world_size, batch_size=8, progress=False)
 
+    # -- with no run ------------------------------------------------------------------------------
+    @classmethod
+    def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
+        """A ``StableDiffusionPipeline`` in the 1.x layout (``families.tiny``'s sizes), DDIM for inference;
+        the training scheduler is built from ``scheduler/`` (DDPMScheduler.from_pretrained), as diffusers does."""
+        from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        scratch = tokenizer_folder(out, "tokenizer")
+        tokenizer = build_clip_tokenizer(scratch)
+        text_encoder = CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER))
+        vae = AutoencoderKL(**TINY_VAE, scaling_factor=scaling_factor or SCALING_FACTOR)
+        unet = UNet2DConditionModel(**TINY_UNET)
+        pipe = StableDiffusionPipeline(
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=DDIMScheduler(**SD_SCHEDULER),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+        return save(pipe, out, scratch)
+
+    @classmethod
+    def text_storage_tag(cls) -> str | None:
+        # None: the layout of shards written before latents_info.json named one (they keep loading).
+        return None
+
+    @classmethod
+    def load_text_encoder(cls, pipeline: str, device: torch.device, max_length: int | None = None):
+        """The pipeline folder's CLIP tokenizer and text encoder (frozen, on ``device``), the tokenizer cut
+        to ``max_length`` tokens (None: the encoder's positions) as ``model.text_encoder.max_length`` would."""
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        tokenizer = load_component(CLIPTokenizer.from_pretrained, pipeline, "tokenizer", "the pipeline's tokenizer/")
+        text_encoder = load_component(CLIPTextModel.from_pretrained, pipeline, "text_encoder", "the pipeline's text_encoder/")
+        limit = text_encoder.config.max_position_embeddings
+        if max_length is not None:
+            if max_length > limit:
+                raise ValueError(f"max_length {max_length} exceeds the text encoder's {limit} positions")
+            tokenizer.model_max_length = max_length
+        elif tokenizer.model_max_length > limit:  # a tokenizer saved without it reports a huge sentinel
+            tokenizer.model_max_length = limit
+        return tokenizer, text_encoder.to(device).eval().requires_grad_(False)
+
+    @classmethod
+    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
+                      max_length: int | None = None) -> TextEncoding:
+        """The text encoder's last hidden state (clip skip applied), as :meth:`condition` computes it."""
+        tokenizer, text_encoder = cls.load_text_encoder(pipeline, device, max_length)
+        apply_clip_skip(text_encoder, clip_skip)
+        return TextEncoding(cls.text_storage_tag(), [tokenizer], [text_encoder],
+                            lambda encoders, ids: (encode_text(encoders[0], ids[0]), None))

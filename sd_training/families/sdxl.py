@@ -20,24 +20,65 @@ user-supplied fp16-safe VAE through ``model.vae.pretrained`` with ``model.vae.dt
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..config import ConfigError, TrainConfig
-from ..data.latents import check_latents_match
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.samples import SIZE_FIELDS
 from ..export import unwrap
 from ..flops import StepFlops, count_step_flops, text_encode_flops
 from ..loading import load_component
-from ..models import build_models
 from ..precision import frozen_text_dtype
-from ..text_encoders import place_text_encoder, text_encoder_for_pipeline, text_encoder_param_groups, text_model_of
+from ..text_encoders import (
+    build_clip_tokenizer,
+    place_text_encoder,
+    text_encoder_for_pipeline,
+    text_encoder_param_groups,
+    text_model_of,
+)
+from .base import TextEncoding
 from .sd import StableDiffusion, is_latent_data
+from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
+from .unet_components import Models, build_models
 
 log = logging.getLogger(__name__)
 
 N_TIME_IDS = 6  # original (h, w), crop top-left (y, x), target (h, w)
+SCALING_FACTOR = 0.13025  # SDXL's VAE
+
+# The tiny pipeline: SDXL's layout at toy width: two text encoders whose hidden states are concatenated
+# (64 + 64 = 128 channels of cross-attention), the second with a projection whose pooled output joins the
+# six size / crop ids (8 channels each) in the added embedding: 64 + 6 x 8 = 112.
+TINY_TEXT_ENCODER_2 = dict(TINY_TEXT_ENCODER, pad_token_id=0)
+TINY_SDXL_UNET = dict(
+    TINY_UNET,  # the same sizes; SDXL's block order, linear projections and added conditioning
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    cross_attention_dim=TINY_TEXT_ENCODER["hidden_size"] + TINY_TEXT_ENCODER_2["hidden_size"],
+    attention_head_dim=(2, 4, 8),
+    transformer_layers_per_block=(1, 1, 1),
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=TINY_TEXT_ENCODER_2["projection_dim"] + N_TIME_IDS * 8,
+)
+# SDXL's scheduler: Euler with "leading" spacing; SD's betas (Euler takes no clip_sample / set_alpha_to_one).
+SDXL_SCHEDULER = dict(
+    {k: v for k, v in SD_SCHEDULER.items() if k not in ("clip_sample", "set_alpha_to_one")},
+    timestep_spacing="leading",
+)
+
+
+@dataclass
+class SDXLModels(Models):
+    """SD's components and SDXL's second text encoder (CLIPTextModelWithProjection) and tokenizer."""
+
+    text_encoder_2: torch.nn.Module | None = None
+    tokenizer_2: Any = None
 
 
 def time_ids(batch: dict, height: int, width: int) -> torch.Tensor:
@@ -124,8 +165,8 @@ class StableDiffusionXL(StableDiffusion):
             core = text_model_of(models.text_encoder)
             core.encoder.layers[-1].requires_grad_(False)
             core.final_layer_norm.requires_grad_(False)
-        models.text_encoder_2 = text_encoder_2
-        models.tokenizer_2 = tokenizer_2
+        models = SDXLModels(**{f.name: getattr(models, f.name) for f in fields(Models)}, text_encoder_2=text_encoder_2,
+                            tokenizer_2=tokenizer_2)
         unet = unwrap(models.unet)
         if unet.config.get("addition_embed_type") != "text_time":
             raise ConfigError(f"the UNet of {cfg.unet.pretrained or cfg.pretrained} is not an SDXL UNet "
@@ -151,6 +192,10 @@ class StableDiffusionXL(StableDiffusion):
         m = self.models
         return {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2} if self.cfg.model.text_encoder.train else {}
 
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        second = self.models.text_encoder_2
+        return super().frozen_modules() + ([] if any(p.requires_grad for p in second.parameters()) else [second])
+
     def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
         groups = super().extra_param_groups(peak_lr, lr_scale)
         o = self.cfg.optimizer
@@ -162,12 +207,12 @@ class StableDiffusionXL(StableDiffusion):
         dev = self.device
         res = self.cfg.dataset.params.resolution
         ids = time_ids(batch, res, res).to(dev, non_blocking=True)
-        if "encoder_hidden_states" in batch:  # precomputed (latent shards with --text-embeddings)
-            if "pooled_text_embeds" not in batch:
-                raise ValueError("the batch has stored text embeddings but no pooled_text_embeds: these latent shards "
+        if TEXT_STATES_KEY in batch:  # precomputed (latent shards with --text-embeddings)
+            if POOLED_KEY not in batch:
+                raise ValueError(f"the batch has stored text embeddings but no {POOLED_KEY}: these latent shards "
                                  "were not made for SDXL (scripts/precompute_latents.py with an SDXL pipeline)")
-            states = batch["encoder_hidden_states"].to(dev, non_blocking=True).float()
-            return states, {"text_embeds": batch["pooled_text_embeds"].to(dev, non_blocking=True).float(), "time_ids": ids}
+            states = batch[TEXT_STATES_KEY].to(dev, non_blocking=True).float()
+            return states, {"text_embeds": batch[POOLED_KEY].to(dev, non_blocking=True).float(), "time_ids": ids}
         encoders = [self.models.text_encoder, self.models.text_encoder_2]
         if not validation:  # the trained encoders as DDP wraps them (gradient hooks), else the modules
             encoders = [self._encoders.get(n, e) for n, e in zip(("text_encoder", "text_encoder_2"), encoders)]
@@ -179,9 +224,11 @@ class StableDiffusionXL(StableDiffusion):
 
     def check_data(self, loader) -> None:
         if is_latent_data(self.cfg):
-            m = self.models
-            check_latents_match(loader, m.vae, m.text_encoder, m.tokenizer, family="sdxl",
-                                text_width=m.text_encoder.config.hidden_size + m.text_encoder_2.config.hidden_size)
+            check_latents_match(loader, self.models.vae, self.stored_text())
+
+    def stored_text(self) -> StoredText:
+        m = self.models
+        return replace(super().stored_text(), width=int(m.text_encoder.config.hidden_size + m.text_encoder_2.config.hidden_size))
 
     def step_flops(self) -> StepFlops:
         flops = count_step_flops(self.models, self.cfg.dataset.params.resolution, self.cfg.model.gradient_checkpointing,
@@ -202,3 +249,47 @@ class StableDiffusionXL(StableDiffusion):
             unet=unwrap(unet), scheduler=m.inference_scheduler, force_zeros_for_empty_prompt=True,
             add_watermarker=False,
         )
+
+    # -- with no run ------------------------------------------------------------------------------
+    @classmethod
+    def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
+        """A ``StableDiffusionXLPipeline``: two text encoders, size conditioning, Euler for inference."""
+        from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+        scratch = tokenizer_folder(out, "tokenizer"), tokenizer_folder(out, "tokenizer_2")
+        pipe = StableDiffusionXLPipeline(
+            vae=AutoencoderKL(**TINY_VAE, scaling_factor=scaling_factor or SCALING_FACTOR, force_upcast=False),
+            text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)),
+            text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**TINY_TEXT_ENCODER_2)),
+            tokenizer=build_clip_tokenizer(scratch[0]),
+            tokenizer_2=build_clip_tokenizer(scratch[1], pad_token="!"),
+            unet=UNet2DConditionModel(**TINY_SDXL_UNET),
+            scheduler=EulerDiscreteScheduler(**SDXL_SCHEDULER),
+            force_zeros_for_empty_prompt=True,
+            add_watermarker=False,
+        )
+        return save(pipe, out, *scratch)
+
+    @classmethod
+    def text_storage_tag(cls) -> str | None:
+        return cls.name
+
+    @classmethod
+    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
+                      max_length: int | None = None) -> TextEncoding:
+        """Both encoders' penultimate states concatenated and the second's pooled embedding, zeros for an
+        empty caption (:func:`encode_prompts`, as :meth:`condition` computes them)."""
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+        if clip_skip or max_length:
+            raise ValueError("SDXL conditions on both encoders' penultimate layers at 77 tokens: clip skip and "
+                             "max length do not apply")
+        tokenizer, text_encoder = cls.load_text_encoder(pipeline, device)
+        tokenizer_2 = load_component(CLIPTokenizer.from_pretrained, pipeline, "tokenizer_2", "the pipeline's tokenizer_2/")
+        text_encoder_2 = load_component(CLIPTextModelWithProjection.from_pretrained, pipeline, "text_encoder_2",
+                                        "the pipeline's text_encoder_2/")
+        eos = int(tokenizer.eos_token_id)
+        return TextEncoding(cls.text_storage_tag(), [tokenizer, tokenizer_2],
+                            [text_encoder, text_encoder_2.to(device).eval().requires_grad_(False)],
+                            lambda encoders, ids: encode_prompts(*encoders, *ids, eos))

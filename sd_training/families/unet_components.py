@@ -1,4 +1,8 @@
-"""Build the VAE, text encoder, tokenizer, UNet and noise schedulers from the ``model`` config.
+"""The components of a UNet pipeline (Stable Diffusion's layout: VAE, CLIP text encoder and tokenizer,
+UNet, noise schedulers), built from the ``model`` config: what the SD and SDXL families (and the
+autoencoder stage on top of them) train with. A family with other components (a transformer, a T5
+encoder) builds its own in its module, with the same helpers (``loading.load_component``,
+``text_encoders``, ``precision``) and :class:`Components` for its fp32 export copies.
 
 Every component comes from ``model.<component>.pretrained`` when set, else from ``model.pretrained``
 (a diffusers pipeline: local folder or hub id). A pipeline root is read through its standard
@@ -18,33 +22,27 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import ConfigError, ModelConfig
-from .loading import load_component as _load
-from .precision import frozen_vae_dtype
-from .text_encoders import build_text_encoder
+from ..config import ConfigError, ModelConfig
+from ..loading import load_component as _load
+from ..precision import frozen_vae_dtype
+from ..text_encoders import build_text_encoder
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Models:
-    tokenizer: Any
-    text_encoder: torch.nn.Module  # frozen, eval, no grad (unless model.text_encoder.train)
-    vae: torch.nn.Module  # frozen, eval, no grad
-    unet: torch.nn.Module  # trained
-    noise_scheduler: Any  # DDPMScheduler: adds training noise, defines the target
-    inference_scheduler: Any  # the scheduler exported pipelines and sample grids use
-    # SDXL's second text encoder (CLIPTextModelWithProjection) and tokenizer; None for SD 1.x/2.x
-    text_encoder_2: Optional[torch.nn.Module] = None
-    tokenizer_2: Any = None
-    # component name -> a fresh fp32 copy from its source, for exports of half-precision frozen components
+class Components:
+    """What every family's set of components offers an export: fp32 copies of the frozen ones.
+
+    A subclass (a dataclass of the family's modules) sets ``reload_fp32`` (component name -> a fresh fp32
+    copy from its source) and ``_fp32_copies`` (a dict)."""
+
     reload_fp32: Optional[Callable[[str], torch.nn.Module]] = None
-    _fp32_copies: dict = field(default_factory=dict, repr=False)
+    _fp32_copies: dict
 
     def full_precision(self, name: str) -> torch.nn.Module:
-        """The frozen ``vae`` or ``text_encoder`` as an export should save it: the module itself when it
-        is stored in fp32, else an fp32 copy reloaded once from its source, on the CPU. Casting the bf16
-        copy back up would save weights rounded to 8 mantissa bits, not the ones the run started from."""
+        """The frozen component ``name`` as an export should save it: the module itself when it is stored
+        in fp32, else an fp32 copy reloaded once from its source, on the CPU. Casting the bf16 copy back up
+        would save weights rounded to 8 mantissa bits, not the ones the run started from."""
         module = getattr(self, name)
         if all(p.dtype == torch.float32 for p in module.parameters()):
             return module
@@ -56,12 +54,25 @@ class Models:
             else:
                 log.info("reloading the %s in fp32 from its source for the export (it trains in %s)",
                          name, next(module.parameters()).dtype)
-                self._fp32_copies[name] = _frozen(self.reload_fp32(name), torch.device("cpu"))
+                self._fp32_copies[name] = frozen(self.reload_fp32(name), torch.device("cpu"))
         return self._fp32_copies[name]
+
+
+@dataclass
+class Models(Components):
+    tokenizer: Any
+    text_encoder: torch.nn.Module  # frozen, eval, no grad (unless model.text_encoder.train)
+    vae: torch.nn.Module  # frozen, eval, no grad
+    unet: torch.nn.Module  # trained
+    noise_scheduler: Any  # DDPMScheduler: adds training noise, defines the target
+    inference_scheduler: Any  # the scheduler exported pipelines and sample grids use
+    # component name -> a fresh fp32 copy from its source, for exports of half-precision frozen components
+    reload_fp32: Optional[Callable[[str], torch.nn.Module]] = None
+    _fp32_copies: dict = field(default_factory=dict, repr=False)
 
     @property
     def latent_scale(self) -> float:
-        # The latent scaling factor belongs to the VAE (0.18215 for SD 1.x/2.x, 0.13025 for SDXL).
+        # The latent scaling factor belongs to the VAE (its config's scaling_factor).
         return float(self.vae.config.scaling_factor)
 
 
@@ -179,15 +190,15 @@ def set_attention_backend(unet: torch.nn.Module, cfg: ModelConfig, device: torch
     return "sdpa"
 
 
-def _frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def frozen(module: torch.nn.Module, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     module.requires_grad_(False)
     module.eval()
     return module.to(device=device, dtype=dtype)
 
 
 def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_context_dim: int = 0) -> Models:
-    """The components of an SD pipeline. ``extra_context_dim``: cross-attention width the UNet expects
-    beyond the text encoder's hidden size (SDXL concatenates a second encoder's states)."""
+    """The components of a UNet pipeline. ``extra_context_dim``: cross-attention width the UNet expects
+    beyond the text encoder's hidden size (a family that concatenates a second encoder's states)."""
     import diffusers
     from diffusers import AutoencoderKL, DDPMScheduler
 
@@ -247,7 +258,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_co
         reload_fp32=reload_fp32,
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=_frozen(vae, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision)),
+        vae=frozen(vae, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision)),
         unet=unet,
         noise_scheduler=noise_scheduler,
         inference_scheduler=inference_scheduler,
