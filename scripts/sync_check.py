@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     from sd_training import distributed
     from sd_training.config.checks import load
     from sd_training.data.synthetic import write_shapes_shards
+    from sd_training.families.tiny import make_tiny_pipeline
     from sd_training.loop import Trainer
     from sd_training.sync_count import BlockingCalls
-    from sd_training.families.tiny import make_tiny_pipeline
 
     work = Path(tempfile.mkdtemp(prefix="sync_check_"))
     pipe = make_tiny_pipeline(work / "pipe")
