@@ -54,7 +54,7 @@ import torch
 
 log = logging.getLogger("precompute_latents")
 from sd_training.data.samples import SIZE_FIELDS  # noqa: E402  (the image path's size conditioning fields)
-from sd_training.families.registry import FAMILIES  # noqa: E402
+from sd_training.families.registry import FAMILIES
 
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
 VAE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
