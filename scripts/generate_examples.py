@@ -52,7 +52,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def find_checkpoint(path: str) -> Path:
     """The newest complete step folder under a run / checkpoints folder, or the step folder itself."""
-    from sd_training.checkpoint import MARKER, complete_steps, step_dir_name
+    from sd_training.checkpoint import MARKER, complete_steps
+    from sd_training.run_dir import step_name
 
     p = Path(path)
     if (p / MARKER).exists():
@@ -60,7 +61,7 @@ def find_checkpoint(path: str) -> Path:
     for root in (p / "checkpoints", p):
         steps = complete_steps(root)
         if steps:
-            return root / step_dir_name(steps[-1])
+            return root / step_name(steps[-1])
     raise FileNotFoundError(f"no complete checkpoint (a step_N folder with {MARKER}) in {p}")
 
 
@@ -68,7 +69,7 @@ def model_config(ckpt: Path, overrides: list[str]):
     """The ``model`` section of the checkpoint's config.yaml (only that: data paths need not exist here)."""
     from omegaconf import OmegaConf
 
-    from sd_training.config import ModelConfig
+    from sd_training.config.schema import ModelConfig
 
     saved = OmegaConf.load(ckpt / "config.yaml")
     cli = OmegaConf.from_dotlist(overrides)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import init_weights_from
-from .config import TrainConfig
+from .config.schema import TrainConfig
 from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
 from .families import registry

@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 
 from . import quickstart
-from .config import ConfigError, help_text
+from .config import ConfigError
 from .config.checks import load
+from .config.loading import help_text
 from .loop import main as train
 from .preemption import EXIT_STOPPED_NOT_REQUEUED, StopFlag
 

@@ -16,7 +16,9 @@ from . import distributed, progress
 from .build import build_model, build_optimizer_parts
 from .checkpoint import CheckpointManager, ModelState, complete_steps
 from .checkpoint.layout import GRAD_SCALER, LR_SCHEDULER
-from .config import ConfigError, TrainConfig, public_dict, to_yaml
+from .config import ConfigError
+from .config.loading import public_dict, to_yaml
+from .config.schema import TrainConfig
 from .data import build_train_loader
 from .metrics import LogWindow, StepMetrics
 from .outputs import RunOutputs, validation_batches

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from . import distributed
-from .config import TrainConfig
+from .config.schema import TrainConfig
 from .distributed import DistInfo
 from .families.base import Family
 from .flops import mfu, peak_flops

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from .config import ConfigError, LRSchedulerConfig, OptimizerConfig
+from .config import ConfigError
+from .config.schema import LRSchedulerConfig, OptimizerConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .config import TrainConfig
+from .config.schema import TrainConfig
 from .data import build_train_loader
 from .distributed import DistInfo
 from .evaluation.async_eval import AsyncEvaluator

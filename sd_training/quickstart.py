@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from . import distributed
-from .config import QuickstartConfig
+from .config.schema import QuickstartConfig
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from sd_training.config import ConfigError, help_text, to_yaml
+from sd_training.config import ConfigError
 from sd_training.config.checks import load
+from sd_training.config.loading import help_text, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,8 +155,8 @@ def test_bare_no_is_a_string_where_the_schema_wants_one(tmp_path):
 
 @pytest.mark.faults
 def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
-    from sd_training.config import public_dict, to_yaml
     from sd_training.config.checks import load
+    from sd_training.config.loading import public_dict, to_yaml
 
     cfg = load(["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8",
                 "wandb.api_key=sk-secret-123"])
@@ -203,7 +204,7 @@ def test_an_open_diffusion_alias_set_alone_is_the_users_value():
 def test_asset_interpolation_finds_packaged_files_from_any_folder(tmp_path, monkeypatch):
     import os
 
-    from sd_training.config import ASSETS
+    from sd_training.config.loading import ASSETS
 
     monkeypatch.chdir(tmp_path)
     base = [f"config={write(tmp_path, MINIMAL)}"]
@@ -259,7 +260,7 @@ def test_removal_of_sections_keys_and_mapping_entries(tmp_path):
     # A removed section can be set again key by key after the files.
     assert load([f"config={path}", "~system", "system.batch_size=5"]).system.batch_size == 5
     # Inside a free-form mapping (parse: the schema's rules, without the UNet's constructor check).
-    from sd_training.config import parse
+    from sd_training.config.loading import parse
 
     cfg = parse([f"config={path}", "~model.unet.params.b"], yaml_text="model: {unet: {params: {a: 1, b: 2}}}")
     assert cfg.model.unet.params == {"a": 1} and cfg.model.pretrained == "/some/pipeline"
@@ -291,7 +292,7 @@ def test_choices_are_declared_in_the_field_shown_by_help_and_checked_once(tmp_pa
     """--help lists a key's choices from its field; the one check names the key and the closest choice."""
     from dataclasses import fields, is_dataclass
 
-    from sd_training.config import TrainConfig, schema_entries
+    from sd_training.config.schema import TrainConfig, schema_entries
 
     text = help_text()
     assert "mixed_precision: 'no'  # (no | bf16 | fp16) " in text

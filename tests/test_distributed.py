@@ -112,7 +112,7 @@ def test_auto_device_without_a_gpu_where_one_was_meant_is_an_error(monkeypatch, 
 def test_system_tf32_sets_both_cuda_math_flags_and_the_mfu_peak_follows():
     """system.tf32 sets TF32 for matmuls and convolutions on a CUDA device (the flags exist without a GPU);
     on the CPU nothing changes; MFU counts fp32 against the TF32 peak exactly when TF32 is on."""
-    from sd_training.config import SystemConfig
+    from sd_training.config.schema import SystemConfig
     from sd_training.distributed import configure_math
     from sd_training.flops import precision_key
 

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from sd_training.config import ComponentConfig, ConfigError, ModelConfig, UNetConfig, VAEConfig
+from sd_training.config import ComponentConfig, ConfigError
+from sd_training.config.schema import ModelConfig, UNetConfig, VAEConfig
+from sd_training.families.tiny import TINY_UNET, build_clip_tokenizer
 from sd_training.families.unet_components import build_models
 from sd_training.text_encoders import TextEncoderConfig
-from sd_training.families.tiny import TINY_UNET, build_clip_tokenizer
 
 
 def test_clip_tokenizer_matches_openai_ids(tmp_path):

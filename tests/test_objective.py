@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sd_training.config import ConfigError
+from sd_training.families.tiny import SD_SCHEDULER
 from sd_training.objective import (
     ObjectiveConfig,
     configure_schedulers,
@@ -19,7 +20,6 @@ from sd_training.objective import (
     training_target,
     validate_objective_config,
 )
-from sd_training.families.tiny import SD_SCHEDULER
 
 
 def ddpm(**over):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sd_training.config import LRSchedulerConfig, LRSchedulerParams
+from sd_training.config.schema import LRSchedulerConfig, LRSchedulerParams
 from sd_training.optim import build_lr_scheduler, lr_factor
 
 

@@ -189,7 +189,7 @@ def test_the_shapes_dataset_is_rewritten_when_its_settings_change(tmp_path):
     """quickstart.shapes_* always take effect: the dataset is kept while its recorded settings match and
     written again (centred shapes, here) when they do not; a bad range is refused when the config loads,
     naming the key."""
-    from sd_training.config import QuickstartConfig
+    from sd_training.config.schema import QuickstartConfig
     from sd_training.quickstart import SHAPES_SPEC, prepare
 
     folder = tmp_path / "shapes"

@@ -8,8 +8,9 @@ import torch
 from conftest import train_args
 
 from sd_training import distributed
-from sd_training.config import ConfigError, LRSchedulerConfig, LRSchedulerParams, OptimizerConfig, OptimizerParams
+from sd_training.config import ConfigError
 from sd_training.config.checks import load
+from sd_training.config.schema import LRSchedulerConfig, LRSchedulerParams, OptimizerConfig, OptimizerParams
 from sd_training.ema import EMA, decay_from_strength
 from sd_training.loop import NonFiniteLossError, Trainer
 from sd_training.loop import main as train

@@ -19,6 +19,7 @@ from conftest import train_args
 
 from sd_training.config.checks import load
 from sd_training.families import registry as families
+from sd_training.families.tiny import SD_SCHEDULER
 from sd_training.objective import (
     STREAMS,
     ObjectiveConfig,
@@ -30,7 +31,6 @@ from sd_training.objective import (
     sample_timesteps,
     stream_seed,
 )
-from sd_training.families.tiny import SD_SCHEDULER
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from ..config import TrainConfig, public_dict, to_yaml
+from ..config.loading import public_dict, to_yaml
+from ..config.schema import TrainConfig
 from ..distributed import DistInfo
 from ..run_dir import RunDir
 from ..train_state import Plan, TrainState

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..config import REDACTED, ConfigError
+from ..config import ConfigError
+from ..config.loading import REDACTED
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from ..config import TrainConfig
+from ..config.schema import TrainConfig
 from ..data import build_train_loader
 from ..data.transforms import unit_range
 from ..export import image_grid

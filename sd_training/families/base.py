@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..config import TrainConfig
+from ..config.schema import TrainConfig
 from ..data.latents import StoredText
 from ..flops import StepFlops
 

@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from ..config import ConfigError, ModelConfig, TrainConfig
+from ..config import ConfigError
+from ..config.schema import ModelConfig, TrainConfig
 from .autoencoder import Autoencoder
 from .base import Family
 from .sd import StableDiffusion

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from ..config import TrainConfig
 from ..config.dataset import is_latent_type
+from ..config.schema import TrainConfig
 from ..data.latents import TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images

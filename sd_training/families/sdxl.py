@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError
+from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.samples import SIZE_FIELDS
 from ..export import unwrap

@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError
+from ..config.schema import ModelConfig
 from ..loading import load_component as _load
 from ..precision import frozen_vae_dtype
 from ..text_encoders import build_text_encoder
