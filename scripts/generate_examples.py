@@ -12,8 +12,8 @@ kept: rerun the same command to finish an interrupted job.
 
 ``--checkpoint`` takes a run folder, its ``checkpoints/`` folder, or one ``step_N`` folder (newest
 complete one by default). The models are built from the ``config.yaml`` saved in the checkpoint
-(``model.*`` keys can be changed with ``--set model.pretrained=/local/copy``), then ``unet.pt`` (or the
-EMA weights with ``--ema``) is loaded. FSDP checkpoints (``sharded/``) are not read here: use the
+(``model.*`` keys can be changed with ``--set model.pretrained=/local/copy``) by the run's model family,
+then the trained module's weights (or the EMA weights with ``--ema``) are loaded. FSDP checkpoints (``sharded/``) are not read here: use the
 pipeline the run exported.
 """
 
@@ -65,37 +65,41 @@ def find_checkpoint(path: str) -> Path:
     raise FileNotFoundError(f"no complete checkpoint (a step_N folder with {MARKER}) in {p}")
 
 
-def model_config(ckpt: Path, overrides: list[str]):
-    """The ``model`` section of the checkpoint's config.yaml (only that: data paths need not exist here)."""
+def run_config(ckpt: Path, overrides: list[str]):
+    """The checkpoint's config.yaml as a ``TrainConfig``, ``model.*`` keys overridden (not validated: the
+    run's data paths need not exist here)."""
     from omegaconf import OmegaConf
 
-    from sd_training.config.schema import ModelConfig
+    from sd_training.checkpoint.layout import CONFIG
+    from sd_training.config.schema import TrainConfig
 
-    saved = OmegaConf.load(ckpt / "config.yaml")
+    saved = OmegaConf.load(ckpt / CONFIG)
     cli = OmegaConf.from_dotlist(overrides)
     bad = [k for k in cli.keys() if k != "model"]
     if bad:
         raise SystemExit(f"--set only changes model.* keys, got {bad[0]}")
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), saved.model, cli.get("model", {}))
-    return OmegaConf.to_object(merged), saved
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved, cli))
 
 
 def pipeline_from_checkpoint(ckpt: Path, ema: bool, overrides: list[str], device: torch.device):
-    from sd_training.families.sd import make_pipeline
-    from sd_training.families.unet_components import build_models
+    """The run's family, built from the checkpoint's config, with the checkpoint's trained weights."""
+    from sd_training.checkpoint import init_weights_from
+    from sd_training.checkpoint.layout import EMA, is_sharded, shared_file
+    from sd_training.families import registry
 
-    cfg, saved = model_config(ckpt, overrides)
-    cfg.gradient_checkpointing = False  # inference
-    models = build_models(cfg, device, seed=int(saved.system.seed))
-    name = "ema.pt" if ema else "unet.pt"
-    if not (ckpt / name).is_file():
-        hint = " (the run had model.use_ema=False)" if ema else ""
-        if (ckpt / "sharded").is_dir():
-            hint = " (an FSDP checkpoint: generate from the pipeline the run exported instead)"
-        raise FileNotFoundError(f"{ckpt / name} does not exist{hint}")
-    state = torch.load(ckpt / name, map_location="cpu", weights_only=True)
-    models.unet.load_state_dict(state["shadow"] if ema else state)
-    return make_pipeline(models, models.unet), int(saved.dataset.params.resolution)
+    cfg = run_config(ckpt, overrides)
+    cfg.model.gradient_checkpointing = False  # inference
+    if is_sharded(ckpt):
+        raise FileNotFoundError(f"{ckpt} is an FSDP checkpoint (sharded/): generate from the pipeline the run exported")
+    if ema and not shared_file(ckpt, EMA).is_file():
+        raise FileNotFoundError(f"{shared_file(ckpt, EMA)} does not exist (the run had model.use_ema=False)")
+    family = registry.create(cfg, device, cfg.system.seed, is_main=True)
+    init_weights_from(str(ckpt), family.net, family.net_name, want_ema=ema)
+    pipe = family.inference_pipeline(family.net)
+    if pipe is None:
+        raise SystemExit(f"{ckpt} was written by a run that trains no text-to-image model ({family.name}): "
+                         "use the pipeline it exported")
+    return pipe, int(cfg.dataset.params.resolution)
 
 
 def main(argv: list[str] | None = None) -> list[Path]:

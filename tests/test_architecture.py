@@ -83,6 +83,10 @@ SCANNED = [p for p in [*PKG.rglob("*.py"), *(PKG.parent / "scripts").rglob("*.py
            if FAMILIES_DIR not in p.parents]
 
 
+# Inside a longer string (an error message, a help text): the names that cannot be ordinary words.
+SUBSTRINGS = ("sdxl", "StableDiffusion", "text_encoder_2", "tokenizer_2")
+
+
 def family_words() -> tuple[set[str], set[str]]:
     """(identifiers, words) that belong to one family: every registered family's name, class and pipeline
     classes, and the fields only one family has (SDXL's second encoder). Read from the registry, so a new
@@ -119,7 +123,7 @@ def family_mentions(path: Path) -> list[str]:
         elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in identifiers:
             found.append(f"{node.lineno}: def {node.name}")
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
-              and (node.value in words or any(f in node.value for f in ("text_encoder_2", "tokenizer_2")))):
+              and (node.value in words or any(f in node.value for f in SUBSTRINGS))):
             found.append(f"{node.lineno}: {node.value!r}")
     return sorted(found, key=lambda m: int(m.split(":")[0]))
 

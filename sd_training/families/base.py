@@ -162,6 +162,11 @@ class Family(abc.ABC):
     def sample_image(self, net: torch.nn.Module, settings: SampleSettings) -> Image.Image | None:
         """The sample grid (or reconstructions) of ``net`` at this step; None: nothing to show."""
 
+    def inference_pipeline(self, net: torch.nn.Module):
+        """The diffusers pipeline that generates images with ``net`` (the run's other components beside it),
+        for ``scripts/generate_examples.py --checkpoint``; None: this family makes no text-to-image pipeline."""
+        return None
+
     def eval_images(self, net: torch.nn.Module, settings: SampleSettings, n: int, out: Path, rank: int,
                     world_size: int) -> list[Path]:
         """Images ``rank``, ``rank + world_size``, ... of ``n`` eval images from ``settings.prompts``.

@@ -215,6 +215,9 @@ class StableDiffusion(Family):
     def pipeline(self, unet: torch.nn.Module, for_export: bool = False, vae: torch.nn.Module | None = None):
         return make_pipeline(self.models, unet, vae, for_export=for_export)
 
+    def inference_pipeline(self, net: torch.nn.Module):
+        return self.pipeline(net)
+
     def export(self, net, out: Path) -> dict:
         export_pipeline(self.pipeline(net, for_export=True), out)
         return {}
