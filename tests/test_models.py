@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from sd_training.config import ComponentConfig, ConfigError
-from sd_training.config.checks import load
 from sd_training.config.schema import ModelConfig, UNetConfig, VAEConfig
 from sd_training.families.tiny import TINY_UNET, build_clip_tokenizer
 from sd_training.families.unet_components import build_models
@@ -92,13 +91,3 @@ def test_unet_target_names_model_classes_not_arbitrary_callables(monkeypatch, tm
         resolve_unet_class("my_unets.MyUNet")
     monkeypatch.setenv(UNET_MODULES_ENV, "other, my_unets")
     assert resolve_unet_class("my_unets.MyUNet").__name__ == "MyUNet"
-
-
-def test_an_unknown_unet_constructor_argument_is_refused_at_load_naming_the_key(tiny_pipeline):
-    """model.unet.params (a UNet from scratch) is checked by the family when the config loads."""
-    args = [f"model.pretrained={tiny_pipeline}", "experiment.name=x", "experiment.num_examples_to_see=4",
-            "dataset.params.path=/nowhere/{0..1}.tar", "model.unet.params.in_channels=4",
-            "model.unet.params.block_out_chanels=[32]"]
-    with pytest.raises(ConfigError, match=r"unknown config key 'model.unet.params.block_out_chanels'.*"
-                                          r"did you mean 'model.unet.params.block_out_channels'"):
-        load(args)

@@ -31,7 +31,7 @@ from ..text_encoders import (
 )
 from .base import Family, LossOut, SampleSettings, TextEncoding
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
-from .unet_components import build_models, check_unet_params, component_sources
+from .unet_components import build_models, component_sources
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,6 @@ def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = N
 class StableDiffusion(Family):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline",)
-
-    @classmethod
-    def validate(cls, cfg: TrainConfig) -> None:
-        if cfg.model.unet.params:  # a UNet from scratch: every constructor argument must exist
-            check_unet_params(cfg.model.unet.target, cfg.model.unet.params)
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         super().__init__(cfg, device, seed, is_main)

@@ -120,7 +120,6 @@ class StableDiffusionXL(StableDiffusion):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        super().validate(cfg)
         m = cfg.model
         refusals = [
             (m.text_encoder.type != "clip", "SDXL's text encoders are read from the pipeline (text_encoder/, "
