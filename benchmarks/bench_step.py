@@ -344,7 +344,7 @@ def main(argv=None) -> dict:
     import diffusers
 
     from sd_training.data.synthetic import write_shapes_shards
-    from sd_training.families.tiny import make_tiny_pipeline
+    from sd_training.families.registry import make_tiny_pipeline
 
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         root = Path(tmp)

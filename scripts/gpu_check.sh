@@ -19,7 +19,7 @@ fi
 "$PY" - "$OUT" <<'PYEOF'
 import sys
 from pathlib import Path
-from sd_training.families.tiny import make_tiny_pipeline
+from sd_training.families.registry import make_tiny_pipeline
 from sd_training.data.synthetic import write_shapes_shards
 out = Path(sys.argv[1])
 if not (out / "pipe" / "model_index.json").exists():

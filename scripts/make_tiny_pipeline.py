@@ -3,13 +3,12 @@
     python scripts/make_tiny_pipeline.py OUT_DIR [--seed 0] [--family NAME]
 
 ``--family``: a name in the family registry (``sd_training.families.registry.FAMILIES``; default: the
-default family's). From Python: ``sd_training.families.tiny.make_tiny_pipeline(out_dir, family=...)``.
+default family's). From Python: ``sd_training.families.registry.make_tiny_pipeline(out_dir, family=...)``.
 """
 
 import argparse
 
-from sd_training.families.registry import DEFAULT_FAMILY, FAMILIES
-from sd_training.families.tiny import make_tiny_pipeline
+from sd_training.families.registry import DEFAULT_FAMILY, FAMILIES, make_tiny_pipeline
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from sd_training import distributed
     from sd_training.config.checks import load
     from sd_training.data.synthetic import write_shapes_shards
-    from sd_training.families.tiny import make_tiny_pipeline
+    from sd_training.families.registry import make_tiny_pipeline
     from sd_training.loop import Trainer
     from sd_training.sync_count import BlockingCalls
 

@@ -36,6 +36,7 @@ def build(out: Path, work: Path, overrides: list[str]) -> dict:
 
     from sd_training.config.checks import load
     from sd_training.loop import main as train
+    from sd_training.quickstart import prepare
 
     torch.set_num_threads(THREADS)
     shutil.rmtree(work / "runs", ignore_errors=True)
@@ -45,7 +46,7 @@ def build(out: Path, work: Path, overrides: list[str]) -> dict:
             f"validation.path={work / 'shapes'}/shapes-000007.tar", f"experiment.log_dir={work / 'runs'}",
             *overrides]
     cfg = load(args)
-    summary = train(cfg)
+    summary = train(cfg, prepare=lambda info: prepare(cfg.quickstart, info.is_main))  # the tiny pipeline and shapes
     vae = Path(summary["run_dir"]) / "current_pipeline" / "vae"
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from . import distributed
 from .config.schema import QuickstartConfig
+from .data.synthetic import write_shapes_shards
+from .families.registry import make_tiny_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +28,6 @@ def _build_atomically(final: Path, build) -> None:
 
 def prepare(cfg: QuickstartConfig, is_main: bool) -> None:
     if is_main and cfg.tiny_pipeline and not (Path(cfg.tiny_pipeline) / "model_index.json").exists():
-        from .families.tiny import make_tiny_pipeline
-
         log.info("building the tiny random-weight pipeline in %s", cfg.tiny_pipeline)
         _build_atomically(Path(cfg.tiny_pipeline), make_tiny_pipeline)
     if is_main and cfg.shapes_dataset:
@@ -41,8 +41,6 @@ SHAPES_SPEC = "quickstart_spec.json"
 def _prepare_shapes(cfg: QuickstartConfig) -> None:
     """Write the shapes dataset when absent, or rewrite it when it was written with other settings (its
     ``quickstart_spec.json`` records them), so a changed ``quickstart.shapes_*`` key always takes effect."""
-    from .data.synthetic import write_shapes_shards
-
     folder = Path(cfg.shapes_dataset)
     spec = {"samples": cfg.shapes_samples, "per_shard": cfg.shapes_per_shard, "size": cfg.shapes_size,
             "radius": [float(r) for r in cfg.shapes_radius], "offset": float(cfg.shapes_offset), "seed": 0}

@@ -14,7 +14,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 @pytest.fixture(scope="session")
 def tiny_pipeline(tmp_path_factory):
-    from sd_training.families.tiny import make_tiny_pipeline
+    from sd_training.families.registry import make_tiny_pipeline
 
     return make_tiny_pipeline(tmp_path_factory.mktemp("tiny") / "pipeline")
 
@@ -22,7 +22,7 @@ def tiny_pipeline(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sdxl_pipeline(tmp_path_factory):
     """A tiny random-weight StableDiffusionXLPipeline (two text encoders, size conditioning)."""
-    from sd_training.families.tiny import make_tiny_pipeline
+    from sd_training.families.registry import make_tiny_pipeline
 
     return make_tiny_pipeline(tmp_path_factory.mktemp("tiny_sdxl") / "pipeline", family="sdxl")
 

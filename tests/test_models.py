@@ -29,7 +29,7 @@ def test_build_from_pipeline_folder(tiny_pipeline):
 
 
 def test_latent_scale_comes_from_vae_config(tmp_path):
-    from sd_training.families.tiny import make_tiny_pipeline
+    from sd_training.families.registry import make_tiny_pipeline
 
     p = make_tiny_pipeline(tmp_path / "p", scaling_factor=0.5)
     m = build_models(ModelConfig(pretrained=str(p)), torch.device("cpu"))

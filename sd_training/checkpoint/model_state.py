@@ -12,6 +12,9 @@ The two layouts:
 - DCP shards (``fsdp``): ``sharded/`` with the net, the optimizer (keyed by parameter name, as
   ``get_optimizer_state_dict`` writes it) and the EMA shadow, plus ``ema_meta.pt`` (the scalars).
 
+DCP (``torch.distributed.checkpoint``, about a second of import time) is imported where a sharded
+checkpoint is written or read, so one-process and DDP runs never load it.
+
 Shards load into any run through DCP, which reshards as it reads: into this rank's DTensor shards under
 fsdp, into full tensors under ddp or in one process. Full tensors load as they are under ddp; under fsdp
 every rank keeps its slice of them, the optimizer state renamed from parameter indices to parameter
@@ -25,14 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from .layout import DCP_EMA, DCP_NET, DCP_OPTIMIZER, EMA, EMA_META, OPTIMIZER, SHARDED, is_sharded, rank_files
 
@@ -92,6 +87,8 @@ class ModelState:
         before it returns); None when the state is all in the plain files."""
         if not self.strategy.sharded:
             return None
+        import torch.distributed.checkpoint as dcp  # sharded runs only: see the module's docstring
+
         state = self._sharded_state()
         if not asynchronous:
             return lambda folder: dcp.save(state, checkpoint_id=str(folder))
@@ -103,6 +100,8 @@ class ModelState:
 
     def _sharded_state(self) -> dict:
         """The sharded state DCP writes and reads (collective under fsdp)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
         model_sd, optim_sd = get_state_dict(self.net, self.optimizer)
         state = {DCP_NET: model_sd, DCP_OPTIMIZER: optim_sd}
         if self.ema is not None:
@@ -145,6 +144,9 @@ class ModelState:
         """DCP shards, written on any number of ranks, into this run's own layout: each rank's DTensor shards
         under fsdp, the full tensors under ddp (every rank) and in one process (no process group: no
         collective), resharding as it reads."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
         state = self._sharded_state()  # the layout to load into
         dcp.load(state, checkpoint_id=str(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
         set_state_dict(self.net, self.optimizer, model_state_dict=state[DCP_NET], optim_state_dict=state[DCP_OPTIMIZER])
@@ -154,6 +156,8 @@ class ModelState:
     def _load_full(self, net_sd: dict, optim_sd: dict, ema_sd: dict | None) -> None:
         """fsdp (collective): full tensors that every rank holds (the optimizer state keyed by parameter name)
         into this rank's shards: each rank keeps its slice."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
         full = StateDictOptions(full_state_dict=True)
         set_state_dict(self.net, self.optimizer, model_state_dict=net_sd, optim_state_dict=optim_sd, options=full)
         if self.ema is not None:

@@ -177,7 +177,7 @@ class Family(abc.ABC):
     @classmethod
     def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
         """Save a tiny random-weight pipeline of this family to ``out`` and return it; weights from torch's
-        RNG (``families.tiny.make_tiny_pipeline`` seeds it); ``scaling_factor``: the VAE's (None: the
+        RNG (``registry.make_tiny_pipeline`` seeds it); ``scaling_factor``: the VAE's (None: the
         family's usual one)."""
         raise NotImplementedError(f"the {cls.name or cls.__name__} family has no tiny pipeline")
 

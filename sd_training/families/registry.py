@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -88,3 +89,14 @@ def create(cfg: TrainConfig, device: torch.device, seed: int, is_main: bool) -> 
     return pipeline_family(cfg, device, seed, is_main)
 
 
+def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, scaling_factor: float | None = None,
+                       family: str | None = None) -> Path:
+    """Save a random-weight pipeline of ``family`` (a name in the registry; None: the default family's) to
+    ``out_dir`` and return the path. The weights come from torch's RNG seeded with ``seed``; the caller's
+    RNG stream is left as it was."""
+    family = DEFAULT_FAMILY if family is None else family
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return FAMILIES[family].make_tiny_pipeline(Path(out_dir), scaling_factor)

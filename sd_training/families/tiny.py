@@ -4,12 +4,11 @@ Every family builds its own (``Family.make_tiny_pipeline``): every component is 
 transformers class, saved with ``save_pretrained`` and loadable with the family's pipeline class's
 ``from_pretrained`` with no network. The tokenizers are the real CLIP BPE tokenizer
 (``text_encoders.build_clip_tokenizer``). Here: the component sizes the families share, and
-:func:`make_tiny_pipeline`, which asks the registry for the family.
+``registry.make_tiny_pipeline``, which asks the registry for the family.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -78,21 +77,4 @@ def save(pipe, out: Path, *scratch: Path) -> Path:
     return out
 
 
-def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, scaling_factor: float | None = None,
-                       family: str | None = None) -> Path:
-    """Save a random-weight pipeline of ``family`` (a name in the registry; None: the default family's) to
-    ``out_dir`` and return the path. The weights come from torch's RNG seeded with ``seed``; the caller's
-    RNG stream is left as it was."""
-    import torch
-
-    from .registry import DEFAULT_FAMILY, FAMILIES
-
-    family = DEFAULT_FAMILY if family is None else family
-    if family not in FAMILIES:
-        raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return FAMILIES[family].make_tiny_pipeline(Path(out_dir), scaling_factor)
-
-
-__all__ = ["SD_SCHEDULER", "TINY_TEXT_ENCODER", "TINY_UNET", "TINY_VAE", "build_clip_tokenizer", "make_tiny_pipeline"]
+__all__ = ["SD_SCHEDULER", "TINY_TEXT_ENCODER", "TINY_UNET", "TINY_VAE", "build_clip_tokenizer"]
