@@ -22,6 +22,7 @@ from .config.schema import TrainConfig
 from .data import build_train_loader
 from .metrics import LogWindow, StepMetrics
 from .outputs import RunOutputs, validation_batches
+from .precision import autocast
 from .preemption import StopFlag, requeue_job, under_slurm
 from .run_dir import RunDir
 from .trackers import build_trackers
@@ -123,9 +124,6 @@ class Trainer:
                 "only applies with SRUN_CPUS_PER_TASK exported, as batch_files/ do) or lower system.workers",
                 cpus, cfg.system.workers, self.device.type.upper() if self.device.type == "cuda" else "step")
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-
     # ------------------------------------------------------------------ the step
     def _micro_step(self, batch: dict, sync: bool):
         """Forward (the family's loss) and backward of one micro-batch; gradients are all-reduced only
@@ -138,7 +136,7 @@ class Trainer:
                 for wrapped in self.encoder_models.values():
                     if hasattr(wrapped, "no_sync"):  # DDP
                         no_sync.enter_context(wrapped.no_sync())
-            out = self.family.loss(self.model, batch, self._autocast(), fixed or None)
+            out = self.family.loss(self.model, batch, autocast(self.device, self.autocast_dtype), fixed or None)
             self.scaler.scale(out.loss / self.plan.accumulation).backward()
         return out
 

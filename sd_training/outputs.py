@@ -22,6 +22,7 @@ from .evaluation.fid import image_files
 from .export import read_prompts
 from .families.base import Family, SampleSettings
 from .parallel import Strategy
+from .precision import autocast
 from .run_dir import RunDir, copy_dir_atomically
 from .trackers import Trackers
 
@@ -53,9 +54,6 @@ class RunOutputs:
         self.trackers, self.autocast_dtype, self.val_batches = trackers, autocast_dtype, val_batches
         self.evaluator = None  # background FID / CLIP scoring (evaluation.asynchronous), started at the first
 
-    def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-
     @torch.no_grad()
     def validate(self, step: int, model: torch.nn.Module) -> None:
         """Held-out loss at fixed noise and timesteps of ``model`` (the wrapped loss module; all ranks, the
@@ -66,7 +64,8 @@ class RunOutputs:
         try:
             for b in self.val_batches:
                 fixed = {k: b[k].to(self.device) for k in ("noise", "timesteps") if k in b}
-                total += self.family.loss(model, b, self._autocast(), fixed, validation=True).loss.float()
+                context = autocast(self.device, self.autocast_dtype)
+                total += self.family.loss(model, b, context, fixed, validation=True).loss.float()
         finally:
             loss_module.train()
         val = distributed.all_reduce_mean(total / len(self.val_batches)).item()

@@ -16,6 +16,11 @@ def autocast_dtype(mixed_precision: str) -> torch.dtype | None:
     return AUTOCAST.get(mixed_precision)
 
 
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """The step's autocast context: ``dtype`` on ``device``; a no-op for fp32 (``dtype`` None)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
 def frozen_vae_dtype(requested: str, mixed_precision: str) -> torch.dtype:
     """``auto``: bf16 under bf16 mixed precision, else fp32 (the SD VAE overflows in fp16)."""
     if requested == "auto":
