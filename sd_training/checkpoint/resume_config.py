@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 MAY_CHANGE = (
     "experiment.num_examples_to_see", "dataset.params.num_examples_to_see", "experiment.log_every",
     "experiment.save_every", "experiment.checkpoint_every", "experiment.save_every_minutes",
-    "experiment.checkpoint_async",
+    "experiment.checkpoint_async", "experiment.checkpoint_verify",
     "experiment.keep_last_checkpoints", "experiment.keep_checkpoint_every", "experiment.save_only_most_recent",
     "experiment.sample_", "experiment.num_eval_images", "experiment.eval_caption_file", "experiment.requeue",
     "experiment.resume", "experiment.start_fresh", "experiment.allow_config_change", "experiment.tensorboard",

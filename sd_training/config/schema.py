@@ -110,6 +110,7 @@ class ExperimentConfig:
     save_every_minutes: Optional[float] = f(None, "also write a resume checkpoint after this many minutes since the last one", gt=0)
     checkpoint_async: bool = f(True, "write resume checkpoints in a background thread: the step waits only for a copy to host memory (FSDP's sharded state is written synchronously)")
     keep_last_checkpoints: int = f(2, "complete resume checkpoints kept (older ones are deleted)")
+    checkpoint_verify: str = f("full", "what a checkpoint's COMPLETE marker records and a resume checks: full (every file's size and CRC32, ~0.4 s per GB, hashed by the rank that wrote it, in the background writer when asynchronous) or sizes (no checksum: cut or missing files are still found)", choices=("full", "sizes"))
     keep_checkpoint_every: Optional[int] = f(None, "optimizer steps: checkpoints at multiples of this are kept forever", ge=1)
     resume: bool = f(True, "continue from the newest complete checkpoint in the run directory, if any")
     start_fresh: bool = f(False, "a run directory that holds checkpoints: move its contents aside (<name>.old-<time>) and start over")
