@@ -16,12 +16,15 @@ PACKAGE_METADATA = Path(__file__).resolve().parent.parent / "metadata"
 
 
 def decode_caption(raw: Union[bytes, str]) -> str:
-    """UTF-8 caption text, stripped; raises UnicodeError on invalid bytes (counted by the caller).
+    """UTF-8 caption text, stripped; raises UnicodeError on invalid bytes and TypeError on anything but
+    text or bytes (a parquet caption column of numbers or lists), both counted by the caller.
 
     A str may carry undecodable bytes as surrogates (CSV lines are read with ``surrogateescape``)."""
     if isinstance(raw, str):
         raw.encode("utf-8")  # raises UnicodeEncodeError on surrogates
         return raw.strip()
+    if not isinstance(raw, (bytes, bytearray, memoryview)):  # bytes(10**12) would allocate a terabyte
+        raise TypeError(f"caption is a {type(raw).__name__}, not text")
     return bytes(raw).decode("utf-8").strip()
 
 

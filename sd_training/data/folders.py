@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..config.dataset import DatasetConfigError
 from .sources import Source, outside_root_error
-from .stats import Stats
+from .stats import Stats, describe_error, error_reason
 from .tables import auto_chunk
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -111,6 +111,8 @@ class FolderSource(Source):
                 meta = json.loads(fh.read().decode("utf-8"))
         except (OSError, ValueError, UnicodeDecodeError) as exn:
             return {**base, "error": ("bad_json", f"unreadable metadata ({exn})")}
+        except Exception as exn:  # RecursionError (json nested too deep), MemoryError...
+            return {**base, "error": (error_reason(exn), f"unreadable metadata ({describe_error(exn)})")}
         if not isinstance(meta, dict) or not isinstance(meta.get("path"), str):
             return {**base, "error": ("missing_image", "metadata has no 'path' of an image")}
         image_path = os.path.join(self.root, meta["path"])

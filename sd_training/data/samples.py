@@ -1,6 +1,8 @@
 """Per-sample stages, cheapest first: ``select`` (metadata, filters, captions: no pixel is decoded) and
 ``process`` (image header, size checks, bucket, reduced-scale decode, resize/crop/flip, caption
-augmentation), then ``collate`` (stack, tokenize). Each stage counts what it drops, by reason.
+augmentation), then ``collate`` (stack, tokenize). Each stage counts what it drops, by reason; any other
+exception a stage raises on a sample is caught by the stream (:mod:`.stream`), which skips the sample and
+counts it as ``sample_error:<ExceptionType>``.
 
 Besides pixels and token ids, every image batch carries SDXL's micro-conditioning, all (height, width)
 or (y, x) in pixels, int64 [B, 2] (families that do not use them ignore them):
@@ -109,7 +111,7 @@ class SampleProcessor:
                 return None
             try:
                 idx = parse_cls(raw["cls"])
-            except (ValueError, UnicodeDecodeError, TypeError) as exn:
+            except (ValueError, UnicodeDecodeError, TypeError, OverflowError) as exn:
                 stats.skip("bad_cls", f"{where}: class index unreadable ({exn})")
                 return None
             if idx not in self.idx_to_prompt:
@@ -124,6 +126,9 @@ class SampleProcessor:
                 caption = decode_caption(raw["caption"])
             except UnicodeError as exn:
                 stats.skip("bad_caption_encoding", f"{where}: caption is not UTF-8 ({exn})")
+                return None
+            except TypeError as exn:
+                stats.skip("bad_caption_type", f"{where}: {exn}")
                 return None
         return {
             "key": raw["key"],

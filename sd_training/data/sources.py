@@ -24,6 +24,7 @@ import os
 import re
 import select
 import signal
+import stat
 import subprocess
 import tarfile
 import urllib.error
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..config.dataset import DatasetConfigError
-from .stats import Stats
+from .stats import Stats, describe_error, error_reason
 
 REMOTE = re.compile(r"^(https?|pipe|s3|gs|ais|hf|scp|sftp|ftps)[:]")
 
@@ -43,6 +44,11 @@ class ShardError(Exception):
     def __init__(self, reason: str, msg: str):
         super().__init__(msg)
         self.reason = reason
+
+
+class ShardAbandoned(ShardError):
+    """A tar shard whose headers cannot be trusted (a member claims more bytes than the stream holds, or
+    skipping it would walk more than the limit): the reader stops it after a bounded amount of work."""
 
 
 @dataclass
@@ -161,6 +167,76 @@ def _split_name(name: str):
 
 
 DEFAULT_MAX_MEMBER_BYTES = 64 * 2**20
+# Skipping a member the reader does not keep (over max_member_bytes, a link, a directory...) walks its data
+# when the stream's length is unknown (pipe:, a URL without Content-Length) or the shard is compressed: at
+# most this many times max_member_bytes per member, then the shard is abandoned (a decompression bomb or a
+# forged header cannot hold a reader for long). Where the length is known, claims are checked against it.
+SKIP_WALK_MEMBERS = 16
+WALK_CHUNK = 1 << 20
+# Extended headers (pax, GNU long names) are read whole by tarfile: one claiming more is a lying header.
+MAX_EXTENDED_HEADER_BYTES = 1 << 20
+_EXTENDED_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                   tarfile.SOLARIS_XHDTYPE)
+
+
+def stream_length(stream) -> Optional[int]:
+    """Bytes the raw stream holds from its start: a regular file's size, an http response's
+    Content-Length; None when unknown (a pipe, a chunked response, another scheme)."""
+    try:
+        st = os.fstat(stream.fileno())
+        if stat.S_ISREG(st.st_mode):
+            return int(st.st_size)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass
+    length = getattr(stream, "length", None)  # http.client.HTTPResponse: Content-Length (None if chunked)
+    return int(length) if isinstance(length, int) and length >= 0 else None
+
+
+def _checked_tarinfo(length: Optional[int], slack: int):
+    """A TarInfo class whose headers are checked before tarfile acts on them: an extended header over
+    MAX_EXTENDED_HEADER_BYTES, or (an uncompressed stream of known length) a member whose data would end
+    more than ``slack`` bytes past the stream, abandons the shard before a byte of the claim is read or
+    walked. A smaller overrun is a shard cut short (an interrupted copy): reading finds its end within
+    ``slack`` bytes and counts it as ``shard_truncated``."""
+
+    class CheckedTarInfo(tarfile.TarInfo):
+        def _proc_member(self, tf):
+            known = length if getattr(tf.fileobj, "comptype", None) == "tar" else None
+            if self.type in _EXTENDED_TYPES:
+                if self.size > MAX_EXTENDED_HEADER_BYTES:
+                    raise ShardAbandoned("lying_header", f"an extended header at byte {self.offset:,} claims "
+                                         f"{self.size:,} bytes (at most {MAX_EXTENDED_HEADER_BYTES:,} are read)")
+                if known is not None and self.offset + tarfile.BLOCKSIZE + self.size - known > slack:
+                    raise ShardAbandoned("lying_header", f"an extended header at byte {self.offset:,} claims "
+                                         f"{self.size:,} bytes; the shard has {known:,} in all")
+            out = super()._proc_member(tf)
+            # tf.offset: where the next header starts (this member's data rounded up to a block).
+            if known is not None and tf.offset - known > max(slack, tarfile.BLOCKSIZE - 1):
+                raise ShardAbandoned("lying_header", f"{out.name} claims {out.size:,} bytes from byte "
+                                     f"{out.offset_data:,}; the shard has {known:,} in all")
+            return out
+
+    return CheckedTarInfo
+
+
+def _walk_past(tar, info, limit: Optional[int], slack: int) -> None:
+    """Walk the stream to the next header (the data of a member not kept), reading only what is there:
+    the stream ending more than ``slack`` bytes short of the claim, or more than ``limit`` bytes walked,
+    abandons the shard (a shorter shortfall is a truncated shard: tarfile.ReadError)."""
+    f, target, walked = tar.fileobj, tar.offset, 0
+    while f.tell() < target:
+        want = min(WALK_CHUNK, target - f.tell())
+        got = len(f.read(want))
+        walked += got
+        if got < want:
+            if target - f.tell() <= slack:
+                raise tarfile.ReadError("unexpected end of data")
+            raise ShardAbandoned("lying_header", f"{info.name} claims {info.size:,} bytes; the stream ends "
+                                 f"{walked:,} bytes into it")
+        if limit is not None and walked > limit and f.tell() < target:
+            raise ShardAbandoned("skip_limit", f"{info.name} claims {info.size:,} bytes: skipping it would read "
+                                 f"more than {limit:,} (the stream's length is unknown or it is compressed; "
+                                 f"{SKIP_WALK_MEMBERS} x dataset.params.max_member_bytes)")
 
 
 def iter_tar_samples(url: str, timeout: float, stats: Stats,
@@ -168,32 +244,46 @@ def iter_tar_samples(url: str, timeout: float, stats: Stats,
     """Members of one tar grouped by key, in order: ``{"__key__": key, ext: bytes, ...}``.
 
     A missing or unreachable shard raises :class:`ShardError` before anything is yielded; a tar that breaks
-    part-way (truncated, corrupt header) yields the complete samples before the break and then stops,
-    counted as ``skipped/shard_truncated``.
+    part-way (truncated, corrupt header, any error while reading) yields the complete samples before the
+    break and then stops, counted as ``skipped/shard_truncated`` (``skipped/shard_error:<type>`` for an
+    error that is not a tar, I/O or value error). A shard whose headers lie (a member claiming more than
+    max_member_bytes past the end of the stream) is abandoned after a bounded amount of work: counted as ``skipped/lying_header`` or
+    ``skipped/skip_limit`` and ``shards_abandoned``, and named in the log. A stalled stream's
+    :class:`ShardError` propagates (the caller counts it).
     """
     stream = open_stream(url, timeout)
     current: Optional[Dict[str, Any]] = None
     n_members = 0
+    length = stream_length(stream)
     try:
         try:
-            tar = tarfile.open(fileobj=stream, mode="r|*")
-        except (tarfile.TarError, OSError, EOFError) as exn:
-            raise ShardError("shard_unreadable", f"{url}: not a readable tar ({exn})") from exn
-        try:
+            try:
+                tar = tarfile.open(fileobj=stream, mode="r|*", tarinfo=_checked_tarinfo(length, max_member_bytes))
+            except ShardError:
+                raise
+            except (tarfile.TarError, OSError, EOFError) as exn:
+                raise ShardError("shard_unreadable", f"{url}: not a readable tar ({exn})") from exn
+            # Where the stream's length bounds every claim (uncompressed, known length), walking is bounded
+            # by the file itself; elsewhere by SKIP_WALK_MEMBERS x max_member_bytes per member.
+            walk_limit = None if (length is not None and tar.fileobj.comptype == "tar") else \
+                SKIP_WALK_MEMBERS * max_member_bytes
             for info in tar:
+                tar.members = []  # streaming: do not keep every TarInfo of the shard in memory
                 if not info.isreg():
+                    _walk_past(tar, info, walk_limit, max_member_bytes)
                     continue
                 prefix, suffix = _split_name(info.name)
                 base = os.path.basename(info.name)
                 if prefix is None or (base.startswith("__") and base.endswith("__")):
+                    _walk_past(tar, info, walk_limit, max_member_bytes)
                     continue
                 if info.size > max_member_bytes:  # skipped unread: a decompression bomb never reaches memory
                     stats.skip("member_too_large", f"{url}: {info.name} is {info.size:,} bytes, over "
                                f"dataset.params.max_member_bytes={max_member_bytes:,}")
+                    _walk_past(tar, info, walk_limit, max_member_bytes)
                     continue
                 data = tar.extractfile(info).read()
                 n_members += 1
-                tar.members = []  # streaming: do not keep every TarInfo of the shard in memory
                 suffix = suffix.lower()
                 if current is None or current["__key__"] != prefix:
                     if current is not None:
@@ -203,11 +293,21 @@ def iter_tar_samples(url: str, timeout: float, stats: Stats,
                     stats.skip("duplicate_member", f"{url}: {info.name} appears twice; keeping the first")
                     continue
                 current[suffix] = data
+        except ShardAbandoned as exn:
+            stats.add("shards_abandoned")
+            stats.skip(exn.reason, f"{url}: shard abandoned after {n_members} members: {exn}")
+            current = None
+        except ShardError:  # a stalled stream: the caller counts it
+            raise
         except (tarfile.TarError, OSError, EOFError, ValueError) as exn:
             # Truncated or corrupt: keep what was complete, drop the sample being read, stop the shard.
             if n_members == 0 and current is None:
                 raise ShardError("shard_unreadable", f"{url}: {exn}") from exn
             stats.skip("shard_truncated", f"{url}: stopped after {n_members} members ({exn})")
+            current = None
+        except Exception as exn:  # anything else (zlib.error, MemoryError...): the same, named by its type
+            stats.skip(error_reason(exn, "shard_error"), f"{url}: stopped after {n_members} members "
+                       f"({describe_error(exn)})")
             current = None
         if current is not None:
             yield current

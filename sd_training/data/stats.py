@@ -9,7 +9,11 @@ Counter names:
   ``samples_read``            samples grouped from shards / rows / files
   ``samples_seen``            samples yielded in batches
   ``shards_read``             units of work (tar shard, row group, file chunk) opened
-  ``skipped/<reason>``        samples (or shards) dropped, by reason
+  ``skipped/<reason>``        samples (or shards) dropped, by reason; an unexpected exception while
+                              reading or processing a sample is ``sample_error:<ExceptionType>`` (a
+                              whole unit: ``shard_error:<ExceptionType>``, a batch: ``collate_error:...``)
+  ``shards_abandoned``        tar shards stopped because a header lies (``skipped/lying_header``) or
+                              skipping a member would read too much (``skipped/skip_limit``)
   ``filter/<key>/checked``    samples a metadata filter was evaluated on
   ``filter/<key>/passed``     ... and passed
   ``bucket/<W>x<H>``          samples assigned to each aspect-ratio bucket
@@ -62,15 +66,35 @@ class Stats:
         self.counts[name] += n
         self._delta[name] += n
 
-    def skip(self, reason: str, detail: str) -> None:
-        """Count a skipped sample/shard and log it at a bounded rate."""
-        self.add(f"skipped/{reason}")
+    def skip(self, reason: str, detail: str, n: int = 1) -> None:
+        """Count ``n`` skipped samples (or a shard) and log it at a bounded rate."""
+        self.add(f"skipped/{reason}", n)
         self.warnings.warn(reason, f"data: skipped ({reason}): {detail}")
 
     def take_delta(self) -> Dict[str, int]:
         out = dict(self._delta)
         self._delta.clear()
         return out
+
+
+# Longest exception message a skip line quotes (a message can hold a whole caption or member).
+MAX_ERROR_TEXT = 300
+
+
+def error_reason(exn: BaseException, prefix: str = "sample_error") -> str:
+    """The counter name of an unexpected failure: ``<prefix>:<exception type>``."""
+    return f"{prefix}:{type(exn).__name__}"
+
+
+def describe_error(exn: BaseException) -> str:
+    """``Type: message`` of an exception, cut to MAX_ERROR_TEXT characters (never raises)."""
+    try:
+        text = str(exn)
+    except Exception:  # an exception whose __str__ fails
+        text = "<message unprintable>"
+    if len(text) > MAX_ERROR_TEXT:
+        text = text[:MAX_ERROR_TEXT] + f"... ({len(text):,} characters)"
+    return f"{type(exn).__name__}: {text}" if text else type(exn).__name__
 
 
 def summarize(counts: Mapping[str, int]) -> Dict[str, float]:

@@ -38,7 +38,12 @@ source set to ``exhausted: drop`` leaves the mixture of a reader when that reade
 Position and restore
 --------------------
 Stages (see :meth:`SlotStream.__iter__`): read unit -> select (metadata, filters) -> shuffle buffer ->
-process (decode, augment) -> bucket -> batch. Every sample is named by ``ref = (q, i, j)``: the ``j``-th
+process (decode, augment) -> bucket -> batch. A sample on which a stage raises anything (an
+``Exception``: RecursionError on deeply nested json, MemoryError in a decode, a type nobody foresaw) is
+skipped and counted as ``skipped/sample_error:<type>``, logged with its shard and key; a unit whose reader
+fails keeps the samples read so far (``shard_error:<type>``); a batch that does not collate is dropped
+(``collate_error:<type>``, one count per sample). ``KeyboardInterrupt``/``SystemExit``, a stalled shard
+(:class:`~.sources.ShardError`) and the "yields no valid sample" stop are not caught. Every sample is named by ``ref = (q, i, j)``: the ``j``-th
 sample of the reader's ``i``-th unit of stream ``q`` (0 without a mixture, the source with one); its random augmentations come from its own generator seeded by
 ``(seed, g, j)``, and its ``sample_seed`` (which the training step draws its noise and timesteps from) is a
 function of the same three numbers. The position attached to each batch is: the read cursor ``(i, j)``, the refs of the
@@ -59,7 +64,7 @@ import torch
 
 from .samples import SampleProcessor
 from .sources import ShardError, Source
-from .stats import Stats, log
+from .stats import Stats, describe_error, error_reason, log
 
 # Rule for "this source yields no valid sample at all" (checked per slot, per source): no sample was
 # ever selected after trying every unit of the source or this many units, or no sample ever decoded
@@ -234,7 +239,9 @@ class SlotStream:
             bucket.append(out)
             if len(bucket) == batch_size:
                 del self.buckets[out["bucket"]]
-                yield self._emit(bucket)
+                batch = self._emit(bucket)
+                if batch is not None:
+                    yield batch
 
     def _locate(self, q: int, base: int, i: int) -> Tuple[int, int, int, int]:
         """(global index, unit index, epoch, source index) of unit ``i`` of this reader's stream ``q``."""
@@ -265,12 +272,20 @@ class SlotStream:
                     yield raw
             except ShardError as exn:
                 self.stats.skip(exn.reason, f"{exn} (source {source.name})")
+            except Exception as exn:  # any other failure of the unit's reader (a parquet row group that
+                # does not convert, ...): its samples so far are kept, the unit is skipped and counted
+                self.stats.skip(error_reason(exn, "shard_error"), f"{source.describe(self.plan.units[unit_idx][1])}: "
+                                f"{describe_error(exn)} (source {source.name})")
             self._check_source(src)
             cur[1] += 1
             cur[2] = 0
 
     def _select_one(self, raw: Dict[str, Any], stats) -> Optional[Dict[str, Any]]:
-        s = self.proc.select(raw, stats)
+        try:
+            s = self.proc.select(raw, stats)
+        except Exception as exn:  # any failure on one sample (RecursionError on deep json, ...): skip it
+            _sample_failed(stats, "select", raw, exn)
+            return None
         if s is not None:
             s.update(ref=raw["ref"], src=raw["src"], epoch=raw["epoch"], g=raw["g"])
         return s
@@ -312,7 +327,11 @@ class SlotStream:
 
     def _process(self, s: Dict[str, Any], stats: Optional[Stats] = None) -> Optional[Dict[str, Any]]:
         rng = _sample_rng(self.plan.seed, s["g"], s["ref"][-1])
-        out = self.proc.process(s, rng, stats or self.stats)
+        try:
+            out = self.proc.process(s, rng, stats or self.stats)
+        except Exception as exn:  # any failure on one sample (MemoryError in a decode, ...): skip it
+            _sample_failed(stats or self.stats, "process", s, exn)
+            out = None
         src = s["src"]
         if out is None:
             self._failed[src] += 1
@@ -323,8 +342,14 @@ class SlotStream:
         out.update(ref=s["ref"], epoch=s["epoch"], src=src, sample_seed=sample_seed(self.plan.seed, s["g"], s["ref"][-1]))
         return out
 
-    def _emit(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
-        batch = self.proc.collate(samples)
+    def _emit(self, samples: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        try:
+            batch = self.proc.collate(samples)
+        except Exception as exn:  # samples that do not stack (latents of two channel counts...): all skipped
+            self.stats.skip(error_reason(exn, "collate_error"), f"a batch of {len(samples)} samples "
+                            f"({', '.join(repr(s['key']) for s in samples[:4])}{', ...' if len(samples) > 4 else ''}) "
+                            f"does not collate: {describe_error(exn)}", n=len(samples))
+            return None
         batch["sample_seeds"] = torch.tensor([s["sample_seed"] for s in samples], dtype=torch.int64)
         self.batches += 1
         self.stats.add("samples_seen", len(samples))
@@ -420,6 +445,13 @@ class SlotStream:
                         found += 1
                         if found == len(need):
                             break
-            except ShardError as exn:
-                log.warning("data: restoring reader %d: %s; its buffered samples are lost", self.slot, exn)
+            except Exception as exn:
+                log.warning("data: restoring reader %d: %s; its buffered samples are lost", self.slot,
+                            exn if isinstance(exn, ShardError) else describe_error(exn))
         return raws
+
+
+def _sample_failed(stats, stage: str, sample: Dict[str, Any], exn: Exception) -> None:
+    """Count and log (rate-limited) a sample whose ``stage`` raised: ``skipped/sample_error:<type>``."""
+    stats.skip(error_reason(exn), f"{sample.get('url')} sample {sample.get('key')!r}: {stage} raised "
+               f"{describe_error(exn)}")

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..config.dataset import DatasetConfigError
 from .sources import ShardError, Source, outside_root_error
-from .stats import Stats, log
+from .stats import Stats, describe_error, error_reason, log
 
 IMAGE_COLUMNS = ("image", "jpg", "png", "webp", "img", "image_bytes", "filepath", "file_path", "image_path", "path", "url")
 CAPTION_COLUMNS = ("caption", "text", "txt", "title", "prompt")
@@ -102,6 +102,10 @@ class _TableSource(Source):
             image = bytes(value)
         elif isinstance(value, str) and value.strip():
             path = value.strip()
+        if not isinstance(path, str) or not path.strip():  # a struct's path of another type: no path
+            path = None
+        if image is not None and not isinstance(image, (bytes, bytearray, memoryview)):
+            image = None  # a struct's bytes of another type: no image (counted as missing_image)
         error = None
         if image is None and path and not path.startswith(("http://", "https://")):
             if not os.path.isabs(path):
@@ -120,6 +124,14 @@ class _TableSource(Source):
             "cls": row.get(self.cls_col) if self.cls_col else None,
             **({"error": error} if error else {}),
         }
+
+
+    def _guarded_row(self, row: Dict[str, Any], default_key: str, unit_name: str, folder: str) -> Dict[str, Any]:
+        """:meth:`_row_sample`, or a sample carrying the error when the row breaks it (one row, not its unit)."""
+        try:
+            return self._row_sample(row, default_key, unit_name, folder)
+        except Exception as exn:
+            return {"key": default_key, "url": unit_name, "error": (error_reason(exn), describe_error(exn))}
 
 
 class ParquetSource(_TableSource):
@@ -161,7 +173,7 @@ class ParquetSource(_TableSource):
             r = 0
             for batch in batches:
                 for row in batch.to_pylist():
-                    yield self._row_sample(row, f"{base}:{rg}:{r}", name, folder)
+                    yield self._guarded_row(row, f"{base}:{rg}:{r}", name, folder)
                     r += 1
         except (OSError, ValueError) as exn:  # missing/corrupt file; pyarrow errors derive from these
             raise ShardError("shard_unreadable", f"{name}: {exn}") from exn
@@ -287,5 +299,5 @@ class CSVSource(_TableSource):
                     yield {"key": f"{base}:{first + r}", "url": name, "error": ("bad_row", detail)}
                     r += 1
                     continue
-                yield self._row_sample(dict(zip(header, row)), f"{base}:{first + r}", name, folder)
+                yield self._guarded_row(dict(zip(header, row)), f"{base}:{first + r}", name, folder)
                 r += 1
