@@ -1,16 +1,24 @@
 """Resuming with another config: the checkpoint's ``config.yaml`` against the current one, sorted into
 keys that may change freely (logging, saving, the layout over ranks), keys applied knowingly (the
-learning rate), and keys refused unless ``experiment.allow_config_change``."""
+learning rate), and keys refused unless ``experiment.allow_config_change``.
+
+Both sides are dumps (``config.loading.public_dict``): a redacted secret or a value read from the
+environment (``${oc.env:...}``) is compared as a wildcard (``config.secrets.same_value``), so a rotated
+token is not a change. The per-device batch, the accumulation and ``system.global_batch_size`` are how the
+global batch is laid out: a change of them that keeps the global batch (images per optimizer step) is
+a layout change like a new rank count, and passes; one that changes it is refused."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from ..config import ConfigError
-from ..config.loading import REDACTED
+from ..config.secrets import same_value
+from .layout import TRAIN_STATE, rank_files
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +41,9 @@ MAY_CHANGE = (
 )
 # Keys whose new value takes effect on resume, said in the log.
 APPLIED = ("optimizer.params.learning_rate", "lr_scheduler.params.learning_rate")
+# How the global batch is laid out: free while the global batch stays the same, refused otherwise.
+BATCH_LAYOUT = ("system.batch_size", "system.gradient_accumulation", "system.global_batch_size",
+                "dataset.params.batch_size")
 
 def _flat(d, prefix="") -> dict:
     out = {}
@@ -45,18 +56,24 @@ def _flat(d, prefix="") -> dict:
     return out
 
 
-def config_changes(saved_yaml: str, current: dict) -> tuple[list[str], list[str], list[str]]:
-    """(may change, applied, refused): ``"key: old -> new"`` lines, the checkpoint's config against now."""
+def config_changes(saved_yaml: str, current: dict, saved_global_batch: int | None = None,
+                   global_batch: int | None = None) -> tuple[list[str], list[str], list[str]]:
+    """(may change, applied, refused): ``"key: old -> new"`` lines, the checkpoint's config against now.
+    ``saved_global_batch`` / ``global_batch``: images per optimizer step then and now (None: unknown);
+    equal, the batch layout keys (``BATCH_LAYOUT``) may change."""
     old = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
     new = _flat(current)
+    same_batch = bool(saved_global_batch) and saved_global_batch == global_batch
     free, applied, refused = [], [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
-        if a == b or REDACTED in (a, b):
+        if same_value(a, b):
             continue
         line = f"{key}: {a} -> {b}"
         if key.startswith(MAY_CHANGE):
             free.append(line)
+        elif key in BATCH_LAYOUT and same_batch:
+            free.append(f"{line} (global batch {global_batch} kept)")
         elif key in APPLIED:
             applied.append(line)
         else:
@@ -64,9 +81,47 @@ def config_changes(saved_yaml: str, current: dict) -> tuple[list[str], list[str]
     return free, applied, refused
 
 
-def check_resume_config(saved_yaml: str, current: dict, allow: bool, checkpoint: Path) -> list[str]:
-    """Log the permitted changes; refuse the others unless ``allow``. Returns the applied changes."""
-    free, applied, refused = config_changes(saved_yaml, current)
+def saved_global_batch(saved_yaml: str, checkpoint: Path) -> int | None:
+    """Images per optimizer step of the run that wrote ``checkpoint``: its train state's record, else its
+    config's ``global_batch_size``, else batch x accumulation x its rank files; None when unknown."""
+    try:
+        recorded = json.loads((Path(checkpoint) / TRAIN_STATE).read_text()).get("global_batch")
+        if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
+            return recorded
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        system = OmegaConf.to_container(OmegaConf.create(saved_yaml)).get("system", {})
+        if int(system.get("global_batch_size") or 0) > 0:
+            return int(system["global_batch_size"])
+        ranks = len(rank_files(checkpoint))
+        return int(system["batch_size"]) * int(system["gradient_accumulation"]) * ranks or None
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def current_global_batch(current: dict) -> int | None:
+    """Images per optimizer step of this run (as ``train_state.Plan`` derives it), from its config dump and
+    the process group's size."""
+    try:
+        system = current["system"]
+        if int(system.get("global_batch_size") or 0) > 0:
+            return int(system["global_batch_size"])
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return int(system["batch_size"]) * int(system["gradient_accumulation"]) * world
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
+def check_resume_config(saved_yaml: str, current: dict, allow: bool, checkpoint: Path,
+                        global_batch: int | None = None) -> list[str]:
+    """Log the permitted changes; refuse the others unless ``allow``. Returns the applied changes.
+    ``global_batch``: this run's images per optimizer step (None: derived from ``current``)."""
+    free, applied, refused = config_changes(
+        saved_yaml, current, saved_global_batch(saved_yaml, checkpoint),
+        global_batch if global_batch is not None else current_global_batch(current))
     if free:
         log.info("resuming with changed settings: %s", "; ".join(free))
     if refused:
@@ -80,5 +135,3 @@ def check_resume_config(saved_yaml: str, current: dict, allow: bool, checkpoint:
     for line in applied:
         log.warning("resuming with a new value that takes effect now: %s", line)
     return applied
-
-

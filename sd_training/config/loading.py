@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from dataclasses import fields, is_dataclass
 from typing import Any, get_type_hints
@@ -23,6 +24,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from . import secrets
 from .fields import ConfigError
 from .rules import validate
 from .schema import TrainConfig, is_free_dict, schema_entries, unwrap_optional
@@ -159,6 +161,14 @@ def parse_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     return config_paths, overrides, removals
 
 
+def _parses(override: str) -> bool:
+    try:
+        OmegaConf.from_dotlist([_quote_bool_words(override)])
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
     """The resolved ``TrainConfig`` from the command line (and/or YAML text), with the schema's own checks.
 
@@ -178,7 +188,10 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
     try:
         cli = OmegaConf.from_dotlist([_quote_bool_words(o) for o in overrides])
     except Exception as e:
-        raise ConfigError(f"cannot parse command-line overrides {overrides}: {e}") from e
+        bad = next((o for o in overrides if not _parses(o)), None)
+        what = f"the command-line argument '{bad}'" if bad else f"command-line overrides {overrides}"
+        raise ConfigError(f"cannot parse {what}: {str(e).splitlines()[0]} (quote values that hold "
+                          "'${', braces or spaces; an interpolation is ${key.path} or ${oc.env:NAME})") from None
 
     user = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
     if not isinstance(user, DictConfig):
@@ -190,7 +203,10 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
     _unbool_strings(user)
     # A ??? that no later layer filled. Checked before the schema merge, where OmegaConf would let a
     # ??? fall back to the schema default instead of stopping.
-    _raise_missing(sorted(OmegaConf.missing_keys(user)))
+    try:
+        _raise_missing(sorted(OmegaConf.missing_keys(user)))
+    except OmegaConfBaseException:
+        pass  # an interpolation that does not resolve: named with its key after the schema merge
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), user)
     except ConfigKeyError as e:
@@ -223,11 +239,83 @@ def _mixture_path(cfg: DictConfig) -> None:
                           "in its sources; remove dataset.params.path")
     if any(not hasattr(e, "get") or not e.get("path") for e in sources):
         return  # named by the dataset checks
-    params.path = "::".join(str(e.get("path")) for e in sources)
+    params.path = "::".join(_raw_if_env(e, "path") for e in sources)
+
+
+def _raw_if_env(node: DictConfig, key: str) -> str:
+    """The value of ``node.key``; an environment interpolation stays one (it is resolved with the rest)."""
+    raw = node._get_node(key)._value() if isinstance(node, DictConfig) else None
+    return raw if isinstance(raw, str) and "${oc.env:" in raw else str(node.get(key))
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpolations that do not resolve: one ConfigError naming the key and the interpolation.
+# ----------------------------------------------------------------------------------------------
+
+
+def _raw_strings(node, path: str = ""):
+    """(key path, raw text) of every string value holding an interpolation, in a raw container tree."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _raw_strings(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _raw_strings(v, f"{path}[{i}]")
+    elif isinstance(node, str) and "${" in node:
+        yield path, node
+
+
+def _interpolation_hint(raw: str, error: Exception) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    env = re.search(r"Environment variable '([^']+)' not found", text)
+    if env:
+        return (f"the environment variable {env.group(1)} is not set: export it, or give a default: "
+                f"${{oc.env:{env.group(1)},default}}")
+    if "Recursive interpolation" in text:
+        return "it refers back to itself (an interpolation loop): set one of the keys in the loop to a value"
+    unknown = re.search(r"Unsupported interpolation type (\S+)", text)
+    if unknown:
+        from omegaconf.basecontainer import BaseContainer
+
+        known = ", ".join(sorted(getattr(BaseContainer, "_resolvers", {}))) or "oc.env"
+        return f"there is no resolver '{unknown.group(1)}' (known: {known})"
+    missing = re.search(r"Interpolation key '([^']+)' not found", text)
+    if missing:
+        return f"there is no key '{missing.group(1)}'{_suggest(missing.group(1))}"
+    return text
+
+
+def check_interpolations(cfg: DictConfig) -> None:
+    """Resolve every interpolation once; the first that fails (the one at the root of a chain: not one
+    that only refers to another failing key) is a ``ConfigError`` naming its key and its text."""
+    try:
+        raw = OmegaConf.to_container(cfg, resolve=False)
+    except OmegaConfBaseException:
+        return
+    failures = {}
+    for path, text in _raw_strings(raw):
+        try:
+            OmegaConf.select(cfg, path, throw_on_resolution_failure=True, throw_on_missing=False)
+        except OmegaConfBaseException as e:
+            failures[path] = (text, e)
+        except Exception as e:  # a resolver's own error (our ${asset:...} raises ConfigError)
+            failures[path] = (text, e)
+    if not failures:
+        return
+    roots = [p for p, (text, _) in failures.items()
+             if not any("${" + q + "}" in text for q in failures if q != p)] or list(failures)
+    path = roots[0]
+    text, error = failures[path]
+    if isinstance(error, ConfigError):
+        raise ConfigError(f"'{path}' ({text}): {error}") from None
+    also = sorted(set(failures) - {path})
+    tail = f" (keys that refer to it fail too: {', '.join(also)})" if also else ""
+    raise ConfigError(f"'{path}' cannot be resolved: {text}: {_interpolation_hint(text, error)}{tail}") from None
 
 
 def resolve(cfg: DictConfig) -> TrainConfig:
     """Check required keys, resolve interpolations, convert to dataclasses and validate."""
+    check_interpolations(cfg)
     _mixture_path(cfg)
     _raise_missing(sorted(OmegaConf.missing_keys(cfg)))
     try:
@@ -241,7 +329,23 @@ def resolve(cfg: DictConfig) -> TrainConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config at '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
     validate(obj)
+    _record_env(cfg, obj)
     return obj
+
+
+def _record_env(cfg: DictConfig, obj: TrainConfig) -> None:
+    """Remember which values came from the environment, so the dumps write their interpolations instead."""
+    try:
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        if not secrets.env_names(raw):
+            return
+        resolved = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+        unresolved = OmegaConf.to_container(OmegaConf.create(secrets.escape_env(raw)), resolve=True)
+        view = secrets.EnvView.record(raw, resolved, unresolved, _container(obj))
+    except Exception:  # noqa: BLE001 -- an exotic resolver chain: the pattern redaction and value search still apply
+        view = secrets.EnvView(values={n: v for n in secrets.env_names(OmegaConf.to_container(cfg, resolve=False))
+                                       if (v := os.environ.get(n)) and len(v) >= 8})
+    obj.__dict__[ENV_VIEW] = view
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,20 +353,31 @@ def resolve(cfg: DictConfig) -> TrainConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-REDACTED = "<redacted>"
+REDACTED = secrets.REDACTED
+ENV_VIEW = "_sd_training_env_view"  # attribute of a loaded TrainConfig: its values that came from the environment
+
+
+def _container(cfg: TrainConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
 def public_dict(cfg: TrainConfig) -> dict:
-    """The resolved config as plain containers, secrets replaced: what config.yaml, checkpoints and the
-    wandb run config hold. ``wandb.api_key`` never leaves the process (the run uses it, nothing stores it)."""
-    out = OmegaConf.to_container(OmegaConf.structured(cfg))
+    """The config as plain containers, as every dump holds it (config.yaml, checkpoints, the trackers' run
+    config): values read from the environment written as their ``${oc.env:...}`` interpolations, literal
+    secrets (``wandb.api_key``, tokens in headers and URLs ...) redacted (``config.secrets``)."""
+    out = _container(cfg)
+    view = cfg.__dict__.get(ENV_VIEW)
+    if view is not None:
+        out = view.apply(out)
+    out = secrets.redact_tree(out)
     if out.get("wandb", {}).get("api_key"):
         out["wandb"]["api_key"] = REDACTED
     return out
 
 
 def to_yaml(cfg: TrainConfig) -> str:
-    """The resolved config as YAML, secrets redacted (written into the run directory, loadable with config=...)."""
+    """The config as YAML, secrets kept out (``public_dict``): written into the run directory and every
+    checkpoint, loadable with config=... (an ``${oc.env:...}`` reads its variable again)."""
     return OmegaConf.to_yaml(OmegaConf.create(public_dict(cfg)))
 
 
