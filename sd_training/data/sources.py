@@ -295,7 +295,7 @@ def iter_tar_samples(url: str, timeout: float, stats: Stats,
                 current[suffix] = data
         except ShardAbandoned as exn:
             stats.add("shards_abandoned")
-            stats.skip(exn.reason, f"{url}: shard abandoned after {n_members} members: {exn}")
+            stats.skip(exn.reason, f"{url}: shard abandoned after {n_members} members: {exn}", every=url)
             current = None
         except ShardError:  # a stalled stream: the caller counts it
             raise

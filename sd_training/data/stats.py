@@ -66,10 +66,11 @@ class Stats:
         self.counts[name] += n
         self._delta[name] += n
 
-    def skip(self, reason: str, detail: str, n: int = 1) -> None:
-        """Count ``n`` skipped samples (or a shard) and log it at a bounded rate."""
+    def skip(self, reason: str, detail: str, n: int = 1, every: str = "") -> None:
+        """Count ``n`` skipped samples (or a shard) and log it at a bounded rate: per reason, or per
+        ``(reason, every)`` when ``every`` is given (an abandoned shard is always named: every=its url)."""
         self.add(f"skipped/{reason}", n)
-        self.warnings.warn(reason, f"data: skipped ({reason}): {detail}")
+        self.warnings.warn(f"{reason}\0{every}" if every else reason, f"data: skipped ({reason}): {detail}")
 
     def take_delta(self) -> Dict[str, int]:
         out = dict(self._delta)
