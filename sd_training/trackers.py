@@ -1,7 +1,8 @@
 """Metric sinks behind one small protocol: ``log(metrics, step)``, ``log_image(key, path, step)``, ``close()``.
 
 ``metrics.jsonl`` is always written; wandb follows ``wandb.mode``; tensorboard with
-``experiment.tensorboard``. Only rank 0 builds trackers.
+``experiment.tensorboard``. Only rank 0 builds trackers. The config a tracker gets is the dump
+(``config.loading.public_dict``: environment values as their interpolations, secrets redacted).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
+from .config.secrets import scrub_argument
 from .run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -59,17 +62,24 @@ class WandbTracker:
             os.environ.setdefault("WANDB_API_KEY", cfg.api_key)
         self.mode = wandb_mode(cfg.mode)
         # A requeued job passes the id it saved, so the same wandb run continues (resume="allow").
-        self.run = wandb.init(
-            project=cfg.project,
-            entity=cfg.entity,
-            name=run_root.name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_root),
-            mode=self.mode,
-            tags=list(cfg.tags),
-            config=config_dict,
-        )
+        # ``config_dict`` is the config's dump (secrets kept out); wandb also records the command line,
+        # read from sys.argv while it starts: it sees the arguments with their secrets redacted.
+        argv = sys.argv
+        sys.argv = [argv[0], *(scrub_argument(a) for a in argv[1:])] if argv else argv
+        try:
+            self.run = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=run_root.name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_root),
+                mode=self.mode,
+                tags=[scrub_argument(t) for t in cfg.tags],
+                config=config_dict,
+            )
+        finally:
+            sys.argv = argv
         self.run_id = self.run.id
 
     def log(self, metrics: dict, step: int) -> None:

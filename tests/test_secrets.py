@@ -4,6 +4,7 @@ pipeline, wandb's and tensorboard's files, logs), and a resume of that run is ac
 
 import os
 import secrets
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,7 +47,9 @@ def test_a_planted_token_reaches_no_file_the_run_writes_and_the_run_resumes(tmp_
     monkeypatch.delenv("WANDB_MODE", raising=False)
     # The usual way to stream a private hub dataset: curl with an Authorization header (file:// here).
     def curl(token: str) -> str:
-        return f'pipe:curl -s -f -H "Authorization: Bearer {token}" file://{shapes_shards}'
+        # Each shard's command fails after its data ("exited with status 3"): the reader logs the shard
+        # (its command, token included) as skipped, so train.log is tested too.
+        return f'pipe:curl -s -f -H "Authorization: Bearer {token}" file://{shapes_shards}; exit 3'
 
     config = tmp_path / "secret.yaml"
     config.write_text(
@@ -64,6 +67,9 @@ def test_a_planted_token_reaches_no_file_the_run_writes_and_the_run_resumes(tmp_
     started = time.time() - 1
     cfg = load([f"config={config}", *args])
     assert env_token in cfg.dataset.params.path and literal in cfg.validation.path  # the run reads with them
+    # wandb records the command line: one argument there holds a literal token too.
+    monkeypatch.setattr(sys, "argv", ["train.py", f"config={config}", f"wandb.api_key={literal}",
+                                      f"validation.path=https://user:{literal}@host/x.tar"])
     train(cfg)
     run = tmp_path / "runs" / "sec"
     assert (run / "checkpoints" / "step_00000002").is_dir() and (run / "current_pipeline").is_dir()
@@ -78,6 +84,7 @@ def test_a_planted_token_reaches_no_file_the_run_writes_and_the_run_resumes(tmp_
     assert 'Authorization: Bearer <redacted>"' in dumped  # the literal one is redacted
     # wandb got the run config (with the interpolation, not the token).
     assert files_holding(run / "wandb", [("oc.env:" + ENV_NAME).encode()])
+    assert "exited with status 3" in (run / "train.log").read_text()  # the shard was logged, without its token
     # Resume, nothing changed but the token (rotated): accepted, trains on to step 4.
     monkeypatch.setenv(ENV_NAME, "hf_" + secrets.token_hex(16))
     more = ["experiment.num_examples_to_see=16", "dataset.params.num_examples_to_see=16"]

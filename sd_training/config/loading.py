@@ -330,6 +330,7 @@ def resolve(cfg: DictConfig) -> TrainConfig:
         raise ConfigError(f"invalid config at '{getattr(e, 'full_key', '?')}': {str(e).splitlines()[0]}") from None
     validate(obj)
     _record_env(cfg, obj)
+    secrets.protect_logs(obj.__dict__[ENV_VIEW].values if ENV_VIEW in obj.__dict__ else {})
     return obj
 
 

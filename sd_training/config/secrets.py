@@ -16,10 +16,16 @@ Two rules, applied to every dump (``loading.public_dict``):
 A resume compares the checkpoint's dump with this run's (``same_value``): a redacted part or an
 environment interpolation matches anything, so a rotated token or another machine's variables never
 refuse a resume, while every other character of the value is still compared.
+
+Beyond the dumps: every log record of a process that loaded a config is scrubbed when it is made
+(``protect_logs``: the environment values the config read become their interpolation, credentials are
+redacted), so a skipped shard's command line reaches train.log without its token; wandb, which records
+the command line, sees the arguments scrubbed (``scrub_argument``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -286,3 +292,58 @@ def same_value(a: Any, b: Any) -> bool:
     wild_a = "${" in ra or REDACTED in ra
     wild_b = "${" in rb or REDACTED in rb
     return bool((wild_a and _wildcard(ra).fullmatch(rb)) or (wild_b and _wildcard(rb).fullmatch(ra)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Log lines and command lines.
+# ----------------------------------------------------------------------------------------------
+
+_LOG_VALUES: dict[str, str] = {}  # variable name -> value, of every config loaded in this process
+_LOG_FACTORY: list = []  # the record factory installed (once)
+
+
+def scrub(text: str) -> str:
+    """A log line or a message as it may be written: the values of the environment variables the loaded
+    configs read replaced by their ``${oc.env:NAME}``, literal credentials redacted."""
+    for name, value in _LOG_VALUES.items():
+        if value in text:
+            text = text.replace(value, "${oc.env:" + name + "}")
+    return redact_text(text)
+
+
+def protect_logs(values: dict[str, str]) -> None:
+    """From now on every log record of this process (and of the processes it forks) is scrubbed
+    (``scrub``) when it is made: a shard URL holding a token, logged by a reader that skipped it, reaches
+    train.log and the console without the token. ``values``: variable name -> value to hide."""
+    _LOG_VALUES.update(values)
+    if _LOG_FACTORY:
+        return
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = previous(*args, **kwargs)
+        try:
+            message = record.getMessage()
+            clean = scrub(message)
+            if clean != message:
+                record.msg, record.args = clean, None
+            if record.exc_info and record.exc_info[1] is not None:
+                text = logging.Formatter().formatException(record.exc_info)
+                clean = scrub(text)
+                if clean != text:
+                    record.exc_text = clean
+        except Exception:  # noqa: BLE001 -- a record that does not format is the handler's to report
+            pass
+        return record
+
+    logging.setLogRecordFactory(factory)
+    _LOG_FACTORY.append(factory)
+
+
+def scrub_argument(arg: str) -> str:
+    """A command-line argument as a tracker may record it: ``key=value`` with a secret-named key loses
+    its value; credentials inside any argument are redacted (``scrub``)."""
+    key, sep, value = arg.partition("=")
+    if sep and is_secret_key(key.rsplit(".", 1)[-1]) and value and not only_interpolations(value):
+        return f"{key}={REDACTED}"
+    return scrub(arg)
