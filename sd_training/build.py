@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import init_weights_from
+from .checkpoint import init_weights_from, load_weights_checked
 from .config.schema import TrainConfig
 from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
 from .families import registry
 from .families.base import Family
-from .loading import load_component
 from .memory_plan import as_dicts, format_plan, memory_plan
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
@@ -88,7 +87,7 @@ def _build_ema(cfg: TrainConfig, net: torch.nn.Module, net_name: str, total_step
         log.info("EMA decay %.8f derived from model.ema.strength_target=%s", decay, e.strength_target)
     ema = EMA(net, decay, e.update_every, e.start_step, e.warmup, torch.device("cpu") if e.device == "cpu" else device)
     if e.path:
-        ema.load_weights(load_component(type(net).from_pretrained, e.path, net_name, "model.ema.path"))
+        ema.load_weights(load_weights_checked(e.path, net, net_name, "model.ema.path"))
     return ema
 
 

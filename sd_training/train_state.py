@@ -31,6 +31,39 @@ class TrainState:
             setattr(self, k, v)
 
 
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _shown(v) -> str:
+    return repr(v)[:50]
+
+
+def check_train_state(sd, step: int | None = None) -> dict:
+    """A checkpoint's ``train_state.json``, every value checked before it is trusted: a dict whose ``step``
+    is a whole number >= 0 (``step``, when given: the one of the folder's name), counters whole numbers in
+    their ranges, the tracker id a string. Keys of other versions pass through. Returns ``sd``; raises
+    ValueError with a phrase that follows the file's name ("holds step 'abc', not a whole number")."""
+    if not isinstance(sd, dict):
+        raise ValueError(f"holds a JSON {type(sd).__name__}, not an object of counters")
+    if "step" not in sd:
+        raise ValueError("holds no step")
+    s = sd["step"]
+    if not _whole(s) or s < 0:
+        raise ValueError(f"holds step {_shown(s)}, not a whole number >= 0")
+    if step is not None and s != step:
+        raise ValueError(f"holds step {s}, but its folder is step {step}")
+    ranges = {"images_seen": 0, "nonfinite_steps": 0, "global_batch": 0, "last_export_step": -1}
+    for key, low in ranges.items():
+        if key in sd and (not _whole(sd[key]) or sd[key] < low):
+            raise ValueError(f"holds {key} {_shown(sd[key])}, not a whole number >= {low}")
+    if sd.get("last_export_step", -1) > s:
+        raise ValueError(f"holds last_export_step {sd['last_export_step']}, after its step {s}")
+    if sd.get("wandb_id") is not None and not isinstance(sd["wandb_id"], str):
+        raise ValueError(f"holds wandb_id {_shown(sd['wandb_id'])}, not a string")
+    return sd
+
+
 @dataclass
 class Plan:
     """Numbers derived once from the config and the world size."""

@@ -1,18 +1,30 @@
 """Resume checkpoints: one owner (:class:`CheckpointManager`) saves and resumes the run.
 
 - ``layout``: the names inside a checkpoint folder, spelled once;
-- ``store``: the folder format (atomic, asynchronous, retained), read back with weights_only;
+- ``store``: the folder format (atomic, asynchronous, retained, every file's size and CRC32 recorded),
+  verified and read back with weights_only;
 - ``model_state``: the net, optimizer and EMA in full tensors or DCP shards, resharded as they are read;
 - ``resume_config``: which config changes a resume accepts;
 - ``manager``: :class:`CheckpointManager`, ``save()`` and ``resume()`` of everything a run continues from;
-- ``init_from``: stage 2, the trained module's weights from another run or pipeline.
+- ``init_from``: stage 2, the trained module's weights from another run or pipeline (and ``model.ema.path``'s),
+  checked before they are loaded.
 """
 
-from .init_from import init_weights_from
+from .init_from import init_weights_from, load_weights_checked
 from .layout import MARKER
 from .manager import CheckpointManager
 from .model_state import Layout, ModelState
-from .store import Checkpointer, CheckpointWriteError, check_writable, complete_steps, rng_state, set_rng_state
+from .store import (
+    CheckpointDamaged,
+    Checkpointer,
+    CheckpointWriteError,
+    check_writable,
+    complete_steps,
+    rng_state,
+    set_rng_state,
+    verify,
+)
 
 __all__ = ["MARKER", "CheckpointManager", "CheckpointWriteError", "Checkpointer", "Layout", "ModelState",
-           "check_writable", "complete_steps", "init_weights_from", "rng_state", "set_rng_state"]
+           "check_writable", "complete_steps", "init_weights_from", "load_weights_checked", "rng_state",
+           "set_rng_state", "CheckpointDamaged", "verify"]

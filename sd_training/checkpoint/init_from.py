@@ -1,5 +1,10 @@
 """Stage 2 (``model.init_from``): the trained module's weights from another run (its folder or one of its
-checkpoints) or from an exported pipeline; nothing else of that run (optimizer, schedule, data) is read."""
+checkpoints) or from an exported pipeline; nothing else of that run (optimizer, schedule, data) is read.
+
+What is read is checked first, and there is no fallback (the source is the user's choice): a checkpoint
+against its marker (sizes, and the CRC32 of the file read), a pipeline's weights files against their
+headers (``export.check_weights``), and the weights' names and shapes against this run's model. Any
+problem is a ConfigError naming the file and the problem."""
 
 from __future__ import annotations
 
@@ -9,12 +14,17 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..export import check_weights
 from ..loading import load_component
 from ..run_dir import RunDir
 from .layout import EMA, MARKER, is_sharded, shared_file
-from .store import Checkpointer
+from .model_state import check_state_shapes, shapes_of
+from .store import CHECKSUM, CheckpointDamaged, Checkpointer, _load_weights_only, file_record, verify
 
 log = logging.getLogger(__name__)
+
+WHAT = "model.init_from"
+
 
 def init_weights_from(src: str, net: torch.nn.Module, net_name: str, want_ema: bool) -> None:
     """Load ``net``'s weights (EMA weights when ``want_ema`` and present) from ``src``: a run folder, a
@@ -25,16 +35,21 @@ def init_weights_from(src: str, net: torch.nn.Module, net_name: str, want_ema: b
     if run.checkpoints.is_dir():
         ckpt = Checkpointer(run.checkpoints).latest()
         if ckpt is None:
-            raise ConfigError(f"'model.init_from': {run.checkpoints} holds no complete checkpoint")
+            raise ConfigError(f"'{WHAT}': {run.checkpoints} holds no complete checkpoint")
     elif (path / MARKER).exists():
         ckpt = path
     if ckpt is not None:
         if is_sharded(ckpt):
-            raise ConfigError(f"'model.init_from': {ckpt} is an FSDP checkpoint; use the run's exported pipeline")
+            raise ConfigError(f"'{WHAT}': {ckpt} is an FSDP checkpoint; use the run's exported pipeline")
         name = EMA if want_ema and shared_file(ckpt, EMA).exists() else net_name
-        sd = torch.load(shared_file(ckpt, name), map_location="cpu", weights_only=True)
-        net.load_state_dict(sd["shadow"] if name == EMA else sd)
-        log.info("model.init_from: %s (%s weights) from checkpoint %s", net_name, name, ckpt)
+        try:
+            sd = _read_checkpoint_weights(ckpt, name)
+            sd = sd["shadow"] if name == EMA and isinstance(sd, dict) and "shadow" in sd else sd
+            check_state_shapes(shared_file(ckpt, name), sd, shapes_of(net))
+        except CheckpointDamaged as e:
+            raise ConfigError(f"'{WHAT}': {e}. Point it at an older checkpoint (a step_<N> folder) or a pipeline") from None
+        net.load_state_dict(sd)
+        log.info("%s: %s (%s weights) from checkpoint %s", WHAT, net_name, name, ckpt)
         return
     folder = path
     if want_ema and path == parent.pipeline(None) and parent.pipeline(None, ema=True).is_dir():
@@ -42,6 +57,34 @@ def init_weights_from(src: str, net: torch.nn.Module, net_name: str, want_ema: b
     elif run.pipeline(None).is_dir():  # a run folder without checkpoints
         ema = want_ema and run.pipeline(None, ema=True).is_dir()
         folder = run.pipeline(None, ema=ema)
-    src_net = load_component(type(net).from_pretrained, str(folder), net_name, "model.init_from")
-    net.load_state_dict(src_net.state_dict())
-    log.info("model.init_from: %s weights from %s", net_name, folder)
+    net.load_state_dict(load_weights_checked(str(folder), net, net_name, WHAT).state_dict())
+    log.info("%s: %s weights from %s", WHAT, net_name, folder)
+
+
+def load_weights_checked(src: str, net: torch.nn.Module, net_name: str, what: str) -> torch.nn.Module:
+    """A pipeline component of ``net``'s class from ``src`` (a pipeline root, the component's folder or a
+    hub id), its weights files checked before they are read and its weights' names and shapes against
+    ``net`` after: a ConfigError naming ``what`` (the config key), the file and the problem."""
+    component = check_weights(src, net_name, what)
+    loaded = load_component(type(net).from_pretrained, src, net_name, what)
+    try:
+        check_state_shapes(component or Path(src), loaded.state_dict(), shapes_of(net))
+    except CheckpointDamaged as e:
+        raise ConfigError(f"'{what}': {e} (model.unet.* must describe the same model)") from None
+    return loaded
+
+
+def _read_checkpoint_weights(ckpt: Path, name: str) -> dict:
+    """``<name>.pt`` of a complete checkpoint, checked against the marker first: every file's size, and
+    this file's CRC32 (the only one read). Raises CheckpointDamaged."""
+    marker = verify(ckpt, checksums=False)
+    path = shared_file(ckpt, name)
+    record = marker["files"].get(path.name) if marker is not None else None
+    if marker is not None and record is None:
+        raise CheckpointDamaged(path, "is not recorded by the COMPLETE marker")
+    if record is not None and CHECKSUM in record:
+        got = file_record(path)[CHECKSUM]
+        if got != record[CHECKSUM]:
+            raise CheckpointDamaged(path, f"fails its checksum (CRC32 {got}, the COMPLETE marker records "
+                                          f"{record[CHECKSUM]}): its bytes changed after the save")
+    return _load_weights_only(path, "cpu")

@@ -13,7 +13,12 @@
       rank_<R>.pt        per rank: RNG states (python, numpy, torch CPU and CUDA) and data-loader position
       train_state.json   step, images seen, tracker run id ...; ``checkpoint_files``: the <name>.pt files
       config.yaml        the resolved config of the run that wrote it
-      COMPLETE           written last: only folders that have it are ever resumed from
+      COMPLETE           written last: only folders that have it are ever resumed from. JSON: every file
+                         above with its size and CRC32 (``experiment.checkpoint_verify``), each rank's
+                         files hashed by that rank (``manifest_rank_<R>.json`` while the save runs).
+                         Before the records existed it held a timestamp only: such folders still resume
+      DAMAGED            written by a resume that found the folder damaged: the one-line reason. The
+                         folder is kept (never deleted, nor counted as kept by retention)
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ DCP_NET = "unet"
 DCP_OPTIMIZER = OPTIMIZER
 DCP_EMA = EMA
 RANK_PREFIX = "rank_"
+MANIFEST_PREFIX = "manifest_rank_"  # a rank's written files (sizes, checksums): merged into MARKER, then removed
+DAMAGED = "DAMAGED"
+DCP_METADATA = ".metadata"
 
 
 def shared_file(folder: Path, name: str) -> Path:
@@ -48,8 +56,12 @@ def rank_file(folder: Path, rank: int) -> Path:
 
 def rank_files(folder: Path) -> list[Path]:
     """Every ``rank_<R>.pt`` of a checkpoint folder, in rank order."""
-    files = Path(folder).glob(f"{RANK_PREFIX}*.pt")
-    return sorted(files, key=lambda p: int(p.stem[len(RANK_PREFIX):]))
+    files = [p for p in Path(folder).glob(f"{RANK_PREFIX}*.pt") if _digits(p.stem[len(RANK_PREFIX):])]
+    return sorted(files, key=rank_of)
+
+
+def _digits(s: str) -> bool:
+    return s.isascii() and s.isdigit()
 
 
 def rank_of(path: Path) -> int:
@@ -58,6 +70,32 @@ def rank_of(path: Path) -> int:
 
 def is_sharded(folder: Path) -> bool:
     return (Path(folder) / SHARDED).is_dir()
+
+
+def manifest_file(folder: Path, rank: int) -> Path:
+    return Path(folder) / f"{MANIFEST_PREFIX}{rank}.json"
+
+
+def dcp_files(sharded: Path, rank: int) -> list[Path]:
+    """The files DCP's file-system writer wrote for ``rank`` in ``sharded/``: its ``__<R>_<i>.distcp``
+    (one per rank in the default mode) and, on rank 0 (DCP's coordinator), ``.metadata``."""
+    files = sorted(Path(sharded).glob(f"__{rank}_*.distcp"))
+    meta = Path(sharded) / DCP_METADATA
+    return files + [meta] if rank == 0 and meta.exists() else files
+
+
+def plain_name(name) -> bool:
+    """A file name that stays in its folder: not empty, no separator, not ``.`` or ``..``, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def member_path(name) -> bool:
+    """A path the marker may record: a plain name, or ``sharded/<plain name>`` (DCP's files)."""
+    if not isinstance(name, str):
+        return False
+    parts = name.split("/")
+    return plain_name(parts[0]) if len(parts) == 1 else (len(parts) == 2 and parts[0] == SHARDED and plain_name(parts[1]))
 
 # Keys of a rank file: that rank's RNG states and its data-loader position.
 RANK_RNG = "rng"

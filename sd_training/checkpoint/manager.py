@@ -5,23 +5,47 @@ gradient scaler, trained encoders), the model state (net, optimizer, EMA in the 
 the loader and the train state, and offers :meth:`~CheckpointManager.save` and
 :meth:`~CheckpointManager.resume`. Names inside a checkpoint: ``layout``; the folder format, asynchronous
 writes and retention: ``store``; resharding between layouts and rank counts: ``model_state``.
+
+A checkpoint is verified before it is trusted (:meth:`CheckpointManager.resume`): its files against the
+marker's sizes and checksums (the ranks share the reading), ``train_state.json``'s values, the names it
+lists, every rank file, and each tensor's shape against this run's model, all before anything is loaded.
+One that fails is named in one log line (file and problem), left in place with a ``DAMAGED`` note, and the
+next older one is tried; the ranks decide together, so none loads another step. If none can be used,
+the run stops with a message naming them all (it does not start over: that would lose their training).
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch.distributed as dist
+
+from ..config import ConfigError
 from ..config.loading import public_dict, to_yaml
 from ..config.schema import TrainConfig
 from ..distributed import DistInfo
-from ..run_dir import RunDir
+from ..run_dir import RunDir, step_name
 from ..train_state import Plan, TrainState
-from .layout import CONFIG, RANK_DATA, RANK_RNG
+from .layout import CONFIG, DAMAGED, RANK_DATA, RANK_RNG
 from .model_state import ModelState
 from .resume_config import check_resume_config
-from .store import Checkpointer, check_writable, rng_state, set_rng_state
+from .store import (
+    CheckpointDamaged,
+    Checkpointer,
+    check_writable,
+    complete_steps,
+    mark_damaged,
+    rng_state,
+    set_rng_state,
+    verify,
+)
 
 log = logging.getLogger(__name__)
+
+
+class NoUsableCheckpoint(ConfigError):
+    """Every complete checkpoint of the run failed its checks: the run stops rather than start over."""
+
 
 
 class CheckpointManager:
@@ -34,8 +58,10 @@ class CheckpointManager:
         e = cfg.experiment
         self.store = Checkpointer(run_dir.checkpoints, e.keep_last_checkpoints, e.keep_checkpoint_every,
                                   asynchronous=e.checkpoint_async,
-                                  rank_files_timeout_s=60 * cfg.distributed.timeout_minutes)
+                                  rank_files_timeout_s=60 * cfg.distributed.timeout_minutes,
+                                  checksum=e.checkpoint_verify == "full")
         self.config_yaml = to_yaml(cfg)
+        self._rank_states = None  # every rank's file of the checkpoint being resumed, read while it was checked
 
     def check_disk(self) -> None:
         """Weights, two AdamW moments, the EMA: the folder found unwritable or nearly full now, not at
@@ -66,19 +92,15 @@ class CheckpointManager:
 
     # -- resume -----------------------------------------------------------------------------------
     def resume(self) -> bool:
-        """Continue from the newest complete checkpoint, whichever layout and rank count wrote it; False
-        when there is none. Collective under fsdp."""
-        latest = self.store.latest()
-        if latest is None:
+        """Continue from the newest usable checkpoint, whichever layout and rank count wrote it; False when
+        there is none. Collective (every rank takes the same one)."""
+        chosen = self._choose()
+        if chosen is None:
             if self.info.is_main:
                 self.run_dir.cut_metrics_back(0)  # a run killed before its first checkpoint
             return False
-        applied = []
-        if (latest / CONFIG).exists():
-            applied = check_resume_config((latest / CONFIG).read_text(), public_dict(self.cfg),
-                                          self.cfg.experiment.allow_config_change, latest)
+        latest, shared, self._rank_states, train_state, applied = chosen
         new_peaks = [g["initial_lr"] for g in self.model.optimizer.param_groups]
-        shared, _, train_state = Checkpointer.load(latest, self.info.rank)
         for name, obj in self.stateful.items():
             if name not in shared:
                 raise RuntimeError(
@@ -97,10 +119,79 @@ class CheckpointManager:
         log.info("resumed from %s at step %d (%d images seen)", latest, self.state.step, self.state.images_seen)
         return True
 
+    def _choose(self):
+        """Collective: (folder, shared states, rank states, train state, applied config changes) of the newest
+        complete checkpoint that passes every check on every rank; None when there is no complete one.
+        Rank 0's list of folders is every rank's; each rank checks its share of the checksums and reads what
+        it loads; a problem found on any rank rejects the folder on all."""
+        steps = _broadcast(complete_steps(self.store.root))
+        rejected = []
+        for i, step in enumerate(reversed(steps)):
+            folder = self.store.root / step_name(step)
+            outcome, read, error = None, None, None
+            try:
+                read = self._read_checked(folder)
+            except CheckpointDamaged as e:
+                outcome = ("damaged", str(e))
+            except ConfigError as e:  # a refused config change: not the folder's fault, no fallback
+                outcome, error = ("refused", str(e)), e
+            except Exception as e:  # anything else: raised on every rank below, not left to hang the others
+                outcome, error = ("error", f"{type(e).__name__}: {e}"), e
+            outcomes = _gather(outcome)
+            damaged = next((o[1] for o in outcomes if o and o[0] == "damaged"), None)
+            if damaged is None:
+                for r, o in enumerate(outcomes):
+                    if o is not None:
+                        if error is not None:
+                            raise error
+                        raise (ConfigError if o[0] == "refused" else RuntimeError)(
+                            o[1] if o[0] == "refused" else f"rank {r} failed reading checkpoint {folder}: {o[1]}")
+                if self.info.is_main and (folder / DAMAGED).exists():
+                    (folder / DAMAGED).unlink(missing_ok=True)
+                    log.info("%s passes every check now: its %s note was removed", folder, DAMAGED)
+                return (folder, *read)
+            rejected.append((folder, damaged))
+            if self.info.is_main:
+                older = steps[len(steps) - 2 - i] if i + 1 < len(steps) else None
+                log.warning("checkpoint %s cannot be used: %s. It is left in place (the reason is in its %s file); %s",
+                            folder.name, damaged, DAMAGED,
+                            f"trying the older {step_name(older)}" if older is not None else "no older checkpoint")
+                mark_damaged(folder, damaged)
+        if rejected:
+            raise NoUsableCheckpoint(
+                f"no checkpoint in {self.store.root} can be resumed from: "
+                + "; ".join(f"{f.name}: {p}" for f, p in rejected)
+                + ". They are left in place, nothing was deleted. Repair them (e.g. copy the files again), move the "
+                "damaged ones aside to resume from an older copy, or set experiment.start_fresh=true to move the "
+                "run folder's contents aside and start over")
+        return None
+
+    def _read_checked(self, folder):
+        """Everything a resume reads from ``folder``, each value checked before it is trusted (this rank's
+        share of the checksums, the config, the train state, the states, every rank file, the shapes).
+        Raises CheckpointDamaged (a problem of the folder) or ConfigError (a refused config change)."""
+        verify(folder, self.store.checksum, self.info.rank, self.info.world_size)
+        applied = []
+        if (folder / CONFIG).exists():
+            try:
+                saved_yaml = (folder / CONFIG).read_text()
+                applied = check_resume_config(saved_yaml, public_dict(self.cfg), self.cfg.experiment.allow_config_change,
+                                              folder)
+            except ConfigError:
+                raise
+            except Exception as e:  # an unreadable or garbled config.yaml (of an older checkpoint: no checksums)
+                first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                raise CheckpointDamaged(folder / CONFIG, f"cannot be read as YAML ({first})") from None
+        shared, _, train_state = Checkpointer.load(folder, self.info.rank)
+        ranks = Checkpointer.rank_states(folder)
+        self.model.check_shapes(folder, shared, self.stateful)
+        return shared, ranks, train_state, applied
+
     def _resume_data_and_rng(self, latest) -> None:
         """The data position of every saved rank (on another layout each canonical reader's goes to its new
         owner), this rank's RNG when the rank count is unchanged, and one line when the layout changed."""
-        ranks = Checkpointer.rank_states(latest)
+        ranks = self._rank_states or Checkpointer.rank_states(latest)
+        self._rank_states = None
         self.loader.load_state_dict([r[RANK_DATA] for r in ranks])
         if len(ranks) == self.info.world_size:
             set_rng_state(ranks[self.info.rank][RANK_RNG])  # the training step's draws are the samples' own
@@ -121,3 +212,21 @@ class CheckpointManager:
         factor = sched.lr_lambdas[0](sched.last_epoch)
         for g, peak in zip(self.model.optimizer.param_groups, new_peaks):
             g["initial_lr"], g["lr"] = peak, peak * factor
+
+
+def _broadcast(obj):
+    """Rank 0's ``obj`` on every rank (itself in one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj) -> list:
+    """Every rank's ``obj``, in rank order."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -29,7 +29,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .layout import DCP_EMA, DCP_NET, DCP_OPTIMIZER, EMA, EMA_META, OPTIMIZER, SHARDED, is_sharded, rank_files
+from .layout import (
+    DCP_EMA,
+    DCP_METADATA,
+    DCP_NET,
+    DCP_OPTIMIZER,
+    EMA,
+    EMA_META,
+    OPTIMIZER,
+    SHARDED,
+    is_sharded,
+    plain_name,
+    rank_files,
+    shared_file,
+)
+from .store import CheckpointDamaged
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,74 @@ class ModelState:
             state[DCP_EMA] = get_model_state_dict(self.shadow)
         return state
 
+    # -- check ------------------------------------------------------------------------------------
+    def check_shapes(self, folder: Path, shared: dict, modules: dict | None = None) -> None:
+        """Before anything is loaded: the checkpoint's tensors against this run's model, names and shapes
+        (the net, the EMA shadow, the optimizer state; ``modules``: other trained modules by file name).
+        Sharded: DCP's index, and every byte range it names inside its files. Raises
+        :class:`CheckpointDamaged` naming the file and the parameter."""
+        folder = Path(folder)
+        expected = shapes_of(self.net)
+        if is_sharded(folder):
+            self._check_dcp(folder / SHARDED, expected)
+        else:
+            if self.net_name in shared:
+                check_state_shapes(shared_file(folder, self.net_name), shared[self.net_name], expected)
+            if self.ema is not None and EMA in shared:
+                ema = shared[EMA]
+                if not isinstance(ema, dict) or not isinstance(ema.get("shadow"), dict):
+                    raise CheckpointDamaged(shared_file(folder, EMA), "holds no EMA 'shadow' state dict")
+                check_state_shapes(shared_file(folder, EMA), ema["shadow"], expected, "EMA parameter")
+            if OPTIMIZER in shared:
+                check_optimizer_shapes(shared_file(folder, OPTIMIZER), shared[OPTIMIZER], self.optimizer, self.net)
+        for name, module in (modules or {}).items():
+            if name in shared and isinstance(module, torch.nn.Module):
+                check_state_shapes(shared_file(folder, name), shared[name], shapes_of(module))
+
+    def _check_dcp(self, folder: Path, expected: dict) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        meta = folder / DCP_METADATA
+        if not meta.exists():
+            raise CheckpointDamaged(meta, "is missing (DCP's index of the shards)")
+        try:
+            md = FileSystemReader(str(folder)).read_metadata()
+        except Exception as e:  # a cut or garbled pickle
+            raise CheckpointDamaged(meta, f"cannot be read ({_first_line(e)}): cut short or garbled") from None
+        sizes: dict[str, int] = {}
+        for info in md.storage_data.values():
+            rel = info.relative_path
+            if not plain_name(rel):
+                raise CheckpointDamaged(meta, f"names {str(rel)[:200]!r}, a path outside {SHARDED}/")
+            if rel not in sizes:
+                try:
+                    sizes[rel] = (folder / rel).stat().st_size
+                except FileNotFoundError:
+                    raise CheckpointDamaged(folder / rel, "is missing (DCP's index names it)") from None
+            end = info.offset + info.length
+            if end > sizes[rel]:
+                raise CheckpointDamaged(folder / rel, f"holds {sizes[rel]:,} bytes, DCP's index reads up to byte {end:,} "
+                                                      "(cut short)")
+        saved = md.state_dict_metadata
+        groups = [(DCP_NET, "parameter")] + ([(DCP_EMA, "EMA parameter")] if self.ema is not None else [])
+        for prefix, what in groups:
+            for key, shape in expected.items():
+                m = saved.get(f"{prefix}.{key}")
+                if m is None:
+                    raise CheckpointDamaged(meta, f"has no {what} '{key}' of this run's model: it was written for "
+                                                  "another model")
+                size = getattr(m, "size", None)
+                if size is not None and tuple(size) != shape:
+                    raise CheckpointDamaged(meta, f"holds {what} '{key}' of shape {tuple(size)}, this run's model has "
+                                                  f"{shape}: it was written for another model size")
+        state_prefix = f"{DCP_OPTIMIZER}.state."
+        for key, m in saved.items():
+            if key.startswith(state_prefix) and getattr(m, "size", None) is not None and len(m.size) > 0:
+                param = key[len(state_prefix):].rsplit(".", 1)[0]
+                if param in expected and tuple(m.size) != expected[param]:
+                    raise CheckpointDamaged(meta, f"holds optimizer state '{key}' of shape {tuple(m.size)}, this "
+                                                  f"run's parameter {param} has {expected[param]}")
+
     # -- load -------------------------------------------------------------------------------------
     def load(self, folder: Path, shared: dict, world_size: int) -> str | None:
         """Load the checkpoint ``folder`` (``shared``: its plain files, as ``Checkpointer.load`` read them
@@ -162,6 +244,62 @@ class ModelState:
         set_state_dict(self.net, self.optimizer, model_state_dict=net_sd, optim_state_dict=optim_sd, options=full)
         if self.ema is not None:
             set_model_state_dict(self.shadow, ema_sd, options=full)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
+def shapes_of(module: torch.nn.Module) -> dict[str, tuple]:
+    """Every entry of ``module``'s state dict and its (full: DTensors say their global) shape."""
+    return {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def check_state_shapes(file: Path, sd, expected: dict, what: str = "parameter") -> None:
+    """A saved state dict against ``expected`` (:func:`shapes_of` of this run's module): the same names and
+    shapes, or :class:`CheckpointDamaged` naming ``file`` and the first entry that differs."""
+    if not isinstance(sd, dict):
+        raise CheckpointDamaged(file, f"holds a {type(sd).__name__}, not a state dict")
+    for key, shape in expected.items():
+        if key not in sd:
+            raise CheckpointDamaged(file, f"has no {what} '{key}' of this run's model: it was written for another model")
+        t = sd[key]
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointDamaged(file, f"holds a {type(t).__name__} as {what} '{key}', not a tensor")
+        if tuple(t.shape) != shape:
+            raise CheckpointDamaged(file, f"holds {what} '{key}' of shape {tuple(t.shape)}, this run's model has "
+                                          f"{shape}: it was written for another model size")
+    extra = [k for k in sd if k not in expected]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointDamaged(file, f"holds '{extra[0]}'{more}, which this run's model has no {what} of: it was "
+                                      "written for another model")
+
+
+def check_optimizer_shapes(file: Path, osd, optimizer: torch.optim.Optimizer, net: torch.nn.Module) -> None:
+    """A plain optimizer state dict (state keyed by parameter index) against this run's optimizer: its
+    groups' sizes, and every state tensor's shape against the parameter it belongs to."""
+    if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or not isinstance(osd.get("param_groups"), list):
+        raise CheckpointDamaged(file, "holds no optimizer state dict ('state' and 'param_groups')")
+    groups = osd["param_groups"]
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise CheckpointDamaged(file, "has parameter groups without a 'params' list")
+    saved = [len(g["params"]) for g in groups]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != mine:
+        raise CheckpointDamaged(file, f"has parameter groups of {saved} parameters, this run's {mine}: it was written for "
+                                      "other trained modules, another model or other optimizer.no_decay_norm_and_bias")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_index = dict(zip([i for g in groups for i in g["params"]], params))
+    names = {id(p): n for n, p in net.named_parameters()}
+    for index, state in osd["state"].items():
+        p = by_index.get(index)
+        if p is None or not isinstance(state, dict):
+            raise CheckpointDamaged(file, f"holds state for parameter {str(index)[:50]!r}, which its groups do not list")
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and tuple(t.shape) != tuple(p.shape):
+                raise CheckpointDamaged(file, f"holds '{key}' of shape {tuple(t.shape)} for parameter "
+                                              f"{names.get(id(p), index)}, whose shape is {tuple(p.shape)} in this run")
 
 
 def param_names(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
