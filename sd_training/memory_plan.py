@@ -3,8 +3,16 @@ the trained module take, and what the frozen components take, under each strateg
 before the first step whether a model fits in 24, 40 or 80 GB.
 
 Counted from the modules as built (exact bytes of the tensors), not estimated from a model name.
-Activations are not in the plan: they depend on the batch, the resolution and gradient checkpointing
-(``peak_memory_gb`` in the logs is the measured total).
+Activations (what autograd keeps for the backward of one micro-batch) are an estimate, rough but
+monotonic in the batch, the resolution and the width (``activation_bytes``): fitted to the tensors that
+diffusers' UNet2DConditionModel and AutoencoderKL save (tiny, SD 1.x and 2.x widths; within 5%), memory-
+efficient attention assumed, the forward's temporaries and the backward's gradients not counted, so it
+is a lower bound of the peak (``peak_memory_gb`` in the logs is the measured total).
+
+``check_batch`` runs the plan at config load, before anything is built (the trained module's
+parameters counted from its weight files' headers or built on the meta device): a batch whose plan does
+not fit the device (a CUDA device's memory; on the CPU the machine's RAM shared by its ranks) is a
+``ConfigError`` with the numbers.
 
 - ``ddp``: every GPU holds the fp32 weights, their fp32 gradients, the optimizer state and the EMA.
 - ``fsdp``: each of the ``world_size`` GPUs holds 1/world_size of each, plus the largest shard unit
@@ -41,15 +49,17 @@ class MemoryRow:
     gathered: float  # FSDP: the gathered shard units
     frozen: float  # frozen components (VAE, text encoders) and replicated trained ones, whole on every GPU
     total: float
+    activations: float = 0.0  # the estimate for one micro-batch (in the total)
 
 
 def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], optimizer: str, world_size: int,
                 ema: bool, ema_on_cpu: bool, compute_bytes: int,
                 shard_units: Callable[[torch.nn.Module, str], list[torch.nn.Module]] | None,
-                unit_level: str, replicated: Iterable[torch.nn.Module] = ()) -> list[MemoryRow]:
+                unit_level: str, replicated: Iterable[torch.nn.Module] = (), activations: float = 0.0) -> list[MemoryRow]:
     """One row per strategy (GiB per GPU). ``compute_bytes``: bytes per element of the gathered weights
     (2 under bf16/fp16 mixed precision, 4 in fp32); ``shard_units`` as the strategy shards them;
-    ``replicated``: modules trained alongside (a text encoder), whole on every GPU under every strategy."""
+    ``replicated``: modules trained alongside (a text encoder), whole on every GPU under every strategy;
+    ``activations``: bytes of one micro-batch's activations (``activation_bytes`` x the batch)."""
     n = sum(p.numel() for p in trained.parameters() if p.requires_grad)
     weights = sum(p.numel() * 4 for p in trained.parameters())  # trained weights are kept in fp32
     grads = n * 4
@@ -77,20 +87,318 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
         else:
             parts = (0, 0, 0, 0, gathered)
         rows.append(MemoryRow(strategy, *(p / GIB for p in parts), (frozen_b + rep) / GIB,
-                              (sum(parts) + frozen_b + rep) / GIB))
+                              (sum(parts) + frozen_b + rep + activations) / GIB, activations / GIB))
     return rows
 
 
 def format_plan(rows: list[MemoryRow], chosen: str, world_size: int) -> str:
-    lines = [f"memory plan per GPU (GiB, {world_size} GPU(s); activations not included):",
-             f"  {'strategy':<13}{'weights':>8}{'grads':>8}{'optim':>8}{'ema':>8}{'gathered':>9}{'frozen':>8}{'total':>8}  fits"]
+    acts = any(r.activations for r in rows)
+    what = "activations: a rough lower estimate" if acts else "activations not included"
+    lines = [f"memory plan per GPU (GiB, {world_size} GPU(s); {what}):",
+             f"  {'strategy':<13}{'weights':>8}{'grads':>8}{'optim':>8}{'ema':>8}{'gathered':>9}{'frozen':>8}"
+             + (f"{'acts':>8}" if acts else "") + f"{'total':>8}  fits"]
     for r in rows:
         fits = " ".join(f"{g}GB:{'yes' if r.total < 0.9 * g * 1e9 / GIB else 'no'}" for g in GPU_SIZES_GB)
         mark = " <- this run" if r.strategy == chosen else ""
         lines.append(f"  {r.strategy:<13}{r.weights:8.2f}{r.gradients:8.2f}{r.optimizer:8.2f}{r.ema:8.2f}"
-                     f"{r.gathered:9.2f}{r.frozen:8.2f}{r.total:8.2f}  {fits}{mark}")
+                     f"{r.gathered:9.2f}{r.frozen:8.2f}" + (f"{r.activations:8.2f}" if acts else "")
+                     + f"{r.total:8.2f}  {fits}{mark}")
     return "\n".join(lines)
 
 
 def as_dicts(rows: list[MemoryRow]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations: a rough estimate, stated as such.
+# ----------------------------------------------------------------------------------------------
+
+# Elements autograd saves per channel x pixel of a level, per block: fitted (least squares) to the saved
+# tensors of diffusers' UNet2DConditionModel (tiny, SD 1.x and 2.x configs, 8-32 latent pixels, fp32,
+# SDPA attention) and AutoencoderKL (tiny and SD's, 64-128 px): predictions within 5% of the measurement.
+UNET_RESNET = 9.0  # per resnet block
+UNET_TRANSFORMER = 33.0  # per transformer layer (self- and cross-attention, feed-forward)
+VAE_BLOCK = 7.3  # AutoencoderKL: per resnet block of the encoder and decoder
+CHECKPOINTED = 0.16  # what gradient checkpointing keeps (measured 0.16-0.19 of the above)
+UNET_DEFAULTS = dict(  # UNet2DConditionModel's defaults (SD 1.x's layout)
+    block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    layers_per_block=2, transformer_layers_per_block=1, mid_block_type="UNetMidBlock2DCrossAttn",
+)
+VAE_DEFAULTS = dict(block_out_channels=(64,), layers_per_block=1)
+
+
+def _per_block(value, n: int) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value] * n
+
+
+def _layers(value) -> int:
+    """transformer_layers_per_block entries may be lists (one per layer of a block: SDXL refiner-style)."""
+    return max(value) if isinstance(value, (list, tuple)) else int(value)
+
+
+def unet_activation_elements(config: dict, latent: float) -> float:
+    """Elements one sample saves for the backward in a UNet2DConditionModel (``config``: its config.json or
+    model.unet.params; missing keys take diffusers' defaults) at ``latent`` x ``latent`` latent pixels."""
+    c = {**UNET_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    widths = list(c["block_out_channels"])
+    levels = len(widths)
+    down, up = list(c["down_block_types"]), list(c["up_block_types"])
+    lpb = _per_block(c["layers_per_block"], levels)
+    tl = [_layers(v) for v in _per_block(c["transformer_layers_per_block"], levels)]
+    total = 0.0
+    for level, width in enumerate(widths):
+        area = width * (latent / 2**level) ** 2
+        n_down, n_up = lpb[level], list(reversed(lpb))[levels - 1 - level] + 1
+        attn_down = "Attn" in str(down[level]) if level < len(down) else False
+        attn_up = "Attn" in str(up[levels - 1 - level]) if levels - 1 - level < len(up) else False
+        total += area * (UNET_RESNET * (n_down + n_up)
+                         + UNET_TRANSFORMER * tl[level] * (n_down * attn_down + n_up * attn_up))
+    area = widths[-1] * (latent / 2 ** (levels - 1)) ** 2
+    if c.get("mid_block_type"):
+        total += area * (2 * UNET_RESNET + UNET_TRANSFORMER * tl[-1] * ("Attn" in str(c["mid_block_type"])))
+    return total
+
+
+def vae_activation_elements(config: dict, resolution: float) -> float:
+    """Elements one sample saves for the backward in an AutoencoderKL (encoder and decoder trained) at
+    ``resolution`` x ``resolution`` pixels."""
+    c = {**VAE_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    widths, lpb = list(c["block_out_channels"]), int(c["layers_per_block"])
+    total = sum(w * (resolution / 2**level) ** 2 * (2 * lpb + 1) for level, w in enumerate(widths))
+    area = widths[-1] * (resolution / 2 ** (len(widths) - 1)) ** 2
+    return VAE_BLOCK * (total + 4 * area)
+
+
+def activation_bytes(config: dict, kind: str, resolution: int, compute_bytes: int, checkpointing: bool,
+                     vae_factor: int = 8) -> float:
+    """Bytes one sample's activations take (a rough estimate, lower than the peak: see the module doc).
+    ``kind``: ``unet`` (at ``resolution / vae_factor`` latent pixels) or ``vae`` (at ``resolution``);
+    ``compute_bytes``: 2 under bf16/fp16 autocast, 4 in fp32."""
+    if kind == "vae":
+        elements = vae_activation_elements(config, resolution)
+    else:
+        elements = unet_activation_elements(config, resolution / vae_factor)
+    return elements * compute_bytes * (CHECKPOINTED if checkpointing else 1.0)
+
+
+def trained_state_bytes(n_params: int, optimizer: str, ema: bool, strategy: str, world_size: int) -> float:
+    """Per device: the trained module's fp32 weights and gradients, its optimizer state and the EMA (on
+    the device), under ``strategy`` (fsdp: 1/world_size of each; fsdp_offload: none on the device)."""
+    per_param = 4 + 4 + OPTIMIZER_BYTES.get(optimizer, 8) + (4 if ema else 0)
+    if strategy == "fsdp_offload":
+        return 0.0
+    return n_params * per_param / (world_size if strategy == "fsdp" else 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan at config load: a batch that cannot fit is refused before anything is built.
+# ----------------------------------------------------------------------------------------------
+
+LOAD_WARN_FRACTION = 0.8  # a plan above this share of the device's memory is logged as a warning
+
+
+def micro_batch_activations(cfg, net: torch.nn.Module | None = None, config: dict | None = None) -> float:
+    """Bytes of one micro-batch's activations for the run ``cfg`` (``system.batch_size`` samples at
+    ``dataset.params.resolution``), from the trained module's config (``net.config`` or ``config``); 0
+    when its architecture is not one the estimate knows (a UNet2DConditionModel or an AutoencoderKL)."""
+    conf = dict(config if config is not None else getattr(net, "config", None) or {})
+    kind = _kind(cfg, conf)
+    if kind is None:
+        return 0.0
+    compute = 2 if cfg.model.mixed_precision in ("bf16", "fp16") else 4
+    return cfg.system.batch_size * activation_bytes(conf, kind, cfg.dataset.params.resolution, compute,
+                                                    cfg.model.gradient_checkpointing, _vae_factor(cfg))
+
+
+def _kind(cfg, conf: dict) -> str | None:
+    name = str(conf.get("_class_name") or "")
+    if cfg.model.train_target == "vae":
+        return "vae" if name in ("", "AutoencoderKL") else None
+    target = str(cfg.model.unet.target).rsplit(".", 1)[-1]
+    return "unet" if name in ("", "UNet2DConditionModel") and target == "UNet2DConditionModel" else None
+
+
+def _json(path: str) -> dict | None:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            out = json.load(fh)
+        return out if isinstance(out, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _component_folder(src: str | None, sub: str, revision: str | None) -> tuple[str | None, dict | None]:
+    """(folder, config.json) of component ``sub`` of a pipeline root, a component folder, or a hub id in
+    the local cache; (None, None) when it cannot be read without building anything."""
+    import os
+
+    if not src:
+        return None, None
+    for folder in (os.path.join(src, sub), src):
+        conf = _json(os.path.join(folder, "config.json")) if os.path.isfile(os.path.join(folder, "config.json")) else None
+        if conf is not None:
+            return folder, conf
+    if os.path.exists(src) or src.startswith((".", "/", "~")):
+        return None, None
+    try:  # a hub id: its cached config, if any (nothing is downloaded)
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(src, f"{sub}/config.json", revision=revision)
+        if isinstance(path, str):
+            return os.path.dirname(path), _json(path)
+    except Exception:  # noqa: BLE001 -- no cache, an odd id: no estimate at load (the start-up plan has one)
+        pass
+    return None, None
+
+
+def _vae_factor(cfg) -> int:
+    """Pixels per latent pixel: 2^(VAE levels - 1) from the VAE's config.json, else Stable Diffusion's 8."""
+    m = cfg.model
+    _folder, conf = _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)
+    levels = len((conf or {}).get("block_out_channels") or (0,) * 4)
+    return 2 ** (levels - 1)
+
+
+def safetensors_params(folder: str) -> int | None:
+    """Parameters in a component folder's safetensors weights, from the files' headers (nothing loaded);
+    None when there are none."""
+    import json
+    import os
+    import struct
+
+    index = _json(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values())) if index and isinstance(index.get("weight_map"), dict) else [
+        "diffusion_pytorch_model.safetensors"]
+    total = 0
+    for name in files:
+        try:
+            with open(os.path.join(folder, name), "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > 100 * 2**20:
+                    return None
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error):
+            return None
+        for key, entry in header.items():
+            if key != "__metadata__" and isinstance(entry, dict):
+                n = 1
+                for dim in entry.get("shape", ()):
+                    n *= int(dim)
+                total += n
+    return total
+
+
+def _meta_params(kind: str, conf: dict) -> int:
+    """Parameters of the module ``conf`` builds, built on the meta device (no memory); 0 if it does not build."""
+    try:
+        import diffusers
+
+        cls = diffusers.AutoencoderKL if kind == "vae" else diffusers.UNet2DConditionModel
+        with torch.device("meta"):
+            module = cls.from_config({k: v for k, v in conf.items() if not k.startswith("_")})
+        return sum(p.numel() for p in module.parameters())
+    except Exception:  # noqa: BLE001 -- a config the class refuses is reported when the run builds it
+        return 0
+
+
+def device_memory(device: str) -> tuple[int, str] | None:
+    """(bytes, description) of the memory one rank may use: the CUDA device's (``LOCAL_RANK``'s), or on
+    the CPU the machine's RAM (or its cgroup limit) divided among the ranks on the machine. None for
+    ``cuda`` where no GPU is visible (a config checked on another machine than the one it runs on)."""
+    import os
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not n:
+            return None
+        idx = int(os.environ.get("LOCAL_RANK", "0") or 0) % n
+        props = torch.cuda.get_device_properties(idx)
+        return props.total_memory, f"cuda:{idx} ({props.name}) has {props.total_memory / GIB:.1f} GiB"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as fh:
+                text = fh.read().strip()
+            if text.isdigit() and 0 < int(text) < ram:
+                ram = int(text)
+                break
+        except OSError:
+            continue
+    local = 1
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        digits = "".join(c for c in os.environ.get(var, "").split("(")[0].split(",")[0] if c.isdigit())
+        if digits and int(digits) > 0:
+            local = int(digits)
+            break
+    shared = f", shared by {local} ranks: {ram / local / GIB:.1f} GiB each" if local > 1 else ""
+    return ram // local, f"the CPU's RAM is {ram / GIB:.1f} GiB{shared}"
+
+
+def _world_size() -> int:
+    import os
+
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def check_batch(cfg) -> None:
+    """The memory plan of ``cfg`` at load: the trained module's weights, gradients, optimizer state and
+    EMA under the run's strategy, plus one micro-batch's activations (``system.batch_size`` x the
+    per-sample estimate). A plan above the device's memory is a ``ConfigError`` with the numbers; above
+    80% of it, a warning. Skipped when the trained module's config cannot be read yet (a hub id not in
+    the cache, a pipeline the quickstart builds at start-up) or the device is not on this machine
+    (``system.device=cuda`` and no GPU visible: the run stops on that itself)."""
+    import logging
+
+    from .config import ConfigError
+
+    m = cfg.model
+    if m.train_target == "vae":
+        folder, conf = _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)
+    elif m.unet.params:
+        folder, conf = None, dict(m.unet.params)
+    else:
+        folder, conf = _component_folder(m.unet.pretrained or m.pretrained, "unet", m.revision)
+    if conf is None or _kind(cfg, conf) is None:
+        return
+    kind = _kind(cfg, conf)
+    per_batch = micro_batch_activations(cfg, config=conf)
+    n_params = (safetensors_params(folder) if folder else None) or _meta_params(kind, conf)
+    strategy = cfg.distributed.strategy
+    if strategy == "fsdp" and cfg.distributed.fsdp_cpu_offload:
+        strategy = "fsdp_offload"
+    world = _world_size()
+    ema = m.use_ema and m.ema.device != "cpu"
+    state = trained_state_bytes(n_params, cfg.optimizer.name, ema, strategy, world)
+    device = device_memory(cfg.system.device)
+    if device is None:
+        return
+    memory, where = device
+    need = state + per_batch
+    batch = cfg.system.batch_size
+    per_sample = per_batch / batch
+    numbers = (f"about {need / GIB:,.1f} GiB per device: activations {per_sample / 2**20:,.1f} MiB per sample "
+               f"(a rough lower estimate) x system.batch_size={batch:,} = {per_batch / GIB:,.1f} GiB, plus "
+               f"{state / GIB:,.2f} GiB of the {kind}'s weights, gradients, optimizer state"
+               f"{' and EMA' if ema else ''} ({n_params / 1e6:,.1f}M parameters, {strategy}"
+               f"{f' over {world} ranks' if strategy == 'fsdp' else ''})")
+    if need > memory:
+        fits = int((memory - state) // per_sample) if memory > state else 0
+        hint = (f"At most about {fits:,} samples fit: lower system.batch_size and raise system.gradient_accumulation "
+                "(or set system.global_batch_size) to keep the images per step" if fits >= 1 else
+                "Not even one sample fits: use a smaller dataset.params.resolution, distributed.strategy=fsdp or "
+                "distributed.fsdp_cpu_offload")
+        ckpt = "" if m.gradient_checkpointing else "; model.gradient_checkpointing=true keeps about a sixth of the activations"
+        raise ConfigError(f"system.batch_size={batch:,} at dataset.params.resolution={cfg.dataset.params.resolution} "
+                          f"does not fit: the memory plan needs {numbers}, and {where}. {hint}{ckpt}")
+    if need > LOAD_WARN_FRACTION * memory:
+        logging.getLogger(__name__).warning("the memory plan needs %s: over %d%% of what %s; the run may run out "
+                                            "of memory", numbers, int(100 * LOAD_WARN_FRACTION), where)

@@ -1,25 +1,42 @@
-"""The whole config check: the schema's rules (``loading.parse``), then every section owner's checks.
+"""The whole config check: the schema's rules (``loading.parse``), then every section owner's checks,
+then what the config asks of this machine.
 
 The owners check what needs their code: the objective its loss, the text-encoder module its encoder,
 the models module the UNet's constructor arguments, the model family its components, the data package
-what needs its readers (filters parse, ``idx_to_prompt`` loads). ``load`` is what the training entry
-point, scripts and tests call. Unlike the rest of the package, this module imports torch (through the
-owners).
+what needs its readers (filters parse, ``idx_to_prompt`` loads). The machine: every folder the run will
+write can be made, the loader's worker count suits the CPUs, and the memory plan of one micro-batch fits
+the device (``memory_plan.check_batch``). ``load`` is what the training entry point, scripts and tests
+call. Unlike the rest of the package, this module imports torch (through the owners).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 from ..data.checks import check_dataset_inputs
+from ..distributed import usable_cpus
 from ..families import options, registry
 from ..families.unet_components import check_unet_params
+from ..memory_plan import check_batch
 from ..objective import validate_objective_config
 from ..text_encoders import validate_text_encoder_config
+from .fields import ConfigError
 from .loading import parse
 from .schema import TrainConfig
+
+# Loader workers per device: more than this many per usable CPU (or than the cap) is refused; the loop
+# warns at start-up when the workers and the trainer outnumber the CPUs.
+WORKERS_PER_CPU = 4
+WORKERS_FLOOR = 32  # always accepted (a small allocation that will be given more CPUs)
+WORKERS_CAP = 256
 
 
 def check(cfg: TrainConfig) -> TrainConfig:
     """Run every owner's checks on a parsed config; raises ``ConfigError`` naming the key."""
+    check_output_paths(cfg)
+    check_workers(cfg)
     validate_objective_config(cfg.objective)
     validate_text_encoder_config(cfg.model.text_encoder)
     if cfg.model.unet.params:
@@ -27,9 +44,66 @@ def check(cfg: TrainConfig) -> TrainConfig:
     options.check(cfg)
     registry.validate(cfg)
     check_dataset_inputs(cfg.dataset)
+    check_batch(cfg)
     return cfg
 
 
 def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
     """The resolved, fully checked ``TrainConfig`` from the command line (and/or YAML text)."""
     return check(parse(argv, yaml_text=yaml_text))
+
+
+def check_workers(cfg: TrainConfig) -> None:
+    """Loader worker processes per device against the CPUs this process may use: an absurd count (each
+    worker is a process with its own copy of the reader) is refused before one is started."""
+    cpus = usable_cpus()
+    limit = min(WORKERS_CAP, max(WORKERS_PER_CPU * cpus, WORKERS_FLOOR))
+    for key, n in (("system.workers", cfg.system.workers), ("dataset.params.workers", cfg.dataset.params.workers)):
+        if n > limit:
+            raise ConfigError(
+                f"'{key}'={n:,} loader worker processes per device, but this process may use {cpus} CPU(s): at most "
+                f"{limit} are accepted ({WORKERS_PER_CPU} per CPU, at least {WORKERS_FLOOR}, never more than "
+                f"{WORKERS_CAP}). About one per CPU left to each rank is plenty: set {key}={max(cpus - 1, 1)} "
+                "(SLURM: --cpus-per-task gives each task its CPUs)")
+
+
+def output_paths(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(key, folder) of everything the run writes: the run folder, and the quickstart's and FID's
+    generated inputs when they are to be made."""
+    out = [("experiment.log_dir", os.path.join(cfg.experiment.log_dir, cfg.experiment.name))]
+    q, ev = cfg.quickstart, cfg.evaluation
+    for key, path in (("quickstart.tiny_pipeline", q.tiny_pipeline), ("quickstart.shapes_dataset", q.shapes_dataset)):
+        if path and not os.path.exists(path):
+            out.append((key, path))
+    if ev.ref_stats and ev.ref_images and not os.path.exists(ev.ref_stats):
+        out.append(("evaluation.ref_stats", os.path.dirname(os.path.abspath(ev.ref_stats))))
+    return out
+
+
+def check_output_paths(cfg: TrainConfig) -> None:
+    """Every folder the run writes can be made (or written, if it exists), found at start-up rather than
+    at the first save: a ``ConfigError`` naming the key and the path."""
+    for key, path in output_paths(cfg):
+        check_creatable(key, path)
+
+
+def check_creatable(key: str, path: str) -> None:
+    """``path`` is a folder that exists and takes a new entry, or one that can be made: its nearest
+    existing ancestor is a folder where a folder can be made (tried: a probe folder made and removed, so
+    read-only mounts and permissions are found whoever runs it)."""
+    target = Path(path).absolute()
+    existing = target
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if os.path.islink(existing) and not existing.exists():
+        raise ConfigError(f"'{key}': {path} cannot be made: {existing} is a broken symbolic link. Remove it or "
+                          f"set {key} to another folder")
+    if not existing.is_dir():
+        raise ConfigError(f"'{key}': {path} cannot be made: {existing} is a file, not a folder. Set {key} to a "
+                          "folder (or move the file)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".sd-training-write-check-", dir=existing))
+    except OSError as e:
+        made = "" if existing == target else f" ({existing} is the nearest folder that exists)"
+        raise ConfigError(f"'{key}': cannot write {path}{made}: {e.strerror or e}. Set {key} to a folder this "
+                          "user can write, or fix its permissions or mount") from None

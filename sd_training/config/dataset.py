@@ -56,7 +56,7 @@ class DatasetParams:
         "images to train on, all devices together (sets loader.steps_total; more than one epoch is logged)",
     )
     # --- images ------------------------------------------------------------------------------------
-    resolution: int = f(512, "pixels: short side resized then cropped to resolution x resolution (bucket area; latents: must match the shards); a multiple of 8", ge=8)
+    resolution: int = f(512, "pixels: short side resized then cropped to resolution x resolution (bucket area; latents: must match the shards); a multiple of 8, at most 8192", ge=8, le=8192)
     center_crop: bool = f(True, "center crop after resizing (False: random crop)")
     random_flip: float = f(0.0, "probability of a horizontal flip per sample", le=1)
     min_size: int = f(0, "pixels: skip samples whose source short side is smaller (0: keep all)")

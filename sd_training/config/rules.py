@@ -45,10 +45,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.experiment.sample_resolution is not None and cfg.experiment.sample_resolution % 8:
         raise ConfigError(f"'experiment.sample_resolution' must be a multiple of 8 (the VAE downsamples by 8), "
                           f"got {cfg.experiment.sample_resolution}")
-    root = os.path.normpath(os.path.join(cfg.experiment.log_dir, cfg.experiment.name))
-    if os.path.isabs(cfg.experiment.name) or os.path.relpath(root, cfg.experiment.log_dir).startswith(".."):
-        raise ConfigError(f"'experiment.name' ({cfg.experiment.name}) leaves experiment.log_dir: use a plain name "
-                          "(sub/folders are fine, '..' and absolute paths are not)")
+    _check_run_name(cfg.experiment.name)
     radius = list(cfg.quickstart.shapes_radius)
     if len(radius) != 2 or not 0 < radius[0] <= radius[1] <= 0.5:
         raise ConfigError(f"'quickstart.shapes_radius' must be [low, high] with 0 < low <= high <= 0.5 (fractions of "
@@ -82,6 +79,28 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("'model.mixed_precision=fp16' is not supported with distributed.strategy=fsdp: each rank "
                           "would find fp16 overflows in its own shards and skip steps the others take. Use "
                           "model.mixed_precision=bf16 (GPUs since A100), or distributed.strategy=ddp for fp16")
+
+
+def _check_run_name(name) -> None:
+    """``experiment.name`` is one folder inside experiment.log_dir: a plain name. ``.`` or ``..`` would
+    make the run folder log_dir itself (or its parent), and ``experiment.start_fresh`` would then move
+    every other run aside with it; a leading dot hides the run; a '/' nests it."""
+    text = str(name)
+    why = None
+    if text in (".", "..") or "/" in text or "\\" in text or os.path.isabs(text):
+        why = "it leaves experiment.log_dir or names a folder above the run ('/', '.', '..' and absolute paths)"
+    elif not text.strip() or text != text.strip():
+        why = "it is empty or starts or ends with a space"
+    elif text.startswith("."):
+        why = "it starts with a dot (a hidden folder)"
+    elif not text.isprintable():
+        why = "it holds a control character"
+    elif len(text.encode()) > 200:
+        why = f"it is {len(text.encode())} bytes long (at most 200: file systems refuse longer names)"
+    if why:
+        raise ConfigError(f"'experiment.name'={text!r} is not a plain name: {why}. The run folder is "
+                          "experiment.log_dir/experiment.name: use a name such as sd15-finetune-1 (put groups of runs "
+                          "in experiment.log_dir, e.g. experiment.log_dir=runs/sd15)")
 
 
 def _check_aliases(cfg: TrainConfig) -> None:

@@ -21,12 +21,24 @@ FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffus
 DEFAULT_FAMILY = "sd"  # the family of components set one by one (no pipeline root to read)
 
 
-def _model_index(src: str) -> dict | None:
-    """The pipeline's model_index.json (a local folder, or a hub id in the local cache); None if unreadable."""
+def _model_index(src: str, source_key: str = "model.pretrained", family_key: str = "model.family") -> dict | None:
+    """The pipeline's model_index.json (a local folder, or a hub id in the local cache); None if there is
+    none. A local one that is not a JSON object is a ``ConfigError`` naming the file."""
     path = os.path.join(src, "model_index.json")
     if os.path.isfile(path):
-        with open(path) as fh:
-            return json.load(fh)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                index = json.load(fh)
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ConfigError(
+                f"{path} (the model_index.json of {source_key}) cannot be read as JSON: {str(e).splitlines()[0]}. "
+                f"Restore the file (e.g. download or copy the pipeline again), or set {family_key} to one of "
+                f"{', '.join(FAMILIES)}") from None
+        if not isinstance(index, dict):
+            raise ConfigError(f"{path} (the model_index.json of {source_key}) holds a JSON {type(index).__name__}, "
+                              "not an object naming the pipeline's class and components: restore the file")
+        index["__path__"] = path
+        return index
     if os.path.exists(src):
         return None  # a component folder or something else: not a pipeline root
     try:
@@ -54,13 +66,18 @@ def detect_source(family: str, pretrained: str | None, must: bool = True, family
         return family
     if not pretrained:
         return DEFAULT_FAMILY
-    index = _model_index(pretrained)
+    index = _model_index(pretrained, source_key, family_key)
     if index is None:
         if not must:
             return None
         raise ConfigError(f"'{family_key}=auto' cannot read the model_index.json of {source_key}={pretrained}: "
                           f"set {family_key} to one of {', '.join(FAMILIES)}")
     name = index.get("_class_name", "")
+    if not name or not isinstance(name, str):
+        where = index.get("__path__", f"the model_index.json of {source_key}={pretrained}")
+        raise ConfigError(f"{where} has no '_class_name' (the pipeline class, e.g. StableDiffusionPipeline): the "
+                          f"file is damaged or not a diffusers pipeline's. Restore it, or set {family_key} to one of "
+                          f"{', '.join(FAMILIES)}")
     for family_name, cls in FAMILIES.items():
         if name in cls.pipeline_classes:
             return family_name

@@ -17,6 +17,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
@@ -162,7 +163,43 @@ def build_unet(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
     src = _source(cfg, "unet")
     cls = resolve_unet_class(cfg.unet.target)
     kwargs = dict(revision=cfg.revision) if cfg.revision and src == cfg.pretrained else {}
-    return _load(cls.from_pretrained, src, "unet", "model.unet.pretrained", **kwargs)
+    return load_weights(cls.from_pretrained, src, "unet", "model.unet.pretrained", **kwargs)
+
+
+# diffusers: "Cannot load <file> because conv_in.bias expected shape torch.Size([128]), but got torch.Size([64])";
+# torch: "size mismatch for conv_in.bias: copying a param with shape torch.Size([64]) from checkpoint, the shape
+# in current model is torch.Size([128])".
+_MISMATCH = (
+    re.compile(r"because (?P<name>\S+) expected shape (?P<model>.+?), but got (?P<weights>torch\.Size\(\[[^\]]*\]\))"),
+    re.compile(r"size mismatch for (?P<name>[^:\s]+): copying a param with shape (?P<weights>torch\.Size\(\[[^\]]*\]\)) "
+               r"from checkpoint, the shape in current model is (?P<model>torch\.Size\(\[[^\]]*\]\))"),
+)
+
+
+def load_weights(loader, src: str, subfolder: str, what: str, **kwargs):
+    """``loading.load_component``, with weights whose shapes do not fit the model that the component's
+    config.json builds (a config of one model size beside the weights of another) reported as a
+    ``ConfigError`` naming the component, its folder and the first parameter that differs."""
+    try:
+        return _load(loader, src, subfolder, what, **kwargs)
+    except (ValueError, RuntimeError) as e:
+        text = str(e)
+        match = next((m for m in (p.search(text) for p in _MISMATCH) if m), None)
+        if match is None and "size mismatch" not in text and "expected shape" not in text:
+            raise
+        folder = os.path.join(src, subfolder) if os.path.isdir(os.path.join(src, subfolder)) else src
+        first = (f"the first that differs is {match.group('name')}: {_shape(match.group('weights'))} in the weights, "
+                 f"{_shape(match.group('model'))} in the model" if match else text.splitlines()[0])
+        raise ConfigError(
+            f"'{what}': the {subfolder} weights in {folder} do not fit the model its config.json describes ({first}). "
+            "The config.json and the weights belong to different models (another size or version): put the "
+            "matching pair together, or point the key at the right folder") from None
+
+
+def _shape(text: str) -> str:
+    """``torch.Size([64, 4])`` -> ``[64, 4]``."""
+    m = re.search(r"\[[^\]]*\]", text)
+    return m.group(0) if m else text
 
 
 def set_attention_backend(unet: torch.nn.Module, cfg: ModelConfig, device: torch.device) -> str:
@@ -213,7 +250,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_co
         cfg.text_encoder, cfg.pretrained, device, tokenizer_src=cfg.tokenizer.pretrained, revision=cfg.revision,
         gradient_checkpointing=cfg.gradient_checkpointing, mixed_precision=cfg.mixed_precision,
     )
-    vae = _load(AutoencoderKL.from_pretrained, _source(cfg, "vae"), "vae", "model.vae.pretrained", **kw("vae"))
+    vae = load_weights(AutoencoderKL.from_pretrained, _source(cfg, "vae"), "vae", "model.vae.pretrained", **kw("vae"))
     noise_scheduler = _load(
         DDPMScheduler.from_pretrained, _source(cfg, "noise_scheduler_training"), "scheduler",
         "model.noise_scheduler_training.pretrained", **kw("noise_scheduler_training"),
@@ -248,7 +285,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_co
         )
     def reload_fp32(name: str) -> torch.nn.Module:
         if name == "vae":
-            return _load(AutoencoderKL.from_pretrained, _source(cfg, "vae"), "vae", "model.vae.pretrained", **kw("vae"))
+            return load_weights(AutoencoderKL.from_pretrained, _source(cfg, "vae"), "vae", "model.vae.pretrained", **kw("vae"))
         te, _ = build_text_encoder(
             replace(cfg.text_encoder, dtype="fp32"), cfg.pretrained, torch.device("cpu"),
             tokenizer_src=cfg.tokenizer.pretrained, revision=cfg.revision,
