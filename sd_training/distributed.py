@@ -1,6 +1,19 @@
 """One environment probe (torchrun | plain srun | single process), process-group setup and teardown.
 
 This is the only module that reads rank variables from the environment.
+
+Restarts inside a job (``torchrun --max-restarts N``): torchrun's agent keeps one TCPStore for the whole job
+(static rendezvous) and its workers use it without a per-attempt prefix, so a restarted rank can read the
+previous attempt's keys (a dead rank's address: "Connection refused", or a hang in the group's set-up).
+:func:`setup` keeps attempts apart itself: its keys live under ``sd_training/<run id>/attempt_<N>/``
+(``TORCHELASTIC_RESTART_COUNT``).
+
+A dead peer: gloo's collectives fail at once ("Connection reset by peer") when a peer's sockets close;
+NCCL's may spin. The launcher notices the death first (torchrun within its monitor interval, srun with
+``--kill-on-bad-exit``) and sends SIGTERM to the survivors; a survivor blocked in a collective cannot act
+on it, and exits 10 s later (``preemption.StopFlag``). NCCL's asynchronous error handling
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set if unset) ends a rank whose collective timed out or failed
+(``distributed.timeout_minutes``) instead of leaving it hung.
 """
 
 from __future__ import annotations
@@ -147,12 +160,19 @@ def setup(device: str = "auto", backend: str = "auto", init_method: str = "env:/
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = dev  # binds the communicator to this GPU; avoids a hang on first barrier
+        # A failed or timed-out collective ends the process (torchrun sets the same; srun does not).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = attempt_store(timeout) if init_method == "env://" else None
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = init_method
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
         rank=layout["rank"],
         world_size=layout["world_size"],
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=timeout,
         **kwargs,
     )
     return DistInfo(
@@ -166,9 +186,32 @@ def setup(device: str = "auto", backend: str = "auto", init_method: str = "env:/
     )
 
 
-def teardown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def attempt_store(timeout: datetime.timedelta, env: dict[str, str] | None = None):
+    """Under torchrun: a client of the agent's store whose keys are this attempt's own (prefix
+    ``sd_training/<run id>/attempt_<TORCHELASTIC_RESTART_COUNT>/``); None elsewhere (srun, one process,
+    or a store the agent does not serve: env:// as usual)."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout)
+    prefix = f"sd_training/{env.get('TORCHELASTIC_RUN_ID', 'none')}/attempt_{env['TORCHELASTIC_RESTART_COUNT']}/"
+    return dist.PrefixStore(prefix, store)
+
+
+def teardown(failed: bool = False) -> None:
+    """Destroy the process group; after a failure, abort it (NCCL's destroy can wait on a collective whose
+    peer is gone; an abort does not)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if failed and abort is not None and dist.get_backend() == "nccl":
+        try:
+            abort()
+            return
+        except Exception as e:  # noqa: BLE001 (then the ordinary destroy)
+            log.warning("aborting the process group failed (%s); destroying it", e)
+    dist.destroy_process_group()
 
 
 def world_size() -> int:

@@ -181,7 +181,8 @@ class RunOutputs:
             log.info("step %s evaluation %s", scored, r)
 
     def close(self, step: int, preempted: bool) -> None:
-        """The end of the run: wait for background evaluations, unless preempted (do not hold the job)."""
+        """The end of the run: wait for background evaluations, unless ``preempted`` (a stop signal or a
+        failure: they are stopped within seconds, so they do not hold the job)."""
         if self.evaluator is None:
             return
         if preempted:

@@ -20,8 +20,11 @@ on top of an old one, every step logged once after a resume).
 
 The guards (rank 0):
 
-* :meth:`RunDir.lock`: an ``flock`` on ``.lock``, released by the kernel when the process dies (no stale
-  locks after a kill -9), the holder's host and pid written inside.
+* :meth:`RunDir.lock`: a POSIX record lock (``fcntl.lockf``) on ``.lock``, the holder's host and pid
+  written inside. The kernel releases it when the process dies (no stale locks after a kill -9), and
+  unlike ``flock`` it belongs to the process, not to the open file: a forked child (a loader worker
+  that outlives a killed rank) never holds it. A start after a holder that died says so in the log
+  (:attr:`RunDir.took_over`); a clean end empties the file.
 * :meth:`RunDir.refuse_or_move_aside`: a folder that already holds checkpoints is refused unless the run
   resumes it (``experiment.resume``) or the user asks for a fresh start (``experiment.start_fresh``),
   which moves the old contents aside; nothing is deleted.
@@ -62,6 +65,7 @@ class RunFolderInUse(ConfigError):
 class RunDir:
     def __init__(self, log_dir: str, name: str):
         self.root = Path(log_dir) / name
+        self.took_over: str | None = None  # the holder written in .lock by a run that died holding it
 
     @classmethod
     def at(cls, root: str | Path) -> "RunDir":
@@ -151,8 +155,11 @@ class RunDir:
 
     # -- guards (rank 0) ------------------------------------------------------------------------
     def lock(self):
-        """Hold the run folder's lock for the life of this process; returns the open file."""
-        return lock_run_folder(self.root)
+        """Hold the run folder's lock for the life of this process; returns the open file (give it to
+        :func:`release_run_folder` at the end). ``took_over``: the previous holder if it died holding it."""
+        fh = lock_run_folder(self.root)
+        self.took_over = getattr(fh, "took_over", None)
+        return fh
 
     def refuse_or_move_aside(self, checkpoint_steps: list[int], resume: bool, start_fresh: bool) -> Path | None:
         return prepare_fresh_start(self.root, checkpoint_steps, resume, start_fresh)
@@ -165,13 +172,35 @@ class RunDir:
         return repair_swaps(self.root, self.pipelines)
 
 
-def lock_run_folder(root: Path):
-    """Hold an exclusive lock on the run folder for the life of this process; returns the open file."""
+class _LockFile:
+    """The open ``.lock`` file (its lock lives as long as it is open in this process)."""
+
+    def __init__(self, fh, took_over: str | None):
+        self.fh, self.took_over = fh, took_over
+
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
+    def close(self) -> None:
+        self.fh.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.fh.closed
+
+
+def lock_run_folder(root: Path) -> _LockFile:
+    """Hold an exclusive lock on the run folder for the life of this process; returns the open file.
+
+    ``fcntl.lockf`` (a POSIX record lock, ``F_SETLK``): released by the kernel when this process dies and
+    never inherited by forked children, so an orphaned loader worker cannot keep the folder locked (an
+    ``flock`` is shared with every child that inherited the descriptor). One caveat of POSIX locks: any
+    descriptor of ``.lock`` this process closes drops the lock, so nothing else here opens the file."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK_NAME
     fh = open(path, "a+")  # noqa: SIM115 (held open, locked, for the life of the run)
     try:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         fh.seek(0)
         holder = fh.read().strip() or "another process"
@@ -181,10 +210,23 @@ def lock_run_folder(root: Path):
             "checkpoints: wait for it to end (or stop it), or set another experiment.name"
         ) from None
     fh.seek(0)
+    previous = fh.read().strip() or None  # written by a holder that died without releasing (a clean end empties it)
+    fh.seek(0)
     fh.truncate()
     fh.write(f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     fh.flush()
-    return fh
+    return _LockFile(fh, previous)
+
+
+def release_run_folder(lock) -> None:
+    """The run's clean end: the holder line is removed and the lock released (closing releases it)."""
+    if lock is None or lock.closed:
+        return
+    try:
+        os.ftruncate(lock.fileno(), 0)
+    except OSError:
+        pass
+    lock.close()
 
 
 def prepare_fresh_start(root: Path, checkpoint_steps: list[int], resume: bool, start_fresh: bool) -> Path | None:

@@ -81,6 +81,7 @@ class SystemConfig:
     device: str = f("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
     seed: int = f(0, "global seed; each rank derives its own from it", ge=None)
     tf32: bool = f(True, "CUDA: fp32 matmuls and convolutions use TF32 tensor cores (Ampere and newer; the frozen fp32 parts, fp32 training); False: full fp32")
+    stop_timeout_s: float = f(120.0, "seconds a run has after SIGTERM/SIGINT to finish its step, save and exit; past it, or 10 s after the signal with the main thread stuck in one call (a collective whose peer died), it exits with code 75 without saving (the newest complete checkpoint stands)", gt=0)
 
 
 @dataclass

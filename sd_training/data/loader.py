@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ..preemption import ignore_stop_signals
+from ..preemption import loader_worker_init
 from .samples import SampleProcessor
 from .stats import log, summarize
 from .stream import Plan, SlotStream
@@ -168,7 +168,7 @@ class TrainLoader:
                     # uninterrupted run's (every tensor differs after resume). The streams do not use the
                     # workers' torch seeds: every sample's randomness comes from its own position.
                     generator=torch.Generator().manual_seed(0),
-                    worker_init_fn=ignore_stop_signals,
+                    worker_init_fn=loader_worker_init(),  # ignore stop signals, die with this rank
                 )
             )
         try:

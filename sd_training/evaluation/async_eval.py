@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,18 +162,24 @@ class AsyncEvaluator:
             results += self.poll()
         return results
 
-    def close(self) -> None:
-        """Stop what is still running or queued (a run that stops early, e.g. preempted)."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop what is still running or queued (a run that stops early, preempted or failed): SIGTERM, and
+        SIGKILL for what still runs ``timeout`` seconds later (all jobs together)."""
         self.queue.clear()
-        for job in self.running:
+        running, self.running = self.running, []
+        for job in running:
             job.proc.terminate()
+        deadline = time.monotonic() + timeout
+        for job in running:
             try:
-                job.proc.wait(30)
+                job.proc.wait(max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
                 job.proc.kill()
                 job.proc.wait()
-            self._finish(job)
-        self.running = []
+            try:
+                self._finish(job)
+            except (OSError, ValueError) as e:  # a half-written result or log: the job was stopped anyway
+                log.warning("evaluation of step %d stopped: %s", job.step, e)
 
     @property
     def busy(self) -> bool:
