@@ -16,7 +16,7 @@ from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
 from .families import registry
 from .families.base import Family
-from .memory_plan import as_dicts, format_plan, memory_plan
+from .memory_plan import as_dicts, check_plan, format_plan, memory_plan, micro_batch_activations
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
 from .precision import autocast_dtype
@@ -98,7 +98,9 @@ def _log_memory_plan(cfg: TrainConfig, info: DistInfo, family: Family, net: torc
         net, family.frozen_modules(), cfg.optimizer.name, info.world_size, ema is not None,
         cfg.model.ema.device == "cpu", 2 if dtype is not None else 4, family.shard_units,
         cfg.distributed.fsdp_unit, replicated=family.trained_encoders().values(),
+        activations=micro_batch_activations(cfg, net),
     )
+    check_plan(rows, strategy.plan_name, info.device.type, cfg)  # a batch that cannot fit stops here
     if info.is_main:
         log.info("%s", format_plan(rows, strategy.plan_name, info.world_size))
         plan = {"strategy": strategy.plan_name, "world_size": info.world_size, "rows": as_dicts(rows)}

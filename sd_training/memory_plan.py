@@ -402,3 +402,24 @@ def check_batch(cfg) -> None:
     if need > LOAD_WARN_FRACTION * memory:
         logging.getLogger(__name__).warning("the memory plan needs %s: over %d%% of what %s; the run may run out "
                                             "of memory", numbers, int(100 * LOAD_WARN_FRACTION), where)
+
+
+def check_plan(rows: list[MemoryRow], chosen: str, device: str, cfg) -> None:
+    """The start-up plan (modules as built, ``chosen`` strategy) against the device's memory: the same
+    refusal as ``check_batch`` for runs whose modules could not be read at load (a hub id, the
+    quickstart's pipeline)."""
+    from .config import ConfigError
+
+    row = next((r for r in rows if r.strategy == chosen), None)
+    found = device_memory(device)
+    if row is None or found is None or not row.activations:
+        return
+    memory, where = found
+    if row.total * GIB > memory:
+        batch = cfg.system.batch_size
+        raise ConfigError(
+            f"system.batch_size={batch:,} at dataset.params.resolution={cfg.dataset.params.resolution} does not fit: "
+            f"the memory plan needs about {row.total:,.1f} GiB per device ({row.activations:,.1f} GiB of activations, a "
+            f"rough lower estimate, {row.activations / batch * 1024:,.1f} MiB per sample; the rest weights, gradients, "
+            f"optimizer state, EMA and frozen components), and {where}. Lower system.batch_size and raise "
+            "system.gradient_accumulation (or set system.global_batch_size), or set model.gradient_checkpointing=true")

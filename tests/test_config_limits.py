@@ -70,6 +70,27 @@ def test_a_batch_beyond_the_memory_plan_is_refused_at_load(tiny_pipeline, tmp_pa
                   "cross_attention_dim: 64, norm_num_groups: 32}"))
 
 
+def test_the_start_up_plan_counts_activations_and_refuses_a_batch_that_cannot_fit():
+    """Modules that cannot be read at load (a hub id, the quickstart's pipeline) are planned once built."""
+    from diffusers import UNet2DConditionModel
+
+    from sd_training.memory_plan import check_plan, format_plan, memory_plan, micro_batch_activations
+
+    net = UNet2DConditionModel(**TINY_UNET)
+    cfg = load([*BASE, "system.device=cpu", "dataset.params.resolution=64"])  # /models/sd: nothing to read at load
+
+    def rows(batch):
+        cfg.system.batch_size = batch
+        return memory_plan(net, [], "adamw", 1, False, False, 4, None, "layer",
+                           activations=micro_batch_activations(cfg, net))
+
+    small = rows(4)
+    assert small[0].activations > 0 and "acts" in format_plan(small, "ddp", 1)
+    check_plan(small, "ddp", "cpu", cfg)
+    with pytest.raises(ConfigError, match=r"system\.batch_size=100,000,000 at dataset\.params\.resolution=64 does not fit"):
+        check_plan(rows(100_000_000), "ddp", "cpu", cfg)
+
+
 def test_the_activation_estimate_is_monotonic_and_close_to_what_autograd_saves():
     """Rough, stated as such: fitted to the tensors autograd saves, within 10% for the tiny UNet and VAE."""
     base = activation_bytes(TINY_UNET, "unet", 256, 4, False)
@@ -243,3 +264,5 @@ def test_a_real_resume_with_the_accumulation_changed_by_hand(tmp_path, tiny_pipe
     assert out["step"] == 2
     log = (tmp_path / "runs" / "acc" / "train.log").read_text()
     assert "resumed from" in log and "global batch 8 kept" in log
+    plan = json.loads((tmp_path / "runs" / "acc" / "memory_plan.json").read_text())
+    assert plan["rows"][0]["activations"] > 0  # the start-up plan counts them
