@@ -135,7 +135,7 @@ class ExperimentConfig:
     sample_seed: int = f(0, "first generator seed of the sample grid (fixed, so grids compare across steps)", ge=None)
     sample_steps: int = f(25, "denoising steps per sample", ge=1)
     sample_guidance_scale: float = f(7.5, "classifier-free guidance scale of the samples")
-    sample_resolution: Optional[int] = f(None, "pixels of the samples, a multiple of 8 (None: dataset.params.resolution)")
+    sample_resolution: Optional[int] = f(None, "pixels of the samples, a multiple of 8, at most 8192 (None: dataset.params.resolution)", ge=8, le=8192)
 
 
 @dataclass
