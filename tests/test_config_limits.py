@@ -48,6 +48,8 @@ def test_absurd_worker_counts_are_refused_against_the_cpus():
 def test_resolution_is_bounded(value, message):
     with pytest.raises(ConfigError, match=message):
         load([*BASE, f"dataset.params.resolution={value}"])
+    with pytest.raises(ConfigError, match=r"'experiment\.sample_resolution' must be within \[8, 8192\]"):
+        load([*BASE, "experiment.sample_resolution=1000000000"])
 
 
 def test_a_batch_beyond_the_memory_plan_is_refused_at_load(tiny_pipeline, tmp_path):
