@@ -5,9 +5,10 @@ before the first step whether a model fits in 24, 40 or 80 GB.
 Counted from the modules as built (exact bytes of the tensors), not estimated from a model name.
 Activations (what autograd keeps for the backward of one micro-batch) are an estimate, rough but
 monotonic in the batch, the resolution and the width (``activation_bytes``): fitted to the tensors that
-diffusers' UNet2DConditionModel and AutoencoderKL save (tiny, SD 1.x and 2.x widths; within 5%), memory-
-efficient attention assumed, the forward's temporaries and the backward's gradients not counted, so it
-is a lower bound of the peak (``peak_memory_gb`` in the logs is the measured total).
+diffusers' UNet2DConditionModel and AutoencoderKL save (tiny, SD 1.x and 2.x widths; within 5% in fp32;
+78-96% of them under bf16 autocast on an H200), memory-efficient attention assumed, the forward's
+temporaries and the backward's gradients not counted, so it is a lower bound of the peak
+(``peak_memory_gb`` in the logs is the measured total).
 
 ``check_batch`` runs the plan at config load, before anything is built (the trained module's
 parameters counted from its weight files' headers or built on the meta device): a batch whose plan does
@@ -117,10 +118,15 @@ def as_dicts(rows: list[MemoryRow]) -> list[dict]:
 # Elements autograd saves per channel x pixel of a level, per block: fitted (least squares) to the saved
 # tensors of diffusers' UNet2DConditionModel (tiny, SD 1.x and 2.x configs, 8-32 latent pixels, fp32,
 # SDPA attention) and AutoencoderKL (tiny and SD's, 64-128 px): predictions within 5% of the measurement.
+# On an H200 under bf16 autocast (flash attention), the estimate at 2 bytes per element was 78% (SD 1.5,
+# 512 px, batch 1-4: 0.91 of 1.16-1.20 GiB per sample) and 96% (SDXL, 1024 px: 7.26 of 7.54 GiB) of what
+# the forward kept beyond autocast's weight copies (some saved tensors stay fp32): a lower bound.
 UNET_RESNET = 9.0  # per resnet block
 UNET_TRANSFORMER = 33.0  # per transformer layer (self- and cross-attention, feed-forward)
 VAE_BLOCK = 7.3  # AutoencoderKL: per resnet block of the encoder and decoder
-CHECKPOINTED = 0.16  # what gradient checkpointing keeps (measured 0.16-0.19 of the above)
+# What gradient checkpointing keeps: diffusers checkpoints whole blocks, measured 0.16-0.19 of the above on
+# the CPU (tiny, SD 1.x) and 0.09 (SDXL, 1024 px) to 0.25 (SD 1.5, 512 px) on an H200 in bf16: the lowest.
+CHECKPOINTED = 0.08
 UNET_DEFAULTS = dict(  # UNet2DConditionModel's defaults (SD 1.x's layout)
     block_out_channels=(320, 640, 1280, 1280),
     down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
@@ -396,7 +402,7 @@ def check_batch(cfg) -> None:
                 "(or set system.global_batch_size) to keep the images per step" if fits >= 1 else
                 "Not even one sample fits: use a smaller dataset.params.resolution, distributed.strategy=fsdp or "
                 "distributed.fsdp_cpu_offload")
-        ckpt = "" if m.gradient_checkpointing else "; model.gradient_checkpointing=true keeps about a sixth of the activations"
+        ckpt = "" if m.gradient_checkpointing else "; model.gradient_checkpointing=true keeps a tenth to a quarter of the activations"
         raise ConfigError(f"system.batch_size={batch:,} at dataset.params.resolution={cfg.dataset.params.resolution} "
                           f"does not fit: the memory plan needs {numbers}, and {where}. {hint}{ckpt}")
     if need > LOAD_WARN_FRACTION * memory:
