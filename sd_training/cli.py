@@ -18,7 +18,8 @@ USER_ERRORS = (ConfigError,)
 
 def main(argv: list[str], stop: StopFlag | None = None) -> int:
     """Exit codes: 0 done (or stopped by a signal and requeued), 2 config error, 75 stopped by a signal
-    and not requeued (resume with the same command), 1 a crash."""
+    and not requeued (resume with the same command; also a stop the run could not act on in time, see
+    ``preemption``), 1 a crash (within ``preemption.FAILED_EXIT_S`` of it, whatever the shutdown waits for)."""
     if any(a in ("-h", "--help", "help") for a in argv):
         print(help_text())
         return 0

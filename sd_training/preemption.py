@@ -118,23 +118,28 @@ class Deadlines:
             stack = "".join(traceback.format_stack(frame)[-8:])
             stacks.append(f"--- thread {names.get(ident, ident)}:\n{stack}")
         text = head + "\n" + "".join(stacks)
-        try:
-            os.write(2, f"\n[sd_training] {text}\n".encode(errors="replace"))
-        except OSError:
-            pass
-        # The log file (train.log) too, and the buffered output, in a helper thread: a thread blocked while
-        # holding the logging or stdout lock must not keep this one from exiting.
-        def flush():
-            log.error("%s", text)
+        done = threading.Event()
+
+        # Logged (train.log, and the console on rank 0) and the buffered output flushed, in a helper thread:
+        # a thread blocked while holding the logging or stdout lock must not keep this one from exiting.
+        def report():
+            if logging.getLogger().handlers:
+                log.error("%s", text)
+                done.set()
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
 
-        helper = threading.Thread(target=flush, daemon=True)
+        helper = threading.Thread(target=report, daemon=True)
         helper.start()
         helper.join(2.0)
+        if not done.is_set():  # no log handlers yet, or logging blocked: straight to stderr
+            try:
+                os.write(2, f"\n[sd_training] {text}\n".encode(errors="replace"))
+            except OSError:
+                pass
         os._exit(code)
 
 

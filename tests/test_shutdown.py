@@ -186,6 +186,36 @@ def test_loader_workers_die_with_their_rank():
     assert not left, "loader workers outlived their rank"
 
 
+EVALUATOR = r"""
+import sys, time
+from sd_training.evaluation import async_eval
+from sd_training.evaluation.evaluate import EvalSettings
+# The real start-up (the bootstrap that dies with its parent), then a long evaluation.
+async_eval._DIES_WITH_PARENT = async_eval._DIES_WITH_PARENT.replace(
+    "from sd_training.evaluation.__main__ import main; main()", "import time; print('running', flush=True); time.sleep(120)")
+ev = async_eval.AsyncEvaluator(sys.argv[1], EvalSettings())
+ev.submit(1, images=sys.argv[1])
+while "running" not in (ev.running[0].log.read_text() if ev.running[0].log.exists() else ""):
+    time.sleep(0.05)
+print(ev.running[0].proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_background_evaluation_dies_with_its_trainer(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", EVALUATOR, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=ENV)
+    evaluation = int(p.stdout.readline())
+    assert alive(evaluation)
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 3
+    while alive(evaluation) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if alive(evaluation):
+        os.kill(evaluation, signal.SIGKILL)
+        pytest.fail("the background evaluation outlived its trainer")
+
+
 # ------------------------------------------------------------------------- an error at each stage
 # Runs train.py with one fault injected from step FAIL_AT on (the process prints when it injects it).
 INJECT = r"""

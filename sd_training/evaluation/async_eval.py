@@ -2,7 +2,7 @@
 
 The trainer's rank 0 owns one ``AsyncEvaluator``. ``submit(step, ...)`` starts
 ``python -m sd_training.evaluation`` as a subprocess (a fresh interpreter: no forked CUDA context, no
-inherited process group) and returns at once; ``poll()``, called at each log interval, returns the
+inherited process group; it dies with the trainer, ``preemption.die_with_parent``) and returns at once; ``poll()``, called at each log interval, returns the
 results that have finished since, each with the step it belongs to; ``wait()`` at the end of the run
 collects the rest. Only ``max_running`` evaluations run at once; later submissions queue (oldest first).
 
@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 _RANK_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID",
+)
+
+
+# ``python -m sd_training.evaluation ARGS`` whose first argument is the trainer's pid, which it dies with.
+_DIES_WITH_PARENT = (
+    "import signal, sys; from sd_training.preemption import die_with_parent; "
+    "die_with_parent(int(sys.argv.pop(1)), signal.SIGTERM); from sd_training.evaluation.__main__ import main; main()"
 )
 
 
@@ -102,7 +109,9 @@ class AsyncEvaluator:
         name = step_name(step)
         result = self.out_dir / f"{name}.json"
         result.unlink(missing_ok=True)
-        cmd = [self.python, "-m", "sd_training.evaluation", "--out", str(result), "--step", str(step)]
+        # ``python -m sd_training.evaluation``, started so that it dies with this process (SIGTERM when
+        # the trainer dies, even by SIGKILL): an orphaned evaluation would hold a GPU a restart needs.
+        cmd = [self.python, "-c", _DIES_WITH_PARENT, str(os.getpid()), "--out", str(result), "--step", str(step)]
         cleanup = []
         if pipeline is not None:
             snap = _snapshot(Path(pipeline), self.out_dir / f"{name}_pipeline")
