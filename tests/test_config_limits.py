@@ -268,3 +268,16 @@ def test_a_real_resume_with_the_accumulation_changed_by_hand(tmp_path, tiny_pipe
     assert "resumed from" in log and "global batch 8 kept" in log
     plan = json.loads((tmp_path / "runs" / "acc" / "memory_plan.json").read_text())
     assert plan["rows"][0]["activations"] > 0  # the start-up plan counts them
+
+
+def test_a_key_newer_than_the_checkpoint_at_its_default_is_not_a_change():
+    """A checkpoint written before a key existed (system.stop_timeout_s, experiment.checkpoint_verify ...)
+    resumes when the key is at its default; set to something else, it is a change like any other."""
+    from sd_training.checkpoint.resume_config import config_changes
+
+    saved = "system:\n  batch_size: 4\nmodel:\n  use_ema: false\n"
+    free, _, refused = config_changes(saved, {"system": {"batch_size": 4, "stop_timeout_s": 120.0},
+                                              "model": {"use_ema": False, "channels_last": False}})
+    assert refused == [] and any("newer than the checkpoint" in line for line in free)
+    assert config_changes(saved, {"model": {"use_ema": False, "channels_last": True}})[2] == [
+        "model.channels_last: <absent> -> True"]

@@ -33,7 +33,7 @@ MAY_CHANGE = (
     "experiment.resume", "experiment.start_fresh", "experiment.allow_config_change", "experiment.tensorboard",
     "experiment.peak_tflops", "experiment.max_nonfinite_steps", "experiment.export_weights", "experiment.log_dir",
     "evaluation.", "validation.", "wandb.", "quickstart.", "system.workers", "dataset.params.workers",
-    "system.device", "system.tf32", "distributed.timeout_minutes", "distributed.dist_url", "distributed.dist_backend",
+    "system.device", "system.tf32", "system.stop_timeout_s", "distributed.timeout_minutes", "distributed.dist_url", "distributed.dist_backend",
     "distributed.flag_sync_every", "experiment.progress_bar", "experiment.record_sample_keys",
     # How the same training is laid out over the ranks (elastic resume: checkpoints reshard between them).
     "distributed.strategy", "distributed.bucket_cap_mb", "distributed.static_graph", "distributed.fsdp_unit",
@@ -56,6 +56,16 @@ def _flat(d, prefix="") -> dict:
     return out
 
 
+ABSENT = "<absent>"
+
+
+def _defaults() -> dict:
+    """Every key's schema default, flat (interpolated defaults as their text)."""
+    from ..config.schema import TrainConfig
+
+    return _flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False))
+
+
 def config_changes(saved_yaml: str, current: dict, saved_global_batch: int | None = None,
                    global_batch: int | None = None) -> tuple[list[str], list[str], list[str]]:
     """(may change, applied, refused): ``"key: old -> new"`` lines, the checkpoint's config against now.
@@ -63,14 +73,17 @@ def config_changes(saved_yaml: str, current: dict, saved_global_batch: int | Non
     equal, the batch layout keys (``BATCH_LAYOUT``) may change."""
     old = _flat(OmegaConf.to_container(OmegaConf.create(saved_yaml)))
     new = _flat(current)
+    defaults = _defaults()
     same_batch = bool(saved_global_batch) and saved_global_batch == global_batch
     free, applied, refused = [], [], []
     for key in sorted(set(old) | set(new)):
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        a, b = old.get(key, ABSENT), new.get(key, ABSENT)
         if same_value(a, b):
             continue
         line = f"{key}: {a} -> {b}"
-        if key.startswith(MAY_CHANGE):
+        if a == ABSENT and key in defaults and defaults[key] == b:
+            free.append(f"{line} (a key newer than the checkpoint, at its default)")
+        elif key.startswith(MAY_CHANGE):
             free.append(line)
         elif key in BATCH_LAYOUT and same_batch:
             free.append(f"{line} (global batch {global_batch} kept)")
