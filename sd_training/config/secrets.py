@@ -44,8 +44,8 @@ _PATTERNS = [
     # curl -u user:pass / --user user:pass
     (re.compile(r"((?:^|\s)(?:-u|--user)\s+['\"]?)(?!\$\{)[^\s\"',;:]+:[^\s\"',;]+"), r"\1" + REDACTED),
     # Query parameters: ?token=..., &access_key=..., &sig=..., &X-Amz-Signature=..., &password=...
-    (re.compile(r"(?i)([?&;][\w.-]*(?:token|key|secret|password|passwd|signature|sig|auth|credential)[\w.-]*=)"
-                r"(?!\$\{)[^&\s\"'#]+"), r"\1" + REDACTED),
+    (re.compile(r"(?i)([?&;](?:[\w.-]*[_.-])?(?:token|api_?key|key|secret|password|passwd|signature|sig|auth|"
+                r"credential|session)=)(?!\$\{)[^&\s\"'#]+"), r"\1" + REDACTED),
     # Well-known token shapes.
     (re.compile(r"\b(?:hf|ghp|gho|ghu|ghs|ghr|github_pat|glpat|xox[abpr])[-_][A-Za-z0-9_-]{16,}"), REDACTED),
     (re.compile(r"\bsk-[A-Za-z0-9_-]{16,}"), REDACTED),
