@@ -80,7 +80,8 @@ def test_a_planted_token_reaches_no_file_the_run_writes_and_the_run_resumes(tmp_
     for place in (Path(tempfile.gettempdir()), Path.home() / ".cache" / "wandb", Path.home() / ".config" / "wandb"):
         assert files_holding(place, needles, since=started, skip=(config,)) == []
     dumped = (run / "config.yaml").read_text()
-    assert "${oc.env:" + ENV_NAME + "}" in dumped  # kept as written: re-running the file reads the variable again
+    # Kept as written: re-running the file reads the variable again.
+    assert 'Authorization: Bearer ${oc.env:' + ENV_NAME + '}"' in dumped
     assert 'Authorization: Bearer <redacted>"' in dumped  # the literal one is redacted
     # wandb got the run config (with the interpolation, not the token).
     assert files_holding(run / "wandb", [("oc.env:" + ENV_NAME).encode()])
@@ -112,6 +113,8 @@ def test_dumps_keep_env_interpolations_and_redact_literal_secrets(tmp_path, monk
     assert "https://<redacted>@host/{0..3}.tar" in public["dataset"]["params"]["path"]
     assert redact_text('curl -H "Authorization: Bearer abc.def"') == 'curl -H "Authorization: Bearer <redacted>"'
     assert redact_text("a photo of a cat") == "a photo of a cat"
+    kept = 'curl -H "Authorization: Bearer ${oc.env:HF_TOKEN}" -u me:${oc.env:PW} https://u:${oc.env:P}@h/?sig=${oc.env:S}'
+    assert redact_text(kept) == kept  # interpolations are not secrets: kept as written
     # The dump is loadable: the interpolation reads the variable again.
     monkeypatch.setenv(ENV_NAME, "tok_other")
     (tmp_path / "dump.yaml").write_text(text)

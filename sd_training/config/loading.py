@@ -184,7 +184,10 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
         except Exception as e:  # yaml syntax errors
             raise ConfigError(f"cannot parse config file '{config_path}': {e}") from e
     if yaml_text is not None:
-        layers.append(OmegaConf.create(yaml_text))
+        try:
+            layers.append(OmegaConf.create(yaml_text))
+        except Exception as e:  # yaml syntax errors
+            raise ConfigError(f"cannot parse the config text: {str(e).splitlines()[0]}") from None
     try:
         cli = OmegaConf.from_dotlist([_quote_bool_words(o) for o in overrides])
     except Exception as e:

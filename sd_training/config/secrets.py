@@ -37,12 +37,13 @@ REDACTED = "<redacted>"
 _CRED = r"(?!\$\{)[^\s\"',;]+"
 _PATTERNS = [
     # Authorization: Bearer <token> / Basic <b64> / token <t> (the scheme is kept).
-    (re.compile(r"(?i)(\bauthorization\s*[:=]\s*(?:(?:bearer|basic|token|digest|negotiate)\s+)?)" + _CRED), r"\1" + REDACTED),
+    (re.compile(r"(?i)(\bauthorization\s*[:=]\s*(?:(?:bearer|basic|token|digest|negotiate)\s+)?)"
+                r"(?!(?:bearer|basic|token|digest|negotiate)\s)" + _CRED), r"\1" + REDACTED),
     (re.compile(r"(?i)(\bbearer\s+)" + _CRED), r"\1" + REDACTED),
     # Other credential headers: X-Api-Key: ..., Private-Token: ..., X-Auth-Token: ..., Cookie: ...
     (re.compile(r"(?i)(\b[\w-]*(?:api[-_]?key|token|secret|password|cookie)\s*:\s*)" + _CRED), r"\1" + REDACTED),
     # curl -u user:pass / --user user:pass
-    (re.compile(r"((?:^|\s)(?:-u|--user)\s+['\"]?)(?!\$\{)[^\s\"',;:]+:[^\s\"',;]+"), r"\1" + REDACTED),
+    (re.compile(r"((?:^|\s)(?:-u|--user)\s+['\"]?)(?!\$\{)[^\s\"',;:]+:(?!\$\{)[^\s\"',;]+"), r"\1" + REDACTED),
     # Query parameters: ?token=..., &access_key=..., &sig=..., &X-Amz-Signature=..., &password=...
     (re.compile(r"(?i)([?&;](?:[\w.-]*[_.-])?(?:token|api_?key|key|secret|password|passwd|signature|sig|auth|"
                 r"credential|session)=)(?!\$\{)[^&\s\"'#]+"), r"\1" + REDACTED),
