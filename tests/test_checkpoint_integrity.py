@@ -2,7 +2,8 @@
 
 One tiny fp32 run (resolution 32, 6 steps, checkpoints at steps 2, 4 and 6) is trained once per module;
 each case copies its run folder (large files hard-linked, a file is copied before it is damaged), damages
-the newest checkpoint in one way and resumes with the Trainer's real set-up: the resume must use the older
+the newest checkpoint in one way and resumes it with a CheckpointManager over the parts of a Trainer set up
+once (the set-up's own resume path, without rebuilding the model each time): the resume must use the older
 intact checkpoint, say in one log line which file is wrong and how, and leave the damaged folder in place
 (with its ``DAMAGED`` note). Damage that the marker's checksums would catch first is also re-recorded in
 the marker for the cases that test the value checks behind them (train_state.json's values, the names it

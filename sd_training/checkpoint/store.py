@@ -301,7 +301,7 @@ def _count(v) -> bool:
 def verify(folder: Path, checksums: bool = True, rank: int = 0, world: int = 1) -> dict | None:
     """Check a complete folder against its marker: every recorded file present with its recorded size and,
     when ``checksums``, its CRC32 (this rank reads every ``world``-th file, so the ranks share the reading:
-    call it on every rank). Returns the marker; None for an earlier-format marker (nothing to compare:
+    call it on every rank; up to 4 files at once). Returns the marker; None for an earlier-format marker (nothing to compare:
     loading checks what it can). Raises :class:`CheckpointDamaged` naming the first bad file."""
     folder = Path(folder)
     marker = read_marker(folder)
@@ -323,15 +323,22 @@ def verify(folder: Path, checksums: bool = True, rank: int = 0, world: int = 1) 
         if rank_file(folder, r).name not in files:
             raise CheckpointDamaged(folder / MARKER, f"records no {rank_file(folder, r).name} of its {marker['ranks']} ranks")
     if checksums:
-        hashed = sorted(n for n, rec in files.items() if CHECKSUM in rec)
-        for name in hashed[rank::world]:
-            try:
-                got = file_record(folder / name)[CHECKSUM]
-            except OSError as e:
-                raise CheckpointDamaged(folder / name, f"cannot be read ({e.strerror})") from None
-            if got != files[name][CHECKSUM]:
-                raise CheckpointDamaged(folder / name, f"fails its checksum (CRC32 {got}, the COMPLETE marker records "
-                                                       f"{files[name][CHECKSUM]}): its bytes changed after the save")
+        share = sorted(n for n, rec in files.items() if CHECKSUM in rec)[rank::world]
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="checkpoint-verify") as pool:
+            futures = {name: pool.submit(file_record, folder / name) for name in share}
+            for name in share:  # the first bad file in name order, whichever thread finishes first
+                try:
+                    got = futures[name].result()[CHECKSUM]
+                except OSError as e:
+                    for f in futures.values():
+                        f.cancel()
+                    raise CheckpointDamaged(folder / name, f"cannot be read ({e.strerror})") from None
+                if got != files[name][CHECKSUM]:
+                    for f in futures.values():
+                        f.cancel()
+                    raise CheckpointDamaged(folder / name, f"fails its checksum (CRC32 {got}, the COMPLETE marker "
+                                                           f"records {files[name][CHECKSUM]}): its bytes changed "
+                                                           "after the save")
     return marker
 
 
