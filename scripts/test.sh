@@ -8,8 +8,13 @@ bash scripts/setup.sh
 if [ "$(id -u)" = "0" ] && [ -f scripts/ci_install_slurm.sh ]; then
   bash scripts/ci_install_slurm.sh
 fi
+# One pytest worker per core (at most 3: a worker's heaviest tests take several GB); most tests are
+# one-thread processes, so a 2-core machine runs the suite in about 60% of the serial time. Serial:
+# bash scripts/test.sh -n 0
+WORKERS=${PYTEST_WORKERS:-$(nproc)}
+if [ "$WORKERS" -gt 3 ]; then WORKERS=3; fi
 set +e
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -n "$WORKERS" --dist loadgroup "$@"
 rc=$?
 set -e
 if [ "$rc" = "5" ]; then

@@ -82,6 +82,32 @@ def run_precompute(argv: list[str]) -> int:
     return module.main(argv)
 
 
+# Parallel runs (pytest-xdist, ``scripts/test.sh`` starts one worker per core, at most 3): a module's tests
+# stay on one worker (its module fixtures are built once), except the modules listed in SPREAD, whose
+# tests are independent end-to-end runs sent one by one to whichever worker is free. The SLURM modules
+# share one worker (one cluster at a time). Modules that take longest go first, so no worker is left with
+# a long module at the end.
+SPREAD = {"test_resume", "test_precision_matrix", "test_elastic", "test_distributed", "test_faults"}
+SLURM = {"test_slurm_cluster", "test_slurm_train"}
+FIRST = ["test_quickstart", "test_resume", "test_precision_matrix", "test_elastic", "test_slurm_train",
+         "test_slurm_cluster", "test_faults", "test_data_mixture", "test_sdxl", "test_recipe", "test_reshard",
+         "test_distributed", "test_restarts", "test_shutdown"]
+
+
+def pytest_collection_modifyitems(config, items):
+    def module(item):
+        return Path(str(item.fspath)).stem
+
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(module(item), len(FIRST)))  # stable: file order otherwise
+    for item in items:
+        name = module(item)
+        if name in SLURM:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif name not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(name))
+
+
 # The fault-injection suite's summary (tests marked ``faults``), printed at the end of the run.
 FAULTS = {"tried": 0, "survived": 0, "failed": []}
 

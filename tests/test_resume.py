@@ -149,10 +149,10 @@ def test_signal_to_the_whole_process_group_with_loader_workers_saves_then_exits(
     """SLURM's scancel/preemption/time limit (SIGTERM) and Ctrl-C (SIGINT) reach every process of the job,
     the loader workers included: the workers must survive them, the main process saves at the step
     boundary and exits 75 (stopped, not requeued: not under SLURM); a restart finishes the run."""
-    total = 60
+    total = 24  # the signal lands at step 3 or 4: the run is far from its end
     args = args_for(tmp_path, tiny_pipeline, shapes_shards, "term", **{
         "experiment.checkpoint_every": 1000, "experiment.num_examples_to_see": 4 * total, "system.workers": 2,
-        "model.mixed_precision": "bf16"})
+        "model.mixed_precision": "bf16", "dataset.params.resolution": 32})
     run = tmp_path / "runs" / "term"
     p = launch(tmp_path, args)
     deadline = time.time() + 300
