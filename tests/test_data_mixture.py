@@ -147,7 +147,8 @@ def test_training_on_a_mixture_logs_each_sources_share(tmp_path, tiny_pipeline, 
     sources = f"[{{path: '{half_a}', name: a, weight: 3}}, {{path: '{half_b}', name: b}}]"
     args = [a for a in train_args(tmp_path, tiny_pipeline, shapes_shards, name="mix") if not a.startswith("dataset.params.path=")]
     args += [f"dataset.params.sources={sources}", "system.workers=2", "model.mixed_precision=bf16",
-             "experiment.num_examples_to_see=128", "experiment.sample_per_prompt=0", "experiment.log_every=4"]
+             "experiment.num_examples_to_see=128", "experiment.sample_per_prompt=0", "experiment.log_every=4",
+             "dataset.params.resolution=32"]
     finish(launch(tmp_path, args, nproc=2))
     run = tmp_path / "runs" / "mix"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
