@@ -128,7 +128,9 @@ def pytest_terminal_summary(terminalreporter):
     tr.write_sep("=", "fault injection")
     tr.write_line(f"faults tried: {FAULTS['tried']} (kill -9 at 12 points of saves and exports, signals to every "
                   "process, stalls, decompression bombs, bad values, full and read-only disks, a second run, "
-                  "changed configs, hostile pickles and paths)")
+                  "changed configs, hostile pickles and paths, damaged checkpoints, hostile samples and forged "
+                  "tar headers, planted secrets, impossible sizes, killed ranks under torchrun, errors at "
+                  "every stage)")
     tr.write_line(f"runs survived: {FAULTS['survived']}; data lost: {len(FAULTS['failed'])}")
     for nodeid in FAULTS["failed"]:
         tr.write_line(f"  FAILED: {nodeid}")
