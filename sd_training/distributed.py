@@ -204,14 +204,19 @@ def teardown(failed: bool = False) -> None:
     peer is gone; an abort does not)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    from .preemption import EXITS
+
+    EXITS.stage("destroying the process group")
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if failed and abort is not None and dist.get_backend() == "nccl":
         try:
             abort()
+            EXITS.stage(None)
             return
         except Exception as e:  # noqa: BLE001 (then the ordinary destroy)
             log.warning("aborting the process group failed (%s); destroying it", e)
     dist.destroy_process_group()
+    EXITS.stage(None)
 
 
 def world_size() -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -30,9 +29,7 @@ from .trackers import build_trackers
 from .train_state import NonFiniteLossError, Plan, TrainState
 
 log = logging.getLogger(__name__)
-
-# A failed run waits this long for the checkpoint in flight (inside preemption.FAILED_EXIT_S).
-WRITER_WAIT_S = 15.0
+WRITER_WAIT_S = 15.0  # a failed run waits this long for the checkpoint in flight (inside preemption.FAILED_EXIT_S)
 
 
 def main(cfg: TrainConfig, stop: StopFlag | None = None, prepare: Callable | None = None) -> dict:
@@ -40,27 +37,18 @@ def main(cfg: TrainConfig, stop: StopFlag | None = None, prepare: Callable | Non
 
     ``stop``: a flag installed by the entry point before set-up (else installed here). ``prepare(info)``:
     called on every rank once the process group is up, before anything is built (generated inputs)."""
-    try:
-        info = distributed.setup(
-            cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url, cfg.distributed.timeout_minutes
-        )
-    except BaseException as e:
-        preemption.failed(e)
-        raise
-    ok = False
+    info = distributed.setup(
+        cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url, cfg.distributed.timeout_minutes
+    )
+    failed = True
     try:
         if prepare is not None:
             prepare(info)
-        summary = Trainer(cfg, info).run(stop)
-        ok = True
+        summary = Trainer(cfg, info).run(stop)  # a failure in it arms the exit deadline (train.py's processes)
+        failed = False
         return summary
-    except BaseException as e:
-        preemption.failed(e)  # the shutdown below and after is bounded (a no-op unless train.py enabled it)
-        raise
     finally:
-        preemption.EXITS.stage("destroying the process group")
-        distributed.teardown(failed=not ok)
-        preemption.EXITS.stage(None)
+        distributed.teardown(failed=failed)
 
 
 class Trainer:
@@ -126,10 +114,7 @@ class Trainer:
             run_dir.create()
             run_dir.config.write_text(to_yaml(cfg))
         distributed.barrier()
-        run_dir.setup_logging(info.rank)
-        if info.is_main and run_dir.took_over:
-            log.warning("run folder lock: its last holder (%s) ended without releasing it (killed?); taken over",
-                        run_dir.took_over)
+        run_dir.setup_logging(info.rank)  # (rank 0: says so if the lock's last holder died holding it)
         if info.is_main:
             for path in run_dir.repair_exports():
                 log.warning("restored %s from the previous export (a kill interrupted its replacement)", path)
@@ -200,16 +185,11 @@ class Trainer:
         try:
             self.setup()
             return self._loop(stop)
-        except ConfigError as e:
-            failed = True
-            preemption.failed(e)
-            raise
         except BaseException as e:
+            # From here the process has preemption.FAILED_EXIT_S to end (when train.py runs it).
             failed = True
-            # From here the process has preemption.FAILED_EXIT_S to end (when train.py runs it): every wait
-            # below is bounded, and a close that raises again does not keep the others from running.
             preemption.failed(e)
-            if self.outputs is not None and not isinstance(e, KeyboardInterrupt):  # in train.log too
+            if self.outputs is not None and not isinstance(e, (KeyboardInterrupt, ConfigError)):  # in train.log too
                 log.exception("training failed at step %d: %s", self.state.step, e)
             raise
         finally:
@@ -217,66 +197,19 @@ class Trainer:
             self._shut_down(stop_now=failed or stop.requested, failed=failed)
 
     def _shut_down(self, stop_now: bool, failed: bool) -> None:
-        """Close what the run opened, each step on its own: one that raises (a full disk: the metrics file's
-        last flush) is logged in one line and the rest still runs. ``stop_now``: a failure or a signal (the
-        evaluator is stopped, not waited for)."""
-        steps = [
-            ("stopping the loader workers", self._close_data),
-            ("closing the background evaluator", lambda: self.outputs is not None and self.outputs.close(
-                self.state.step, preempted=stop_now)),
+        """Each step on its own (one that raises is logged and the rest run); after a failure or a signal the
+        evaluator is stopped, not waited for, and the checkpoint in flight gets WRITER_WAIT_S at most (a rank
+        that died before writing its file would keep rank 0's writer waiting)."""
+        data_iter, lock, self._data_iter, self._lock = getattr(self, "_data_iter", None), self._lock, None, None
+        writer = [("waiting for the checkpoint writer", lambda: preemption.within(WRITER_WAIT_S, self.checkpoints.wait,
+                   "the checkpoint in flight (it stays incomplete, ignored on resume; the previous one is intact)"))]
+        preemption.shut_down([
+            ("stopping the loader workers", lambda: data_iter is not None and data_iter.close()),
+            ("closing the background evaluator", lambda: self.outputs and self.outputs.close(self.state.step, stop_now)),
             ("closing the trackers (metrics.jsonl, wandb, tensorboard)", lambda: self.trackers and self.trackers.close()),
-        ]
-        if failed:
-            steps.append(("waiting for the checkpoint writer", self._wait_for_writer))
-        steps.append(("releasing the run folder's lock", self._release_lock))
-        first = None
-        for what, step in steps:
-            preemption.EXITS.stage(what)
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 (a failed run's own error is the one that propagates)
-                log.error("while %s: %s: %s", what, type(e).__name__, e)
-                first = first or e
-        preemption.EXITS.stage(None)
-        if first is not None and not failed:
-            preemption.failed(first)
-            raise first
-
-    def _close_data(self) -> None:
-        """The data iterator's workers stop now: left to the garbage collector (a traceback keeps the
-        iterator alive), they would be waited for at the interpreter's exit."""
-        data_iter, self._data_iter = getattr(self, "_data_iter", None), None
-        if data_iter is not None and hasattr(data_iter, "close"):
-            data_iter.close()
-
-    def _wait_for_writer(self) -> None:
-        """A failed run lets the checkpoint in flight finish, for :data:`WRITER_WAIT_S` at most (a rank that
-        died before writing its file would keep rank 0's writer waiting for it); its error, if any, is
-        logged, not raised over the run's own."""
-        if getattr(self, "checkpoints", None) is None:
-            return
-        errors = []
-
-        def wait():
-            try:
-                self.checkpoints.wait()
-            except BaseException as e:  # noqa: BLE001 (reported below)
-                errors.append(e)
-
-        waiter = threading.Thread(target=wait, name="checkpoint-wait", daemon=True)
-        waiter.start()
-        waiter.join(WRITER_WAIT_S)
-        if waiter.is_alive():
-            log.warning("the checkpoint in flight did not finish within %.0fs of the failure (a rank that died before "
-                        "writing its file?): it stays incomplete and is ignored on resume; the previous one is intact",
-                        WRITER_WAIT_S)
-        elif errors:
-            raise errors[0]
-
-    def _release_lock(self) -> None:
-        if self._lock is not None:
-            release_run_folder(self._lock)  # empties the holder line and closes the file (the lock goes with it)
-            self._lock = None
+            *(writer if failed and getattr(self, "checkpoints", None) is not None else []),
+            ("releasing the run folder's lock", lambda: release_run_folder(lock)),  # empties its holder line
+        ], failed)
 
     def _loop(self, stop: StopFlag) -> dict:
         cfg, state = self.cfg, self.state
@@ -313,7 +246,7 @@ class Trainer:
         """Optimizer steps to the end, or to a stop signal (returns its name after saving)."""
         cfg, plan, state = self.cfg, self.plan, self.state
         data_iter, window, last_ckpt_time = iter(self.loader), LogWindow(), time.time()
-        self._data_iter = data_iter  # closed by _shut_down, whatever ends the loop
+        self._data_iter = data_iter  # closed by _shut_down (its workers), whatever ends the loop
         val_every = cfg.validation.every or cfg.experiment.save_every
         while state.step < plan.total_steps:
             t_step, keys = time.perf_counter(), []

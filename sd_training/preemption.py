@@ -160,6 +160,44 @@ def failed(exc: BaseException | None, why: str | None = None) -> None:
     EXITS.arm("failure", FAILED_EXIT_S, code, f"{what} {FAILED_EXIT_S:.0f}s ago and its shutdown has not ended")
 
 
+def shut_down(steps: list, failed_already: bool) -> None:
+    """Run ``(what, step)`` pairs each on its own, ``what`` recorded as the stage a deadline would name: one
+    that raises (a full disk: the metrics file's last flush) is logged in one line and the rest still run.
+    After a clean run the first such error is raised at the end (and the exit deadline armed)."""
+    first = None
+    for what, step in steps:
+        EXITS.stage(what)
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 (a failed run's own error is the one that propagates)
+            log.error("while %s: %s: %s", what, type(e).__name__, e)
+            first = first or e
+    EXITS.stage(None)
+    if first is not None and not failed_already:
+        failed(first)
+        raise first
+
+
+def within(seconds: float, fn, what: str) -> None:
+    """``fn()`` in a helper thread, waited for ``seconds`` at most (a warning naming ``what`` if it is not done
+    by then; it is left running); its error is raised here."""
+    errors: list[BaseException] = []
+
+    def call():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 (raised below)
+            errors.append(e)
+
+    helper = threading.Thread(target=call, name="bounded-wait", daemon=True)
+    helper.start()
+    helper.join(seconds)
+    if helper.is_alive():
+        log.warning("gave up waiting for %s after %.0fs", what, seconds)
+    elif errors:
+        raise errors[0]
+
+
 def exit_failed(exc: BaseException) -> None:
     """The entry point's end of a failed run: the traceback (as Python prints it), the leftover loader
     workers killed, the logs flushed, then ``os._exit``: what the interpreter's own exit would wait for

@@ -152,6 +152,10 @@ class RunDir:
             h._sd_training = True
             root.addHandler(h)
         root.setLevel(logging.INFO)
+        if self.took_over:  # rank 0's lock (RunDir.lock), now that there is a log to say it in
+            log.warning("run folder lock: its last holder (%s) ended without releasing it (killed?); taken over",
+                        self.took_over)
+            self.took_over = None
 
     # -- guards (rank 0) ------------------------------------------------------------------------
     def lock(self):
