@@ -27,8 +27,8 @@ import torch
 
 from sd_training import distributed
 from sd_training.checkpoint import CheckpointDamaged, Checkpointer, CheckpointManager, complete_steps, verify
+from sd_training.checkpoint.integrity import file_record
 from sd_training.checkpoint.layout import DAMAGED, MARKER
-from sd_training.checkpoint.store import file_record
 from sd_training.config import ConfigError
 from sd_training.config.checks import load
 from sd_training.loop import Trainer

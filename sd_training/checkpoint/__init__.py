@@ -2,7 +2,8 @@
 
 - ``layout``: the names inside a checkpoint folder, spelled once;
 - ``store``: the folder format (atomic, asynchronous, retained, every file's size and CRC32 recorded),
-  verified and read back with weights_only;
+  read back with weights_only;
+- ``integrity``: whether a complete folder can be trusted (sizes, checksums, every value read back);
 - ``model_state``: the net, optimizer and EMA in full tensors or DCP shards, resharded as they are read;
 - ``resume_config``: which config changes a resume accepts;
 - ``manager``: :class:`CheckpointManager`, ``save()`` and ``resume()`` of everything a run continues from;
@@ -11,19 +12,11 @@
 """
 
 from .init_from import init_weights_from, load_weights_checked
+from .integrity import CheckpointDamaged, verify
 from .layout import MARKER
 from .manager import CheckpointManager
 from .model_state import Layout, ModelState
-from .store import (
-    CheckpointDamaged,
-    Checkpointer,
-    CheckpointWriteError,
-    check_writable,
-    complete_steps,
-    rng_state,
-    set_rng_state,
-    verify,
-)
+from .store import Checkpointer, CheckpointWriteError, check_writable, complete_steps, rng_state, set_rng_state
 
 __all__ = ["MARKER", "CheckpointManager", "CheckpointWriteError", "Checkpointer", "Layout", "ModelState",
            "check_writable", "complete_steps", "init_weights_from", "load_weights_checked", "rng_state",

@@ -17,9 +17,10 @@ from ..config import ConfigError
 from ..export import check_weights
 from ..loading import load_component
 from ..run_dir import RunDir
+from .integrity import CHECKSUM, CheckpointDamaged, file_record, verify
 from .layout import EMA, MARKER, is_sharded, shared_file
 from .model_state import check_state_shapes, shapes_of
-from .store import CHECKSUM, CheckpointDamaged, Checkpointer, _load_weights_only, file_record, verify
+from .store import Checkpointer, _load_weights_only
 
 log = logging.getLogger(__name__)
 

@@ -26,19 +26,11 @@ from ..config.schema import TrainConfig
 from ..distributed import DistInfo
 from ..run_dir import RunDir, step_name
 from ..train_state import Plan, TrainState
+from .integrity import CheckpointDamaged, mark_damaged, verify
 from .layout import CONFIG, DAMAGED, RANK_DATA, RANK_RNG
 from .model_state import ModelState
 from .resume_config import check_resume_config
-from .store import (
-    CheckpointDamaged,
-    Checkpointer,
-    check_writable,
-    complete_steps,
-    mark_damaged,
-    rng_state,
-    set_rng_state,
-    verify,
-)
+from .store import Checkpointer, check_writable, complete_steps, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .integrity import CheckpointDamaged
 from .layout import (
     DCP_EMA,
     DCP_METADATA,
@@ -43,7 +44,6 @@ from .layout import (
     rank_files,
     shared_file,
 )
-from .store import CheckpointDamaged
 
 
 @dataclass(frozen=True)
