@@ -79,9 +79,11 @@ def follow_rate(pipe, captions: list[str], guidance: float) -> dict:
     return score(images, captions)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory):
-    """The shipped quickstart config, run from a scratch folder (its data/ and runs/ land there)."""
+    """The shipped quickstart config, run from a scratch folder (its data/ and runs/ land there). Session
+    scope: a parallel worker that waits for its next test tears module fixtures down, and this one takes
+    minutes."""
     work = tmp_path_factory.mktemp("quickstart")
     # Two threads when it has the machine; one beside parallel test workers (two threads that share a
     # busy core wait on each other at every small op).
