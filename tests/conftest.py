@@ -94,6 +94,7 @@ FIRST = ["test_quickstart", "test_resume", "test_precision_matrix", "test_elasti
          "test_distributed", "test_restarts", "test_shutdown"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     def module(item):
         return Path(str(item.fspath)).stem
