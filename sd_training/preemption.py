@@ -126,11 +126,7 @@ class Deadlines:
             if logging.getLogger().handlers:
                 log.error("%s", text)
                 done.set()
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
+            flush_std()
 
         helper = threading.Thread(target=report, daemon=True)
         helper.start()
@@ -213,12 +209,18 @@ def exit_failed(exc: BaseException) -> None:
     leftover_children()
     EXITS.stage("flushing the logs")
     logging.shutdown()
+    flush_std()
+    os._exit(code)
+
+
+
+def flush_std() -> None:
+    """Flush the buffered stdout and stderr; a closed or broken stream is passed over."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)
 
 
 def leftover_children(timeout: float = 1.0) -> list[int]:
