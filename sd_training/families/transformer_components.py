@@ -1,0 +1,196 @@
+"""The components the transformer families (sd3, flux) share: the trained diffusion transformer, the
+16-channel VAE with its shift factor, the flow-matching schedulers, FSDP2 shard units, and the config
+checks of keys that belong to the UNet families.
+
+Every component comes from ``model.<component>.pretrained`` when set, else from ``model.pretrained`` (a
+pipeline root through its standard subfolder, or a folder that is the component). The transformer is built
+from scratch when ``model.transformer.params`` is given (seeded: every rank and restart builds the same).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+
+import torch
+
+from ..config import ConfigError
+from ..config.schema import ModelConfig, ObjectiveConfig, TrainConfig, UNetConfig
+from ..loading import load_component
+from ..objective import sample_generators
+from ..precision import frozen_vae_dtype
+from .options import TransformerConfig
+from .unet_components import frozen, load_weights
+
+log = logging.getLogger(__name__)
+
+
+def source(cfg: ModelConfig, component: str) -> tuple[str | None, dict]:
+    """(where ``component`` is read from, the revision kwargs): its own ``pretrained``, else the pipeline's."""
+    own = getattr(cfg, component).pretrained
+    return own or cfg.pretrained, dict(revision=cfg.revision) if cfg.revision and not own else {}
+
+
+def validate_common(cfg: TrainConfig, family: str) -> None:
+    """Refuse the keys of the UNet families that a transformer family would silently ignore."""
+    m = cfg.model
+    refusals = [
+        (m.unet != UNetConfig(), f"model.unet applies to the UNet families; {family} trains model.transformer "
+                                 "(pretrained, or params for from-scratch training)"),
+        (cfg.objective != ObjectiveConfig(), f"the 'objective' section is the UNet families' diffusion loss; {family} "
+                                             "trains with flow matching: set the 'flow_matching' section instead"),
+        (m.attention == "sliced", f"model.attention=sliced: {family}'s transformer has no sliced attention; use sdpa"),
+        (m.xformers or m.attention == "xformers", f"model.attention=xformers: {family}'s joint attention runs with "
+                                                  "PyTorch SDPA (flash / memory-efficient kernels): use sdpa"),
+        (m.channels_last, f"model.channels_last applies to UNet convolutions; {family}'s transformer takes tokens"),
+        (m.text_encoder.type != "clip", f"{family}'s CLIP encoders are read from the pipeline: model.text_encoder.type "
+                                        "must be clip"),
+        (m.text_encoder.train, f"model.text_encoder.train: {family} trains the transformer only (its text encoders "
+                               "stay frozen)"),
+        (m.text_encoder.clip_skip not in (0,), f"model.text_encoder.clip_skip: {family} conditions as its pipeline "
+                                               "does; leave it at 0"),
+        (m.text_encoder.max_length is not None, f"model.text_encoder.max_length: {family}'s CLIP length is the "
+                                                "tokenizer's 77; T5's is model.t5.max_length"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
+    from . import flow_matching
+
+    flow_matching.validate(cfg.flow_matching)
+
+
+def check_transformer_params(cls, params: dict, key: str = "model.transformer.params") -> None:
+    """Refuse constructor arguments ``cls`` does not take, naming the closest one."""
+    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    for name in params:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean '{key}.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{key}.{name}' ({cls.__name__} has no such argument){hint}")
+
+
+def build_transformer(cfg: ModelConfig, cls, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """The trained transformer (``cls``: SD3Transformer2DModel, FluxTransformer2DModel) on ``device`` in
+    fp32, train mode, with gradient checkpointing when asked; from ``model.transformer.params`` (seeded) or
+    from ``model.transformer.pretrained`` / ``model.pretrained``'s ``transformer/``."""
+    t: TransformerConfig = cfg.transformer
+    if t.params:
+        check_transformer_params(cls, t.params)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            try:
+                net = cls(**t.params)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"'model.transformer.params' do not build {cls.__name__}: {e}") from None
+    else:
+        src, kw = source(cfg, "transformer")
+        if src is None:
+            raise ConfigError("the transformer has no source: set model.pretrained, model.transformer.pretrained or "
+                              "model.transformer.params (from scratch)")
+        net = load_weights(cls.from_pretrained, src, "transformer", "model.transformer.pretrained", **kw)
+    net.to(device=device, dtype=torch.float32)
+    net.train()
+    net.requires_grad_(True)
+    if cfg.gradient_checkpointing:
+        net.enable_gradient_checkpointing()
+    return net
+
+
+def transformer_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks in execution order: SD3's ``transformer_blocks``; Flux's double-stream
+    ``transformer_blocks`` then its ``single_transformer_blocks``."""
+    blocks: list[torch.nn.Module] = []
+    for name in ("transformer_blocks", "single_transformer_blocks"):
+        blocks.extend(getattr(net, name, None) or [])
+    return blocks
+
+
+def shard_units(net: torch.nn.Module, level: str) -> list[torch.nn.Module]:
+    """FSDP2 units: each transformer block (``layer`` and ``block`` alike: a block is the transformer's
+    layer); the embeddings and the final norm / projection stay with the root module."""
+    return transformer_blocks(net)
+
+
+def load_vae(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """The frozen AutoencoderKL (``model.vae``) in ``model.vae.dtype`` (auto: bf16 under bf16, else fp32)."""
+    from diffusers import AutoencoderKL
+
+    src, kw = source(cfg, "vae")
+    if src is None:
+        raise ConfigError("the VAE has no source: set model.pretrained or model.vae.pretrained")
+    vae = load_weights(AutoencoderKL.from_pretrained, src, "vae", "model.vae.pretrained", **kw)
+    return frozen(vae, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision))
+
+
+def reload_vae_fp32(cfg: ModelConfig) -> torch.nn.Module:
+    """The VAE in fp32 from its source, on the CPU (for exports of a run that keeps it in bf16)."""
+    from diffusers import AutoencoderKL
+
+    src, kw = source(cfg, "vae")
+    return load_weights(AutoencoderKL.from_pretrained, src, "vae", "model.vae.pretrained", **kw)
+
+
+def vae_factors(vae) -> tuple[float, float]:
+    """(shift_factor, scaling_factor) of the VAE config (shift 0 when it has none)."""
+    return float(vae.config.get("shift_factor", None) or 0.0), float(vae.config.scaling_factor)
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor, mean: bool = False, sample_seeds=None) -> torch.Tensor:
+    """Pixels in [-1, 1] -> ``(latent - shift_factor) * scaling_factor`` in float32, as the SD3 / Flux
+    pipelines decode ``latents / scale + shift``. ``mean``: the posterior mean, else a posterior sample
+    (row i from sample i's ``posterior`` stream with ``sample_seeds``, else the global RNG). Outside autocast,
+    in the VAE's own dtype."""
+    shift, scale = vae_factors(vae)
+    with torch.autocast(pixels.device.type, enabled=False):
+        dist = vae.encode(pixels.to(vae.dtype)).latent_dist
+        if mean:
+            latents = dist.mean
+        else:
+            gens = None if sample_seeds is None else sample_generators(sample_seeds, "posterior", dist.mean.device)
+            if gens is not None and len(gens) != dist.mean.shape[0]:
+                raise ValueError(f"{len(gens)} sample seeds for a batch of {dist.mean.shape[0]}")
+            latents = dist.sample(generator=gens)
+    return (latents.float() - shift) * scale
+
+
+def load_schedulers(cfg: ModelConfig):
+    """(training scheduler, inference scheduler): the pipeline's ``FlowMatchEulerDiscreteScheduler`` (or
+    the class its config names) from ``model.noise_scheduler_training`` / ``_inference`` or ``scheduler/``."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    def one(component: str):
+        src, kw = source(cfg, component)
+        if src is None:
+            raise ConfigError(f"the scheduler has no source: set model.pretrained or model.{component}.pretrained")
+        conf = load_component(FlowMatchEulerDiscreteScheduler.load_config, src, "scheduler",
+                              f"model.{component}.pretrained", **kw)
+        cls = getattr(diffusers, conf.get("_class_name", "FlowMatchEulerDiscreteScheduler"), None)
+        if cls is None:
+            raise ConfigError(f"'model.{component}': unknown scheduler class {conf.get('_class_name')}")
+        return cls.from_config(conf)
+
+    training = one("noise_scheduler_training")
+    if not isinstance(training, FlowMatchEulerDiscreteScheduler):
+        raise ConfigError(f"the training scheduler is a {type(training).__name__}; flow matching reads the sigma table "
+                          "of a FlowMatchEulerDiscreteScheduler (model.noise_scheduler_training.pretrained)")
+    return training, one("noise_scheduler_inference")
+
+
+def component_sources(cfg: ModelConfig, names: tuple[str, ...]) -> dict:
+    """Where each component came from (sources.json), the transformer from scratch when params are given."""
+    out = {}
+    for name in names:
+        if name == "transformer" and cfg.transformer.params:
+            out[name] = {"source": "model.transformer.params (from scratch)"}
+        else:
+            out[name] = {"source": source(cfg, name)[0]}
+    return out
+
+
+__all__ = ["source", "validate_common", "check_transformer_params", "build_transformer", "transformer_blocks",
+           "shard_units", "load_vae", "reload_vae_fp32", "vae_factors", "encode_latents", "load_schedulers",
+           "component_sources"]
