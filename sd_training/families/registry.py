@@ -13,11 +13,12 @@ from ..config import ConfigError
 from ..config.schema import ModelConfig, TrainConfig
 from .autoencoder import Autoencoder
 from .base import Family
+from .flux import Flux
 from .sd import StableDiffusion
 from .sdxl import StableDiffusionXL
 
 # model.family -> the family; adding one is a module and a line here.
-FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL}
+FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "flux": Flux}
 DEFAULT_FAMILY = "sd"  # the family of components set one by one (no pipeline root to read)
 
 

@@ -1,0 +1,397 @@
+"""Flux.1: a FluxTransformer2DModel trained with flow matching on 2x2-packed 16-channel latents.
+
+As ``FluxPipeline`` conditions at inference, so the transformer trains:
+
+* the T5 encoder's last hidden states (``text_encoder_2``, ``model.t5.max_length`` tokens, 512 by
+  default as the pipeline pads) are the joint-attention text tokens;
+* CLIP ViT-L's pooled output (``text_encoder``, a ``CLIPTextModel``, 77 tokens) is ``pooled_projections``;
+* an empty caption (caption dropout) is encoded as the pipeline encodes "" (no zeroing);
+* latents ``(z - shift_factor) * scaling_factor`` of the 16-channel VAE, packed into 2x2 patches
+  (``FluxPipeline._pack_latents``: [B, h/2 * w/2, 64]); image position ids (0, row, column) of the packed
+  grid (``FluxPipeline._prepare_latent_image_ids``) and all-zero text position ids;
+* the guidance embedding of a guidance-distilled transformer (``transformer.config.guidance_embeds``,
+  FLUX.1-dev) is given ``model.guidance_embed`` (3.5); a transformer without one (schnell) gets none.
+
+The loss is flow matching (``families.flow_matching``), with Flux's shift that grows with the image's token
+count (the scheduler's ``use_dynamic_shifting``) unless ``flow_matching`` sets another. Samples and exports
+are ``FluxPipeline`` folders; the frozen parts are exported in fp32 as loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from PIL import Image
+
+from ..config import ConfigError
+from ..config.schema import TrainConfig
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
+from ..data.transforms import unit_range
+from ..evaluation.generate import generate_images
+from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
+from ..text_encoders import build_clip_tokenizer, build_text_encoder
+from . import flow_matching, transformer_components
+from .base import Family, LossOut, SampleSettings, TextEncoding
+from .sd import StableDiffusion, is_latent_data
+from .t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
+from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
+from .transformer_components import (
+    build_transformer,
+    component_sources,
+    encode_latents,
+    load_schedulers,
+    load_vae,
+    reload_vae_fp32,
+    source,
+    validate_common,
+)
+from .unet_components import Components
+
+log = logging.getLogger(__name__)
+
+T5_MAX_LENGTH = 512  # FluxPipeline's default max_sequence_length (and its limit)
+SCALING_FACTOR, SHIFT_FACTOR = 0.3611, 0.1159  # FLUX.1's VAE
+# FLUX.1's training scheduler: the shift by the image's token count (mu from 256 -> 0.5 to 4096 -> 1.15).
+FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                      base_image_seq_len=256, max_image_seq_len=4096)
+# The tiny pipeline: 2 double-stream + 2 single-stream blocks of 2 heads x 16 channels; T5's 128-channel states
+# are the text tokens, the tiny CLIP's 64-channel pooled output the pooled projection; 16 latent channels
+# packed 2x2 -> 64 input channels.
+TINY_FLUX_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                             num_attention_heads=2, joint_attention_dim=TINY_T5["d_model"],
+                             pooled_projection_dim=TINY_TEXT_ENCODER["hidden_size"], guidance_embeds=True,
+                             axes_dims_rope=(4, 6, 6))
+TINY_FLUX_VAE = dict(TINY_VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
+
+
+@dataclass
+class FluxModels(Components):
+    tokenizer: Any  # CLIPTokenizer (77 tokens)
+    text_encoder: torch.nn.Module  # CLIPTextModel, frozen: its pooled output
+    tokenizer_2: Any  # T5TokenizerFast (model.t5.max_length tokens)
+    text_encoder_2: torch.nn.Module  # T5EncoderModel, frozen: its last hidden states
+    vae: torch.nn.Module  # frozen
+    transformer: torch.nn.Module  # trained
+    noise_scheduler: Any  # FlowMatchEulerDiscreteScheduler: the training sigmas and shift
+    inference_scheduler: Any  # the scheduler exported pipelines and samples use
+    reload_fp32: Optional[Callable[[str], torch.nn.Module]] = None
+    _fp32_copies: dict = field(default_factory=dict, repr=False)
+
+
+def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor,
+                   input_ids_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T5 states [B, L, d_t5], CLIP pooled [B, d_clip]) in float32, as ``FluxPipeline.encode_prompt``
+    computes them from the same token ids (both encoders frozen)."""
+    with torch.no_grad():
+        pooled = text_encoder(input_ids.to(text_encoder.device), output_hidden_states=False).pooler_output
+    return encode_t5(text_encoder_2, input_ids_2), pooled.float()
+
+
+def text_ids(states: torch.Tensor) -> torch.Tensor:
+    """The text tokens' position ids: zeros [L, 3], as ``FluxPipeline.encode_prompt`` makes them."""
+    return torch.zeros(states.shape[1], 3, device=states.device, dtype=states.dtype)
+
+
+def image_ids(latents: torch.Tensor) -> torch.Tensor:
+    """The packed image tokens' position ids [h/2 * w/2, 3]: (0, row, column) of the 2x2-patch grid."""
+    from diffusers import FluxPipeline
+
+    b, _, h, w = latents.shape
+    return FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, h/2 * w/2, 4C] (``FluxPipeline._pack_latents``)."""
+    from diffusers import FluxPipeline
+
+    b, c, h, w = latents.shape
+    return FluxPipeline._pack_latents(latents, b, c, h, w)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, h/2 * w/2, 4C] -> [B, C, h, w] (``FluxPipeline._unpack_latents`` in latent units)."""
+    from diffusers import FluxPipeline
+
+    return FluxPipeline._unpack_latents(tokens, h, w, 1)
+
+
+def image_seq_len(latents: torch.Tensor) -> int:
+    """Packed image tokens of these latents: what Flux's resolution shift reads."""
+    return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+
+
+class _MaxLength:
+    """A FluxPipeline whose calls pad T5 to the trained length (the pipeline's own default is 512)."""
+
+    def __init__(self, pipe, max_length: int):
+        self._pipe, self._max_length = pipe, max_length
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+    @property
+    def unet(self):
+        """The denoiser under the name ``evaluation.generate.generate_images`` toggles to eval mode."""
+        return self._pipe.transformer
+
+    def __call__(self, *args, **kwargs):
+        kwargs.setdefault("max_sequence_length", self._max_length)
+        return self._pipe(*args, **kwargs)
+
+
+def build_flux_models(cfg, device: torch.device, seed: int) -> FluxModels:
+    """The components from ``model.*``: CLIP and T5 frozen (``model.text_encoder.dtype``), the VAE frozen
+    (``model.vae.dtype``), the transformer from ``model.transformer`` (from scratch with its params)."""
+    from diffusers import FluxTransformer2DModel
+
+    text_encoder, tokenizer = build_text_encoder(cfg.text_encoder, cfg.pretrained, device,
+                                                 tokenizer_src=cfg.tokenizer.pretrained, revision=cfg.revision,
+                                                 mixed_precision=cfg.mixed_precision)
+
+    def load_t5(dev, dtype):
+        src, kw = source(cfg, "text_encoder_2")
+        if src is None:
+            raise ConfigError("Flux's T5 encoder has no source: set model.pretrained or model.text_encoder_2.pretrained")
+        return load_t5_encoder(src, "text_encoder_2", "model.text_encoder_2.pretrained", dev, dtype, **kw)
+
+    def reload_fp32(name: str) -> torch.nn.Module:
+        if name == "vae":
+            return reload_vae_fp32(cfg)
+        if name == "text_encoder_2":
+            return load_t5(torch.device("cpu"), torch.float32)
+        return build_text_encoder(replace(cfg.text_encoder, dtype="fp32"), cfg.pretrained, torch.device("cpu"),
+                                  tokenizer_src=cfg.tokenizer.pretrained, revision=cfg.revision)[0]
+
+    tok_src, tok_kw = source(cfg, "tokenizer_2")
+    tokenizer_2 = load_t5_tokenizer(tok_src, "tokenizer_2", "model.tokenizer_2.pretrained",
+                                    cfg.t5.max_length or T5_MAX_LENGTH, **tok_kw)
+    noise_scheduler, inference_scheduler = load_schedulers(cfg)
+    return FluxModels(
+        tokenizer=tokenizer, text_encoder=text_encoder, tokenizer_2=tokenizer_2,
+        text_encoder_2=load_t5(device, t5_frozen_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)),
+        vae=load_vae(cfg, device), transformer=build_transformer(cfg, FluxTransformer2DModel, device, seed),
+        noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32,
+    )
+
+
+def check_models(m: FluxModels) -> None:
+    """The components fit together (a transformer of another size, a 4-channel VAE ...)."""
+    c = unwrap(m.transformer).config
+    problems = [
+        (c.in_channels != 4 * m.vae.config.latent_channels,
+         f"in_channels {c.in_channels} != 4 x the VAE's latent_channels {m.vae.config.latent_channels} (2x2 packing)"),
+        (c.joint_attention_dim != m.text_encoder_2.config.d_model,
+         f"joint_attention_dim {c.joint_attention_dim} != T5's d_model {m.text_encoder_2.config.d_model}"),
+        (c.pooled_projection_dim != m.text_encoder.config.hidden_size,
+         f"pooled_projection_dim {c.pooled_projection_dim} != CLIP's hidden_size {m.text_encoder.config.hidden_size}"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise ConfigError(f"the Flux transformer does not fit the pipeline's other components: {message} "
+                              "(model.transformer.params or model.transformer.pretrained)")
+
+
+def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
+    """Flux's own refusals (``transformer_components.validate_common`` has the transformer families')."""
+    m = cfg.model
+    return [
+        (m.train_target != "unet", "model.train_target=vae trains a UNet pipeline's autoencoder; Flux trains its "
+                                   "transformer (leave model.train_target at unet)"),
+        (m.text_encoder_3.pretrained is not None or m.tokenizer_3.pretrained is not None,
+         "model.text_encoder_3 / tokenizer_3 are SD3's T5; Flux's T5 is model.text_encoder_2 / tokenizer_2"),
+        (not m.t5.use, "Flux's text tokens are T5's states: model.t5.use=false is SD3's"),
+        (m.t5.dropout > 0, "model.t5.dropout is SD3's (its T5 may be dropped); Flux always conditions on T5"),
+        ((m.t5.max_length or 0) > T5_MAX_LENGTH, f"model.t5.max_length is at most {T5_MAX_LENGTH} for Flux "
+                                                 "(FluxPipeline's limit)"),
+    ]
+
+
+class Flux(Family):
+    name = "flux"
+    net_name = "transformer"
+    pipeline_classes = ("FluxPipeline",)
+    shard_units = staticmethod(transformer_components.shard_units)
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
+        super().__init__(cfg, device, seed, is_main)
+        self.models = build_flux_models(cfg.model, device, seed)
+        check_models(self.models)
+        self.net = unwrap(self.models.transformer)
+        self.loss_module = self.net
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        for refused, message in _refusals(cfg):
+            if refused:
+                raise ConfigError(message)
+        validate_common(cfg, "flux")
+
+    @property
+    def num_timesteps(self) -> int:
+        return int(self.models.noise_scheduler.config.num_train_timesteps)
+
+    def sample_dtype(self, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
+        if autocast_dtype is not None:
+            return autocast_dtype
+        return self.models.vae.dtype if self.models.vae.dtype != torch.float32 else None
+
+    @property
+    def tokenizers(self):
+        """CLIP's ids are the batch's ``input_ids``, T5's its ``input_ids_2`` (the pipeline's numbering)."""
+        return (self.models.tokenizer, self.models.tokenizer_2)
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        m = self.models
+        return [m.vae, m.text_encoder, m.text_encoder_2]
+
+    # -- the step ---------------------------------------------------------------------------------
+    def condition(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T5 states, CLIP pooled) of the batch on the device, float32: stored in latent shards, or encoded."""
+        dev = self.device
+        if TEXT_STATES_KEY in batch:
+            if POOLED_KEY not in batch:
+                raise ValueError(f"the batch has stored text embeddings but no {POOLED_KEY}: these latent shards were "
+                                 "not made for Flux (scripts/precompute_latents.py with a Flux pipeline)")
+            return (batch[TEXT_STATES_KEY].to(dev, non_blocking=True).float(),
+                    batch[POOLED_KEY].to(dev, non_blocking=True).float())
+        return encode_prompts(self.models.text_encoder, self.models.text_encoder_2,
+                              batch["input_ids"].to(dev, non_blocking=True), batch["input_ids_2"].to(dev, non_blocking=True))
+
+    def latents(self, batch: dict) -> torch.Tensor:
+        if "latents" in batch:
+            return batch["latents"].to(self.device, non_blocking=True).float()
+        pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
+        mean = self.cfg.model.vae.latent_sampling == "mean"
+        return encode_latents(self.models.vae, pixels, mean=mean, sample_seeds=batch.get("sample_seeds"))
+
+    def guidance(self, batch_size: int) -> torch.Tensor | None:
+        """The guidance embedding's input (``model.guidance_embed``) when the transformer has one."""
+        if not self.net.config.guidance_embeds:
+            return None
+        return torch.full((batch_size,), float(self.cfg.model.guidance_embed), device=self.device, dtype=torch.float32)
+
+    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
+        """Flow matching on the packed latents; ``fixed`` noise and timesteps (sigma * 1000) as given."""
+        latents = self.latents(batch)
+        b, _, h, w = latents.shape
+        fixed = fixed or {}
+        sigmas = fixed["timesteps"].float() / self.num_timesteps if "timesteps" in fixed else None
+        with autocast:
+            states, pooled = self.condition(batch)
+            ids = dict(txt_ids=text_ids(states), img_ids=image_ids(latents), guidance=self.guidance(b))
+
+            def predict(noisy, timesteps):
+                out = model(hidden_states=pack(noisy), timestep=timesteps / 1000, pooled_projections=pooled,
+                            encoder_hidden_states=states, return_dict=False, **ids)[0]
+                return unpack(out, h, w)
+
+            loss, per_sample, timesteps = flow_matching.flow_loss(
+                predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
+                sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
+                image_seq_len=image_seq_len(latents))
+        return LossOut(loss, per_sample, timesteps, None)
+
+    def validation_batch(self, batch, generator, index) -> dict:
+        """Fixed latents (the posterior mean), noise and timesteps spread over (0, 1000)."""
+        b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
+        n = len(b["input_ids"])
+        if "latents" not in b:
+            pixels = unit_range(b.pop("pixel_values").to(self.device))
+            b["latents"] = encode_latents(self.models.vae, pixels, mean=True).cpu()
+        b["timesteps"] = torch.arange(1, n + 1, dtype=torch.float32) * (self.num_timesteps / (n + 1))
+        b["noise"] = torch.randn(b["latents"].shape, generator=generator)
+        return b
+
+    def check_data(self, loader) -> None:
+        if is_latent_data(self.cfg):
+            check_latents_match(loader, self.models.vae, self.stored_text())
+
+    def stored_text(self) -> StoredText:
+        m = self.models
+        return StoredText(int(m.tokenizer_2.model_max_length), int(m.text_encoder_2.config.d_model), 1,
+                          self.text_storage_tag())
+
+    def component_sources(self) -> dict:
+        return component_sources(self.cfg.model, ("transformer", "vae", "text_encoder", "text_encoder_2"))
+
+    # -- artifacts --------------------------------------------------------------------------------
+    def pipeline(self, transformer: torch.nn.Module, for_export: bool = False):
+        """A FluxPipeline of the run's components with ``transformer``; ``for_export``: the frozen parts in
+        fp32 as loaded (a bf16 run keeps them in bf16)."""
+        from diffusers import FluxPipeline
+
+        m = self.models
+        parts = {n: m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder", "text_encoder_2")}
+        return FluxPipeline(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer,
+                            tokenizer_2=m.tokenizer_2, transformer=unwrap(transformer), **parts)
+
+    def inference_pipeline(self, net: torch.nn.Module):
+        return _MaxLength(self.pipeline(net), int(self.models.tokenizer_2.model_max_length))
+
+    def export(self, net, out: Path) -> dict:
+        export_pipeline(self.pipeline(net, for_export=True), out)
+        return {}
+
+    def _sampling(self, settings: SampleSettings) -> SampleSettings:
+        """Flux samples without classifier-free guidance: the pipeline's guidance_scale is the guidance
+        embedding's input, the value trained with (``model.guidance_embed``)."""
+        return settings._replace(guidance=float(self.cfg.model.guidance_embed))
+
+    def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
+        if not settings.prompts or settings.per_prompt < 1:
+            return None
+        s = self._sampling(settings)
+        return sample_grid(self.inference_pipeline(net), s.prompts, s.per_prompt, s.seed, s.steps, s.guidance,
+                           s.resolution, self.device, s.dtype)
+
+    def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
+        s = self._sampling(settings)
+        pipe = self.inference_pipeline(net)
+        pipe.set_progress_bar_config(disable=True)
+        with eval_mode(pipe), inference_autocast(self.device, s.dtype):
+            return generate_images(pipe, s.prompts, n, out, s.seed, s.steps, s.guidance, s.resolution, rank,
+                                   world_size, batch_size=8, progress=False)
+
+    # -- with no run ------------------------------------------------------------------------------
+    @classmethod
+    def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
+        """A ``FluxPipeline``: the tiny CLIP (pooled), a tiny T5 (states, 512 tokens), a 16-channel VAE with a
+        shift factor, a guidance-distilled tiny transformer, the Flux scheduler."""
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        from .t5 import tiny_t5_encoder
+
+        scratch = tokenizer_folder(out, "tokenizer"), tokenizer_folder(out, "tokenizer_2")
+        tokenizer_2 = build_t5_tokenizer(scratch[1], T5_MAX_LENGTH)
+        pipe = FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
+            vae=AutoencoderKL(**TINY_FLUX_VAE, scaling_factor=scaling_factor or SCALING_FACTOR, shift_factor=SHIFT_FACTOR,
+                              force_upcast=False),
+            text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER)),
+            tokenizer=build_clip_tokenizer(scratch[0]),
+            text_encoder_2=tiny_t5_encoder(len(tokenizer_2)),
+            tokenizer_2=tokenizer_2,
+            transformer=FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER),
+        )
+        return save(pipe, out, *scratch)
+
+    @classmethod
+    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
+                      max_length: int | None = None) -> TextEncoding:
+        """T5's states (``max_length`` tokens, None: 512) and CLIP's pooled output, as :meth:`condition`
+        computes them; the T5 tokenizer comes first (its length is the stored states')."""
+        if clip_skip:
+            raise ValueError("Flux conditions on CLIP's pooled output: clip skip does not apply")
+        if max_length is not None and max_length > T5_MAX_LENGTH:
+            raise ValueError(f"Flux's T5 takes at most {T5_MAX_LENGTH} tokens, got max_length {max_length}")
+        tokenizer, text_encoder = StableDiffusion.load_text_encoder(pipeline, device)
+        tokenizer_2 = load_t5_tokenizer(pipeline, "tokenizer_2", "the pipeline's tokenizer_2/", max_length or T5_MAX_LENGTH)
+        text_encoder_2 = load_t5_encoder(pipeline, "text_encoder_2", "the pipeline's text_encoder_2/", device)
+        return TextEncoding(cls.text_storage_tag(), [tokenizer_2, tokenizer], [text_encoder_2, text_encoder],
+                            lambda encoders, ids: encode_prompts(encoders[1], encoders[0], ids[1], ids[0]))
