@@ -4,7 +4,7 @@ with ``dataset.type=latents`` (no VAE encode, optionally no text encoder, in the
 
     python scripts/precompute_latents.py --input "shards/{00000..00009}.tar" --pipeline PIPE_DIR --output OUT_DIR
         [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings [--clip-skip N] [--max-length 77]
-        [--family auto|NAME]] [--resolution 256] [--aspect-buckets [--bucket-step 64] [--max-aspect-ratio 2]]
+        [--family auto|NAME] [--text-dtype auto|fp16|fp32|bf16]] [--resolution 256] [--aspect-buckets [--bucket-step 64] [--max-aspect-ratio 2]]
         [--batch-size 32] [--workers 4] [--device auto|cpu|cuda] [--vae-dtype fp32|bf16] [--seed 0] [--no-progress]
     torchrun --nproc_per_node 8 scripts/precompute_latents.py ...       (the shards are split across ranks)
 
@@ -15,7 +15,7 @@ training can run from latents; no flip, no caption changes), so a latent is exac
 the VAE. Unreadable samples are skipped and counted, as in training.
 
 Output (format: ``sd_training/data/latents.py``): one tar per input shard with the same basename,
-``KEY.latents.npy`` (scaled by the VAE's ``scaling_factor``; ``mean_std``: [2C, h, w] posterior mean then
+``KEY.latents.npy`` (``(latent - shift_factor) * scaling_factor`` with the VAE's factors; ``mean_std``: [2C, h, w] posterior mean then
 std, the default, so training can draw a fresh posterior sample every epoch or use the mean;
 ``sample``: [C, h, w], one sample drawn here, half the bytes), ``KEY.txt``, ``KEY.json`` (the original
 metadata + ``latent_scaling_factor``, ``latent_store``), ``KEY.cls`` when present, and with
@@ -23,7 +23,14 @@ metadata + ``latent_scaling_factor``, ``latent_store``), ``KEY.cls`` when presen
 one CLIP encoder's last hidden state [77, D], or two encoders' states [77, D1 + D2] and ``KEY.pooled.npy``)
 plus ``OUT_DIR/empty.text.npy`` (the empty caption's, substituted on caption dropout, and
 ``empty.pooled.npy`` with pooled embeddings). ``OUT_DIR/latents_info.json``
-records the settings, the scaling factor and the counts; ``OUT_DIR/sizes.json`` the samples per shard.
+records the settings, the scaling and shift factors, the counts and the bytes per sample (latents, text;
+logged at the start); ``OUT_DIR/sizes.json`` the samples per shard.
+
+Text storage (``--text-dtype``): ``auto`` (the default) stores the text arrays as the family asks
+(``TextEncoding.storage_dtype``: bf16 for T5-sized states, whose [512, 4096] a caption are the bulk of
+the folder: half fp32's bytes, fp32's range where fp16 may overflow, and the precision bf16 training
+computes in anyway), else in ``--dtype`` as before. bf16 is stored as uint16 bit patterns
+(``latents_info.json``: ``text_dtype: bfloat16``) and read back exactly.
 
 Distribution and resume: shard ``i`` (in brace order) belongs to rank ``i % WORLD_SIZE`` (torchrun or
 srun variables; no process group is needed, so ranks never wait for each other). A shard is written
@@ -57,6 +64,7 @@ from sd_training.data.samples import SIZE_FIELDS  # noqa: E402  (the image path'
 from sd_training.families.registry import FAMILIES
 
 DTYPES = {"fp16": np.float16, "fp32": np.float32}
+TEXT_DTYPES = {"fp16": "float16", "fp32": "float32", "bf16": "bfloat16"}  # --text-dtype -> text_dtype
 VAE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DONE_DIR = ".done"  # per-shard records (samples, skips), written before the shard is renamed into place
 
@@ -67,11 +75,14 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--pipeline", required=True, help="diffusers pipeline folder (vae/, and text_encoder/ + tokenizer/ for --text-embeddings) or a vae folder")
     p.add_argument("--output", required=True, help="output folder (one tar per input shard, same basename)")
     p.add_argument("--store", default="mean_std", choices=("mean_std", "sample"), help="posterior mean and std (default) or one sample")
-    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="storage dtype of latents and text embeddings")
+    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="storage dtype of latents (and of text embeddings unless --text-dtype or the family says otherwise)")
     p.add_argument("--text-embeddings", action="store_true", help="also store the text encoder's outputs of each caption")
     p.add_argument("--family", default="auto", choices=("auto", *FAMILIES),
                    help="with --text-embeddings: the family whose text conditioning is stored (auto: from the "
                         "pipeline's model_index.json)")
+    p.add_argument("--text-dtype", default="auto", choices=("auto", *TEXT_DTYPES),
+                   help="with --text-embeddings: storage dtype of the text arrays (auto: the family's choice, "
+                        "bf16 for T5-sized states; else --dtype)")
     p.add_argument("--clip-skip", type=int, default=0, help="with --text-embeddings: layers counted back from the last (0/1: last, 2: penultimate)")
     p.add_argument("--max-length", type=int, default=None, help="with --text-embeddings: tokens per caption (default: the tokenizer's, 77)")
     p.add_argument("--resolution", type=int, default=256, help="pixels: short side resized then center-cropped to this square (with --aspect-buckets: the buckets' area is resolution^2)")
@@ -87,8 +98,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resolution < 8 or args.resolution % 8:
         p.error(f"--resolution {args.resolution} must be a multiple of 8 (VAE downsampling)")
-    if (args.clip_skip or args.max_length or args.family != "auto") and not args.text_embeddings:
-        p.error("--clip-skip, --max-length and --family apply to --text-embeddings only")
+    if (args.clip_skip or args.max_length or args.family != "auto" or args.text_dtype != "auto") and not args.text_embeddings:
+        p.error("--clip-skip, --max-length, --family and --text-dtype apply to --text-embeddings only")
     if (args.bucket_step != 64 or args.max_aspect_ratio != 2.0) and not args.aspect_buckets:
         p.error("--bucket-step and --max-aspect-ratio apply to --aspect-buckets only")
     if args.batch_size < 1 or args.workers < 0:
@@ -138,14 +149,28 @@ def load_models(args, device: torch.device):
     return vae, fingerprint.hexdigest(), encoder
 
 
+def shift_factor(vae) -> float:
+    """The VAE's shift factor (0 for VAEs without one: SD's)."""
+    return float(getattr(vae.config, "shift_factor", None) or 0.0)
+
+
+def text_dtype(args, encoder) -> Optional[str]:
+    """``latents_info.json``'s ``text_dtype``: --text-dtype, with auto the family's choice, else --dtype."""
+    if encoder is None:
+        return None
+    choice = args.text_dtype if args.text_dtype != "auto" else getattr(encoder, "storage_dtype", None) or args.dtype
+    return TEXT_DTYPES[choice]
+
+
 @torch.no_grad()
-def encode_images(vae, pixels: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Scaled posterior mean and std, float32 on the CPU (``pixels``: uint8, or float in [-1, 1])."""
+def encode_images(vae, pixels: torch.Tensor, scale: float, shift: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Posterior mean and std in the denoiser's units, ``(mean - shift) * scale`` and ``std * scale``, float32
+    on the CPU (``pixels``: uint8, or float in [-1, 1]); a sample of them is ``(latent - shift) * scale``."""
     from sd_training.data.transforms import unit_range
 
     param = next(vae.parameters())
     dist = vae.encode(unit_range(pixels.to(param.device)).to(param.dtype)).latent_dist
-    return (dist.mean.float() * scale).cpu(), (dist.std.float() * scale).cpu()
+    return ((dist.mean.float() - shift) * scale).cpu(), (dist.std.float() * scale).cpu()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,13 +291,15 @@ class ShardWriter:
         return self._write(self.pending.pop(shape, []))
 
     def _write(self, batch: List[Dict[str, Any]]) -> int:
-        from sd_training.data.latents import npy_bytes
+        from sd_training.data.latents import from_stored, npy_bytes, to_stored
         from sd_training.data.transforms import to_pixel_values
 
         if not batch:
             return 0
         dtype = DTYPES[self.args.dtype]
-        mean, std = encode_images(self.vae, to_pixel_values(np.stack([s["pixels"] for s in batch])), self.scale)
+        shift = shift_factor(self.vae)
+        tdtype = text_dtype(self.args, self.encoder)
+        mean, std = encode_images(self.vae, to_pixel_values(np.stack([s["pixels"] for s in batch])), self.scale, shift)
         texts, pooled = self.encoder.encode([s["caption"] for s in batch]) if self.encoder else (None, None)
         n = 0
         for i, s in enumerate(batch):
@@ -286,16 +313,17 @@ class ShardWriter:
             if not np.isfinite(arr).all():  # an overflowing VAE, or values beyond fp16's range
                 self.stats.skip("latents_nonfinite", f"{self.name} sample {s['key']!r}: non-finite latents in {self.args.dtype}")
                 continue
-            text = texts[i].astype(dtype) if texts is not None else None
-            pool = pooled[i].astype(dtype) if pooled is not None else None
-            if text is not None and not (np.isfinite(text).all() and (pool is None or np.isfinite(pool).all())):
-                self.stats.skip("text_nonfinite", f"{self.name} sample {s['key']!r}: non-finite text embedding in {self.args.dtype}")
+            text = to_stored(texts[i], tdtype) if texts is not None else None
+            pool = to_stored(pooled[i], tdtype) if pooled is not None else None
+            if text is not None and not (np.isfinite(from_stored(text, tdtype)).all()
+                                         and (pool is None or np.isfinite(from_stored(pool, tdtype)).all())):
+                self.stats.skip("text_nonfinite", f"{self.name} sample {s['key']!r}: non-finite text embedding in {tdtype}")
                 continue
             key = s["key"]
             meta = dict(s["meta"])
             # The size micro-conditioning of this crop: (h, w) of the source, (y, x) of the crop, (h, w) out.
             meta.update(latent_scaling_factor=self.scale, latent_store=self.args.store,
-                        **{k: list(s[k]) for k in SIZE_FIELDS})
+                        **({"latent_shift_factor": shift} if shift else {}), **{k: list(s[k]) for k in SIZE_FIELDS})
             _add(self.tar, f"{key}.latents.npy", npy_bytes(arr), self.mtime)
             _add(self.tar, f"{key}.txt", s["caption"].encode("utf-8"), self.mtime)
             _add(self.tar, f"{key}.json", json.dumps(meta).encode("utf-8"), self.mtime)
@@ -340,14 +368,17 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
     channels = int(cfg.latent_channels)
     down = 2 ** (len(cfg.block_out_channels) - 1)
     side = args.resolution // down
+    latent_shape = [2 * channels if args.store == "mean_std" else channels, side, side]
+    tdtype = text_dtype(args, encoder)
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "latent_scaling_factor": float(cfg.scaling_factor),
+        "latent_shift_factor": shift_factor(vae),
         "latent_store": args.store,
         "latent_dtype": np.dtype(DTYPES[args.dtype]).name,
         "latent_channels": channels,
-        "latent_shape": [2 * channels if args.store == "mean_std" else channels, side, side],
+        "latent_shape": latent_shape,
         "downsample_factor": down,
         "resolution": args.resolution,
         "center_crop": True,
@@ -360,6 +391,9 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
         "text_embeddings": bool(args.text_embeddings),
         "text_shape": list(text_shape) if text_shape else None,
         "pooled_shape": list(pooled_shape) if pooled_shape else None,
+        "text_dtype": tdtype,
+        "bytes_per_sample": bytes_per_sample(latent_shape, np.dtype(DTYPES[args.dtype]).itemsize, tdtype,
+                                             text_shape, pooled_shape),
         # The family's layout tag (Family.text_storage_tag; None: the single-encoder layout of older folders)
         "text_family": encoder.tag if encoder is not None else None,
         "clip_skip": args.clip_skip if args.text_embeddings else None,
@@ -375,11 +409,32 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
     }
 
 
+def bytes_per_sample(latent_shape, latent_itemsize: int, tdtype: Optional[str], text_shape,
+                     pooled_shape) -> Dict[str, int]:
+    """Array bytes of one sample (``.npy`` headers and tar headers, about 1.1 KiB a member, not counted);
+    latents at the square ``--resolution`` (aspect buckets: about the same area)."""
+    def numel(shape) -> int:
+        return int(np.prod(shape)) if shape else 0
+
+    text_size = 2 if tdtype in ("bfloat16", "float16") else 4
+    return {"latents": numel(latent_shape) * latent_itemsize,
+            "text": (numel(text_shape) + numel(pooled_shape)) * text_size if tdtype else 0}
+
+
+# Fields added after the format's first folders, and the value that means the same for a folder without them.
+LEGACY = {"latent_shift_factor": 0.0, "bytes_per_sample": None}
+
+
 def check_settings(path: Path, info: Dict[str, Any]) -> None:
     """An existing latents_info.json must describe the same settings (the shards would mix otherwise)."""
     if not path.exists():
         return
     old = json.loads(path.read_text())
+    for key, value in LEGACY.items():  # a folder written before a field: the field's old meaning
+        if key not in old and (value is None or info.get(key) == value):
+            old[key] = info.get(key)
+    if "text_dtype" not in old:
+        old["text_dtype"] = old.get("latent_dtype") if old.get("text_embeddings") else None
     skip = set(PROVENANCE) | {"count", "complete", "skipped", "sizes"}
     diff = [k for k in sorted(set(old) | set(info)) if k not in skip and old.get(k) != info.get(k)]
     if diff:
@@ -422,7 +477,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from tqdm import tqdm
 
     from sd_training.data import build_sources
-    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
+    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, INFO_FILE, npy_bytes, to_stored
     from sd_training.distributed import pick_device, probe_env
 
     layout = probe_env()
@@ -445,13 +500,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     info = make_info(args, vae, fingerprint, names, encoder, empty.shape if empty is not None else None,
                      empty_pooled.shape[1:] if empty_pooled is not None else None)
     check_settings(out / INFO_FILE, info)
+    per = info["bytes_per_sample"]
+    log.info("bytes per sample: latents %s (%s, %s), text %s%s", f"{per['latents']:,}", info["latent_dtype"],
+             info["latent_store"], f"{per['text']:,}", f" ({info['text_dtype']})" if info["text_dtype"] else "")
     if rank == 0:
         if not (out / INFO_FILE).exists():
             _atomic_write(out / INFO_FILE, json.dumps({**info, "complete": False}, indent=1).encode())
         if empty is not None and not (out / EMPTY_TEXT_FILE).exists():
-            _atomic_write(out / EMPTY_TEXT_FILE, npy_bytes(empty.astype(DTYPES[args.dtype])))
+            _atomic_write(out / EMPTY_TEXT_FILE, npy_bytes(to_stored(empty, info["text_dtype"])))
         if empty_pooled is not None and not (out / EMPTY_POOLED_FILE).exists():
-            _atomic_write(out / EMPTY_POOLED_FILE, npy_bytes(empty_pooled[0].astype(DTYPES[args.dtype])))
+            _atomic_write(out / EMPTY_POOLED_FILE, npy_bytes(to_stored(empty_pooled[0], info["text_dtype"])))
 
     mine = [k for k in range(len(units)) if k % world == rank]
     todo = [k for k in mine if not (out / names[k]).exists()]

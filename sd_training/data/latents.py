@@ -3,7 +3,9 @@
 ``scripts/precompute_latents.py`` writes one tar per input shard, with the input's basename, members
 named as WebDataset expects (the key ends at the first dot):
 
-  ``KEY.latents.npy``  float16 or float32, ALREADY multiplied by the VAE's scaling factor (the UNet's units):
+  ``KEY.latents.npy``  float16 or float32, ALREADY in the denoiser's units: ``(latent - shift_factor) *
+                       scaling_factor`` with the VAE's factors (no shift for VAEs without one), as the
+                       pipelines decode them (``latent / scaling_factor + shift_factor``):
                        ``mean_std``: [2C, h, w], the posterior mean (channels 0..C-1) then its std (C..2C-1);
                        ``sample``: [C, h, w], one posterior sample drawn at precompute time
   ``KEY.txt``          the caption as the image path reads it (stripped), otherwise unmodified
@@ -12,6 +14,13 @@ named as WebDataset expects (the key ends at the first dot):
   ``KEY.text.npy``     with ``--text-embeddings``: the family's text conditioning of KEY.txt, [L, D] (one
                        CLIP encoder: its last hidden state; two: both encoders' states concatenated)
   ``KEY.pooled.npy``   with ``--text-embeddings``, for a family conditioned on a pooled embedding too: [P]
+
+Text arrays (states, pooled, the empty caption's) are float16 or float32 ``.npy``, or bfloat16: numpy has
+no bfloat16, so they are stored as the uint16 bit patterns and ``latents_info.json``'s ``text_dtype``
+says ``bfloat16`` (T5's states, [512, 4096] a caption, take half the bytes of fp32 without fp16's range
+limit); the reader gives back the exact bfloat16 values as float32. ``latents_info.json`` also records
+``latent_shift_factor`` and ``bytes_per_sample`` (latents, text); folders written before these fields
+existed read as no shift and the arrays' own dtype.
 
 What the text arrays hold is the family's (``Family.text_encoding``; ``latents_info.json``'s
 ``text_family`` names the layout); this module stores, reads and checks them without knowing it.
@@ -54,6 +63,7 @@ from .stats import Stats, log
 
 FORMAT = "sd-training latent shards"
 FORMAT_VERSION = 1
+BF16 = "bfloat16"  # text_dtype of text arrays stored as bfloat16 bit patterns (uint16 .npy)
 LATENTS_MEMBER = "latents.npy"
 TEXT_MEMBER = "text.npy"
 POOLED_MEMBER = "pooled.npy"
@@ -79,6 +89,28 @@ def load_npy(data: bytes) -> np.ndarray:
         return np.load(io.BytesIO(bytes(data)), allow_pickle=False)
     except (ValueError, OSError, EOFError) as exn:
         raise ValueError(f"not a .npy array ({exn})") from exn
+
+
+def to_stored(array: np.ndarray, dtype: str) -> np.ndarray:
+    """``array`` as stored with ``text_dtype`` ``dtype`` (a numpy float name, or ``bfloat16``: the uint16 bit
+    patterns of its round-to-nearest-even bfloat16 values, what torch's ``.bfloat16()`` gives)."""
+    if dtype != BF16:
+        return np.asarray(array).astype(dtype)
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def from_stored(array: np.ndarray, dtype: Optional[str]) -> np.ndarray:
+    """float32 values of a stored text array (``dtype``: ``latents_info.json``'s ``text_dtype``; None: the
+    array's own float dtype, as folders written before the field). Raises ValueError on a mismatch."""
+    if dtype == BF16:
+        if array.dtype != np.uint16:
+            raise ValueError(f"text_dtype bfloat16 is stored as uint16, got {array.dtype}")
+        return (array.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"expected a float array, got {array.dtype}")
+    return array.astype(np.float32)
 
 
 def sibling(unit: str, name: str) -> Optional[str]:
@@ -123,6 +155,10 @@ class LatentShardSource(WebDatasetSource):
                     f"dataset.params.path: {sibling(self.units[0], INFO_FILE)} is not version {FORMAT_VERSION} of the "
                     "latent-shard format (re-run scripts/precompute_latents.py)"
                 )
+            if self.info.get("text_dtype") not in (None, BF16, "float16", "float32"):
+                raise DatasetConfigError(f"dataset.params.path: {sibling(self.units[0], INFO_FILE)} has text_dtype "
+                                         f"{self.info['text_dtype']!r} (this reader knows float16, float32, bfloat16)")
+            self.info["_path"] = sibling(self.units[0], INFO_FILE)  # where it came from, for the errors
 
     def read(self, unit: str, stats: Stats):
         for members in iter_tar_samples(unit, self.timeout, stats, self.max_member_bytes):
@@ -183,14 +219,14 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
                     )
             else:
                 try:
-                    src.empty_text = load_npy(raw).astype(np.float32)
+                    src.empty_text = from_stored(load_npy(raw), info.get("text_dtype"))
                 except ValueError as exn:
                     raise DatasetConfigError(f"{sibling(src.units[0], EMPTY_TEXT_FILE)}: {exn}") from exn
             if info.get("pooled_shape"):
                 raw = _read_sibling(src.units[0], EMPTY_POOLED_FILE, src.timeout)
                 if raw is not None:
                     try:
-                        src.empty_pooled = load_npy(raw).astype(np.float32)
+                        src.empty_pooled = from_stored(load_npy(raw), info.get("text_dtype"))
                     except ValueError as exn:
                         raise DatasetConfigError(f"{sibling(src.units[0], EMPTY_POOLED_FILE)}: {exn}") from exn
                 elif float(params.caption_dropout) > 0:
@@ -200,13 +236,18 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
         if not info.get("complete", False):
             log.warning("data: %s says the precompute of %s has not finished: training on the shards written so far",
                         where, src.name)
-        factors[src.name] = float(info["latent_scaling_factor"])
+        factors[src.name] = (float(info["latent_scaling_factor"]), shift_of(info))
     if len(set(factors.values())) > 1:
         raise DatasetConfigError(
-            "dataset.params.path: the latent sources were made with different scaling factors "
-            f"({', '.join(f'{k}: {v}' for k, v in factors.items())}); precompute them with the same VAE"
+            "dataset.params.path: the latent sources were made with different scaling (and shift) factors "
+            f"({', '.join(f'{k}: {v[0]} (shift {v[1]})' for k, v in factors.items())}); precompute them with the same VAE"
         )
-    return next(iter(factors.values())) if factors else None
+    return next(iter(factors.values()))[0] if factors else None
+
+
+def shift_of(info: Dict[str, Any]) -> float:
+    """The shift factor latents were made with (0 for folders written before the field)."""
+    return float(info.get("latent_shift_factor") or 0.0)
 
 
 @dataclass(frozen=True)
@@ -233,6 +274,10 @@ def check_latents_match(loader, vae, text: Optional[StoredText] = None) -> None:
     scale = float(vae.config.scaling_factor)
     if abs(float(info["latent_scaling_factor"]) - scale) > 1e-6 * scale:
         problems.append(f"scaling factor {info['latent_scaling_factor']} (the run's VAE: {scale})")
+    shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
+    if abs(shift_of(info) - shift) > 1e-6 * max(abs(shift), 1.0):
+        problems.append(f"shift factor {shift_of(info)} (the run's VAE: {shift}; stored latents are "
+                        "(latent - shift_factor) * scaling_factor)")
     if int(info["latent_channels"]) != int(vae.config.latent_channels):
         problems.append(f"{info['latent_channels']} latent channels (the run's VAE: {vae.config.latent_channels})")
     if loader.proc.text_embeddings and text is not None:
@@ -248,7 +293,8 @@ def check_latents_match(loader, vae, text: Optional[StoredText] = None) -> None:
                             f"the {text.tag or 'single-encoder'} layout)")
     if problems:
         raise DatasetConfigError(
-            f"dataset.params.path: these latent shards were made for other models: {'; '.join(problems)}. "
+            f"dataset.params.path: these latent shards ({info.get('_path') or INFO_FILE}) were made for other "
+            f"models: {'; '.join(problems)}. "
             "Re-run scripts/precompute_latents.py with the run's pipeline (and --clip-skip / --max-length)"
         )
 
@@ -272,6 +318,7 @@ class LatentSampleProcessor(SampleProcessor):
         self.channels = [i.get("latent_channels") for i in infos]
         self.down = [int(i.get("downsample_factor", 8)) for i in infos]
         self.text_shapes = [tuple(i["text_shape"]) if i.get("text_shape") else None for i in infos]
+        self.text_dtypes = [i.get("text_dtype") for i in infos]
         self.empty_text = [s.empty_text for s in sources]
         self.empty_pooled = [s.empty_pooled for s in sources]
         self.pooled = [bool(i.get("pooled_shape")) for i in infos]
@@ -360,7 +407,7 @@ class LatentSampleProcessor(SampleProcessor):
             stats.skip("missing_text_embedding", f"{where}: no {TEXT_MEMBER} member")
             return None
         try:
-            text = load_npy(s["text"])
+            text = from_stored(load_npy(s["text"]), self.text_dtypes[src])
         except ValueError as exn:
             stats.skip("bad_text_embedding", f"{where}: {exn}")
             return None
@@ -368,20 +415,20 @@ class LatentSampleProcessor(SampleProcessor):
         if text.ndim != 2 or (expected is not None and tuple(text.shape) != expected) or not np.isfinite(text).all():
             stats.skip("bad_text_embedding", f"{where}: shape {text.shape} (expected {expected}) or non-finite values")
             return None
-        return text.astype(np.float32)
+        return text
 
     def _pooled(self, s, caption: str, src: int, where: str, stats: Stats) -> Optional[np.ndarray]:
         if caption == "" and self.empty_pooled[src] is not None:
             return self.empty_pooled[src]
         try:
-            pooled = load_npy(s["pooled"]) if s.get("pooled") is not None else None
+            pooled = from_stored(load_npy(s["pooled"]), self.text_dtypes[src]) if s.get("pooled") is not None else None
         except ValueError as exn:
             stats.skip("bad_text_embedding", f"{where}: {exn}")
             return None
         if pooled is None or pooled.ndim != 1 or not np.isfinite(pooled).all():
             stats.skip("bad_text_embedding", f"{where}: no usable {POOLED_MEMBER} member")
             return None
-        return pooled.astype(np.float32)
+        return pooled
 
     def collate(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
         import torch

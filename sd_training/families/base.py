@@ -52,11 +52,15 @@ class TextEncoding:
     ``encode(captions)`` gives (states [B, L, D], pooled [B, P] or None) as float32 numpy: the shards'
     ``text.npy`` and ``pooled.npy`` members (``data/latents.py``). ``tag`` is what ``latents_info.json``
     records as ``text_family`` (:meth:`Family.text_storage_tag`), so a run of another family refuses them.
-    ``encode_ids(encoders, ids)``: the family's own conditioning from each tokenizer's ids."""
+    ``encode_ids(encoders, ids)``: the family's own conditioning from each tokenizer's ids.
+    ``storage_dtype``: how the shards store the text arrays by default (``--text-dtype auto``): ``bf16``
+    for large states (T5's), None for the script's ``--dtype``."""
 
     def __init__(self, tag: str | None, tokenizers: Sequence, encoders: Sequence[torch.nn.Module],
-                 encode_ids: Callable[[Sequence[torch.nn.Module], list[torch.Tensor]], tuple]):
+                 encode_ids: Callable[[Sequence[torch.nn.Module], list[torch.Tensor]], tuple],
+                 storage_dtype: str | None = None):
         self.tag, self.tokenizers, self.encoders, self._encode_ids = tag, list(tokenizers), list(encoders), encode_ids
+        self.storage_dtype = storage_dtype
 
     @property
     def max_length(self) -> int:
