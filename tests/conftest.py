@@ -169,3 +169,19 @@ def kill_tree(pid: int, sig=None) -> None:
             os.kill(p, sig)
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture(scope="session")
+def sd3_pipeline(tmp_path_factory):
+    """A tiny random-weight StableDiffusion3Pipeline (CLIP-L, CLIP-G, T5, 16-channel VAE, MMDiT)."""
+    from sd_training.families.registry import make_tiny_pipeline
+
+    return make_tiny_pipeline(tmp_path_factory.mktemp("tiny_sd3") / "pipeline", family="sd3")
+
+
+@pytest.fixture(scope="session")
+def flux_pipeline(tmp_path_factory):
+    """A tiny random-weight FluxPipeline (CLIP pooled + T5 states, 16-channel VAE, guidance-distilled transformer)."""
+    from sd_training.families.registry import make_tiny_pipeline
+
+    return make_tiny_pipeline(tmp_path_factory.mktemp("tiny_flux") / "pipeline", family="flux")

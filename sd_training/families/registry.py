@@ -15,6 +15,7 @@ from .autoencoder import Autoencoder
 from .base import Family
 from .flux import Flux
 from .sd import StableDiffusion
+from .sd3 import StableDiffusion3
 from .sdxl import StableDiffusionXL
 
 # model.family -> the family; adding one is a module and a line here.

@@ -1,0 +1,397 @@
+"""Stable Diffusion 3 / 3.5: an MMDiT (``SD3Transformer2DModel``) trained with flow matching.
+
+As ``StableDiffusion3Pipeline.encode_prompt`` conditions at inference, so the transformer trains:
+
+* the penultimate hidden states of CLIP-L (``text_encoder``) and CLIP-G (``text_encoder_2``), both
+  ``CLIPTextModelWithProjection``, concatenated along the channels and zero-padded to T5's width, then
+  joined along the sequence with T5's last hidden states (``text_encoder_3``, ``model.t5.max_length``
+  tokens, default 256): [B, 77 + L, joint_attention_dim];
+* pooled: the two CLIP projected pooled outputs, concatenated;
+* an empty caption (caption dropout) is encoded as the pipeline encodes "" (SD3 has no zeroing of empty
+  prompts); ``model.t5.use=false`` leaves T5 out (its states are zeros, as a pipeline without
+  ``text_encoder_3``); ``model.t5.dropout``: a training sample's T5 states are zeros with that probability,
+  drawn from the sample's ``t5_dropout`` stream (the SD3 paper drops each encoder part of the time).
+
+Latents are ``(encode - shift_factor) * scaling_factor`` of the 16-channel VAE; the loss is
+``families.flow_matching``'s. Everything else (sample grids, eval images, exports of a
+``StableDiffusion3Pipeline``, latent-shard checks) is SD's, with this family's pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from ..config.schema import TrainConfig
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
+from ..export import unwrap
+from ..loading import load_component
+from ..objective import host_seeds, sample_generators
+from ..precision import frozen_text_dtype
+from ..text_encoders import build_clip_tokenizer
+from . import flow_matching
+from .base import Family, LossOut, TextEncoding
+from .sd import StableDiffusion
+from .t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
+from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
+from .transformer_components import (
+    build_transformer,
+    component_sources,
+    encode_latents,
+    load_schedulers,
+    load_vae,
+    reload_vae_fp32,
+    shard_units,
+    source,
+    validate_common,
+)
+from .unet_components import Components, frozen
+
+log = logging.getLogger(__name__)
+
+T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
+SCALING_FACTOR, SHIFT_FACTOR = 1.5305, 0.0609  # SD3's VAE
+# The tiny pipeline: two 64-wide CLIPs (projections 64 + 64 = the pooled 128), T5 128 wide (= the joint
+# attention width; the CLIP states 64 + 64 are padded to it), a 2-layer MMDiT of 4 heads x 16, patch 2,
+# a 16-channel VAE (downsampling 8: 32 px images are 2 x 2 tokens).
+TINY_SD3_TRANSFORMER = dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
+                            attention_head_dim=16, num_attention_heads=4, joint_attention_dim=128,
+                            caption_projection_dim=64, pooled_projection_dim=128, pos_embed_max_size=16)
+TINY_SD3_VAE = dict(TINY_VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
+SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+@dataclass
+class SD3Models(Components):
+    tokenizer: Any
+    tokenizer_2: Any
+    tokenizer_3: Any  # None when model.t5.use is false
+    text_encoder: torch.nn.Module  # CLIP-L with projection, frozen
+    text_encoder_2: torch.nn.Module  # CLIP-G with projection, frozen
+    text_encoder_3: Optional[torch.nn.Module]  # T5, frozen (None: left out)
+    vae: torch.nn.Module
+    transformer: torch.nn.Module  # trained
+    noise_scheduler: Any  # FlowMatchEulerDiscreteScheduler: the training sigma table
+    inference_scheduler: Any
+    t5_length: int = T5_LENGTH
+    reload_fp32: Optional[Callable[[str], torch.nn.Module]] = None
+    _fp32_copies: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def clip_length(self) -> int:
+        return int(self.tokenizer.model_max_length)
+
+
+def encode_prompts(text_encoder, text_encoder_2, text_encoder_3, input_ids, input_ids_2, input_ids_3=None,
+                   t5_length: int = T5_LENGTH, t5_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states [B, 77 + L, W], pooled [B, p1 + p2]) in float32, as ``StableDiffusion3Pipeline.encode_prompt``:
+    without T5 (``text_encoder_3`` None) its L x ``t5_width`` states are zeros. The encoders are frozen."""
+    with torch.no_grad():
+        out1 = text_encoder(input_ids, output_hidden_states=True)
+        out2 = text_encoder_2(input_ids_2, output_hidden_states=True)
+        clip = torch.cat([out1.hidden_states[-2].float(), out2.hidden_states[-2].float()], dim=-1)
+        pooled = torch.cat([out1[0].float(), out2[0].float()], dim=-1)
+        if text_encoder_3 is not None:
+            t5 = encode_t5(text_encoder_3, input_ids_3)
+        else:
+            t5 = torch.zeros(clip.shape[0], t5_length, t5_width, device=clip.device)
+    clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+    return torch.cat([clip, t5], dim=-2), pooled
+
+
+def t5_keep(batch_size: int, p: float, device: torch.device, sample_seeds=None) -> torch.Tensor:
+    """[B] float 0/1: 0 where a sample's T5 states are dropped (probability ``p``), from each sample's
+    ``t5_dropout`` stream (else the global RNG)."""
+    if sample_seeds is None:
+        u = torch.rand(batch_size)
+    else:
+        u = torch.cat([torch.rand(1, generator=g) for g in sample_generators(host_seeds(sample_seeds), "t5_dropout", "cpu")])
+    return (u >= p).float().to(device, non_blocking=True)
+
+
+class StableDiffusion3(StableDiffusion):
+    name = "sd3"
+    net_name = "transformer"
+    pipeline_classes = ("StableDiffusion3Pipeline",)
+    shard_units = staticmethod(shard_units)
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
+        Family.__init__(self, cfg, device, seed, is_main)
+        self.models = self.build_models()
+        self.net = self.models.transformer
+        self.loss_module = self.net
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        validate_common(cfg, cls.name)
+        if cfg.model.text_encoder_2.pretrained is None and cfg.model.pretrained is None:
+            raise ConfigError("sd3 reads its components from a pipeline: set model.pretrained")
+
+    # -- components -------------------------------------------------------------------------------
+    def build_models(self) -> SD3Models:
+        from diffusers import SD3Transformer2DModel
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+        m, dev = self.cfg.model, self.device
+        clip_dtype = frozen_text_dtype(m.text_encoder.dtype, m.mixed_precision)
+
+        def load(loader, name: str):
+            src, kw = source(m, name)
+            if src is None:
+                raise ConfigError(f"sd3's {name} has no source: set model.pretrained or model.{name}.pretrained")
+            return load_component(loader, src, name, f"model.{name}.pretrained", **kw)
+
+        def clip(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+            return frozen(load(CLIPTextModelWithProjection.from_pretrained, name), device, dtype)
+
+        length = m.t5.max_length or T5_LENGTH
+        t5 = tok3 = None
+        if m.t5.use:
+            src, kw = source(m, "text_encoder_3")
+            t5 = load_t5_encoder(src, "text_encoder_3", "model.text_encoder_3.pretrained", dev,
+                                 t5_frozen_dtype(m.text_encoder.dtype, m.mixed_precision), **kw)
+            tsrc, tkw = source(m, "tokenizer_3")
+            tok3 = load_t5_tokenizer(tsrc, "tokenizer_3", "model.tokenizer_3.pretrained", length, **tkw)
+
+        def reload_fp32(name: str) -> torch.nn.Module:
+            if name == "vae":
+                return reload_vae_fp32(m)
+            if name == "text_encoder_3":
+                src, kw = source(m, name)
+                return load_t5_encoder(src, name, f"model.{name}.pretrained", **kw)
+            return clip(name, torch.device("cpu"), torch.float32)
+
+        models = SD3Models(
+            tokenizer=load(CLIPTokenizer.from_pretrained, "tokenizer"),
+            tokenizer_2=load(CLIPTokenizer.from_pretrained, "tokenizer_2"), tokenizer_3=tok3,
+            text_encoder=clip("text_encoder", dev, clip_dtype), text_encoder_2=clip("text_encoder_2", dev, clip_dtype),
+            text_encoder_3=t5, vae=load_vae(m, dev),
+            transformer=build_transformer(m, SD3Transformer2DModel, dev, self.seed),
+            noise_scheduler=None, inference_scheduler=None, t5_length=length, reload_fp32=reload_fp32,
+        )
+        models.noise_scheduler, models.inference_scheduler = load_schedulers(m)
+        check_components(models)
+        return models
+
+    @property
+    def tokenizers(self):
+        m = self.models
+        return (m.tokenizer, m.tokenizer_2) + ((m.tokenizer_3,) if m.tokenizer_3 is not None else ())
+
+    def trained_encoders(self) -> dict[str, torch.nn.Module]:
+        return {}
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        m = self.models
+        return [x for x in (m.vae, m.text_encoder, m.text_encoder_2, m.text_encoder_3) if x is not None]
+
+    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
+        return []
+
+    # -- the step ---------------------------------------------------------------------------------
+    def condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(states, pooled) on the device: stored in the latent shards, else encoded; T5 zeroed when left
+        out, and per sample by ``model.t5.dropout`` in training."""
+        m, dev, t5 = self.models, self.device, self.cfg.model.t5
+        if TEXT_STATES_KEY in batch:
+            if POOLED_KEY not in batch:
+                raise ValueError(f"the batch has stored text embeddings but no {POOLED_KEY}: these latent shards "
+                                 "were not made for SD3 (scripts/precompute_latents.py with an SD3 pipeline)")
+            states = batch[TEXT_STATES_KEY].to(dev, non_blocking=True).float()
+            pooled = batch[POOLED_KEY].to(dev, non_blocking=True).float()
+            if not t5.use:
+                states = torch.cat([states[:, :m.clip_length], torch.zeros_like(states[:, m.clip_length:])], dim=1)
+        else:
+            ids3 = batch["input_ids_3"].to(dev, non_blocking=True) if m.text_encoder_3 is not None else None
+            states, pooled = encode_prompts(
+                m.text_encoder, m.text_encoder_2, m.text_encoder_3, batch["input_ids"].to(dev, non_blocking=True),
+                batch["input_ids_2"].to(dev, non_blocking=True), ids3, m.t5_length,
+                int(m.transformer.config.joint_attention_dim))
+        if not validation and t5.use and t5.dropout > 0:
+            keep = t5_keep(len(states), t5.dropout, dev, batch.get("sample_seeds"))
+            n = m.clip_length
+            states = torch.cat([states[:, :n], states[:, n:] * keep[:, None, None]], dim=1)
+        return states, pooled
+
+    def encode(self, pixels: torch.Tensor, mean: bool | None = None, sample_seeds=None) -> torch.Tensor:
+        mean = self.cfg.model.vae.latent_sampling == "mean" if mean is None else mean
+        return encode_latents(self.models.vae, pixels, mean=mean, sample_seeds=sample_seeds)
+
+    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
+        """Flow matching; ``fixed`` noise and timesteps (sigma x 1000) are used as given (validation)."""
+        latents = self.latents(batch)
+        fixed = dict(fixed or {})
+        n = float(self.models.noise_scheduler.config.num_train_timesteps)
+        sigmas = fixed["timesteps"].float() / n if "timesteps" in fixed else None
+        with autocast:
+            states, pooled = self.condition(batch, validation)
+
+        def predict(noisy, timesteps):
+            with autocast:
+                return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,
+                             pooled_projections=pooled, return_dict=False)[0]
+
+        loss, per_sample, timesteps = flow_matching.flow_loss(
+            predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
+            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas)
+        return LossOut(loss, per_sample, timesteps, None)
+
+    def validation_batch(self, batch, generator, index) -> dict:
+        """Fixed latents (posterior mean), noise, and timesteps spread over the training sigma table."""
+        from ..data.transforms import unit_range
+
+        b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
+        if "latents" not in b:
+            b["latents"] = self.encode(unit_range(b.pop("pixel_values").to(self.device)), mean=True).cpu()
+        n = len(b["latents"])
+        table = flow_matching.sigma_table(self.cfg.flow_matching, self.models.noise_scheduler)
+        index = torch.linspace(0, len(table) - 1, n).round().long()
+        b["timesteps"] = table[index] * float(self.models.noise_scheduler.config.num_train_timesteps)
+        b["noise"] = torch.randn(b["latents"].shape, generator=generator)
+        return b
+
+    def stored_text(self) -> StoredText:
+        m = self.models
+        return StoredText(m.clip_length + m.t5_length, int(m.transformer.config.joint_attention_dim), 1,
+                          self.text_storage_tag())
+
+    def component_sources(self) -> dict:
+        names = ("transformer", "vae", "text_encoder", "text_encoder_2") + (
+            ("text_encoder_3",) if self.models.text_encoder_3 is not None else ())
+        return component_sources(self.cfg.model, names)
+
+    def step_flops(self):
+        return None
+
+    # -- artifacts --------------------------------------------------------------------------------
+    def pipeline(self, net, for_export: bool = False, vae=None):
+        """A ``StableDiffusion3Pipeline`` of the run's components with ``net``; ``for_export``: the frozen
+        components in fp32 as loaded. Generation uses ``model.t5.max_length`` T5 tokens, as trained."""
+        m = self.models
+        if vae is None:
+            vae = m.full_precision("vae") if for_export else m.vae
+        enc = {n: (m.full_precision(n) if for_export else getattr(m, n)) if getattr(m, n) is not None else None
+               for n in ENCODERS}
+        return _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m, m.t5_length)
+
+    # -- with no run ------------------------------------------------------------------------------
+    @classmethod
+    def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
+        """A ``StableDiffusion3Pipeline``: two CLIPs with projection, a tiny T5, a 16-channel VAE, an MMDiT."""
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            SD3Transformer2DModel,
+            StableDiffusion3Pipeline,
+        )
+        from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+        scratch = [tokenizer_folder(out, n) for n in ("tokenizer", "tokenizer_2", "tokenizer_3")]
+        tokenizer_3 = build_t5_tokenizer(scratch[2], T5_LENGTH)
+        pipe = StableDiffusion3Pipeline(
+            transformer=SD3Transformer2DModel(**TINY_SD3_TRANSFORMER),
+            scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER),
+            vae=AutoencoderKL(**TINY_SD3_VAE, scaling_factor=scaling_factor or SCALING_FACTOR, shift_factor=SHIFT_FACTOR),
+            text_encoder=CLIPTextModelWithProjection(CLIPTextConfig(**TINY_TEXT_ENCODER)),
+            text_encoder_2=CLIPTextModelWithProjection(CLIPTextConfig(**dict(TINY_TEXT_ENCODER, pad_token_id=0))),
+            text_encoder_3=tiny_t5_encoder(len(tokenizer_3)),
+            tokenizer=build_clip_tokenizer(scratch[0]), tokenizer_2=build_clip_tokenizer(scratch[1], pad_token="!"),
+            tokenizer_3=tokenizer_3,
+        )
+        return save(pipe, out, *scratch)
+
+    @classmethod
+    def text_storage_tag(cls) -> str | None:
+        return cls.name
+
+    @classmethod
+    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
+                      max_length: int | None = None) -> TextEncoding:
+        """States (CLIP-L + CLIP-G padded, joined with T5's ``max_length`` tokens, default 256; zeros when the
+        pipeline has no T5) and pooled, as :meth:`condition` computes them."""
+        import os
+
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+        if clip_skip:
+            raise ValueError("SD3 conditions on both CLIPs' penultimate layers: clip skip does not apply")
+        length = max_length or T5_LENGTH
+        toks = [load_component(CLIPTokenizer.from_pretrained, pipeline, n, f"the pipeline's {n}/")
+                for n in ("tokenizer", "tokenizer_2")]
+        encs = [frozen(load_component(CLIPTextModelWithProjection.from_pretrained, pipeline, n, f"the pipeline's {n}/"),
+                       device) for n in ("text_encoder", "text_encoder_2")]
+        has_t5 = os.path.isdir(os.path.join(pipeline, "text_encoder_3")) or not os.path.isdir(pipeline)
+        if has_t5:
+            toks.append(load_t5_tokenizer(pipeline, "tokenizer_3", "the pipeline's tokenizer_3/", length))
+            encs.append(load_t5_encoder(pipeline, "text_encoder_3", "the pipeline's text_encoder_3/", device))
+        width = _joint_width(pipeline)
+
+        def encode_ids(encoders, ids):
+            return encode_prompts(encoders[0], encoders[1], encoders[2] if has_t5 else None, ids[0], ids[1],
+                                  ids[2] if has_t5 else None, length, width)
+
+        return TextEncoding(cls.text_storage_tag(), toks, encs, encode_ids)
+
+
+def _joint_width(pipeline: str) -> int:
+    """The transformer's ``joint_attention_dim`` (T5's width) from the pipeline's config."""
+    from diffusers import SD3Transformer2DModel
+
+    conf = load_component(SD3Transformer2DModel.load_config, pipeline, "transformer", "the pipeline's transformer/")
+    return int(conf["joint_attention_dim"])
+
+
+def _pipeline(net, scheduler, vae, encoders: dict, m: SD3Models, t5_length: int):
+    from diffusers import StableDiffusion3Pipeline
+
+    from ..text_encoders import text_encoder_for_pipeline
+
+    pipe = StableDiffusion3Pipeline(
+        transformer=net, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder_for_pipeline(encoders["text_encoder"]), tokenizer=m.tokenizer,
+        text_encoder_2=text_encoder_for_pipeline(encoders["text_encoder_2"]), tokenizer_2=m.tokenizer_2,
+        text_encoder_3=encoders["text_encoder_3"], tokenizer_3=m.tokenizer_3,
+    )
+    if t5_length != T5_LENGTH:
+        pipe = WithT5Length(pipe, t5_length)
+    return pipe
+
+
+class WithT5Length:
+    """A pipeline whose calls use ``max_sequence_length`` T5 tokens (the trained length), the rest as is."""
+
+    def __init__(self, pipe, length: int):
+        self.__dict__["_pipe"], self.__dict__["_length"] = pipe, length
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+    def __call__(self, *args, **kwargs):
+        kwargs.setdefault("max_sequence_length", self._length)
+        return self._pipe(*args, **kwargs)
+
+
+def check_components(m: SD3Models) -> None:
+    """The transformer's widths fit the encoders and the VAE (a ConfigError names what differs)."""
+    c = m.transformer.config
+    pooled = m.text_encoder.config.projection_dim + m.text_encoder_2.config.projection_dim
+    clip = m.text_encoder.config.hidden_size + m.text_encoder_2.config.hidden_size
+    problems = []
+    if c.in_channels != m.vae.config.latent_channels:
+        problems.append(f"in_channels {c.in_channels} != the VAE's latent_channels {m.vae.config.latent_channels}")
+    if c.pooled_projection_dim != pooled:
+        problems.append(f"pooled_projection_dim {c.pooled_projection_dim} != the CLIPs' projection_dim sum {pooled}")
+    if c.joint_attention_dim < clip:
+        problems.append(f"joint_attention_dim {c.joint_attention_dim} < the CLIPs' hidden_size sum {clip}")
+    if m.text_encoder_3 is not None and m.text_encoder_3.config.d_model != c.joint_attention_dim:
+        problems.append(f"joint_attention_dim {c.joint_attention_dim} != T5's d_model {m.text_encoder_3.config.d_model}")
+    if problems:
+        raise ConfigError("the SD3 transformer does not fit the pipeline's other components: " + "; ".join(problems)
+                          + " (model.transformer.params must match them)")

@@ -1,0 +1,251 @@
+"""SD3 as a family: the T5 tokenizer built offline, conditioning equal to StableDiffusion3Pipeline.encode_prompt
+(with and without T5, empty captions included), one step equal to diffusers' train_dreambooth_sd3.py, per-sample
+randomness, gradient checkpointing, FSDP shard units, and a bf16 run with loader workers and EMA that trains,
+validates, exports a pipeline plain diffusers loads and makes sample grids."""
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import train_args
+
+from sd_training.config import ConfigError
+from sd_training.config.checks import load
+from sd_training.data.transforms import unit_range
+from sd_training.families import registry as families
+from sd_training.objective import stream_seed
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CAPTIONS = ["a red circle on a blue background", "", "a green square", "a yellow triangle on black"]
+
+
+def make(tmp_path, pipeline, shards, **overrides):
+    over = {"dataset.params.resolution": 32, **overrides}
+    return load(train_args(tmp_path, pipeline, shards, **{k.replace(".", "__"): v for k, v in over.items()}))
+
+
+def family_of(tmp_path, pipeline, shards, **overrides):
+    return families.create(make(tmp_path, pipeline, shards, **overrides), torch.device("cpu"), 0, True)
+
+
+def batch_of(family, captions, seeds=None, size=32):
+    g = torch.Generator().manual_seed(1)
+    batch = {"pixel_values": torch.randint(0, 256, (len(captions), 3, size, size), generator=g, dtype=torch.uint8)}
+    for k, tok in enumerate(family.tokenizers):
+        ids = tok(captions, padding="max_length", truncation=True, max_length=tok.model_max_length,
+                  return_tensors="pt").input_ids
+        batch["input_ids" if k == 0 else f"input_ids_{k + 1}"] = ids
+    if seeds is not None:
+        batch["sample_seeds"] = torch.tensor(seeds)
+    return batch
+
+
+def test_t5_tokenizer_is_built_offline_and_loads_as_t5_tokenizer_fast(tmp_path):
+    from transformers import T5TokenizerFast
+
+    from sd_training.families.t5 import build_t5_tokenizer, tokenize_t5
+
+    tok = build_t5_tokenizer(tmp_path / "t5", 16)
+    again = T5TokenizerFast.from_pretrained(tmp_path / "t5")  # no sentencepiece, no network
+    ids = tokenize_t5(again, ["a red circle", "", "Zebra?"], 16)
+    assert ids.shape == (3, 16) and ids[0, :4].tolist() == tok("a red circle").input_ids
+    assert ids[1, 0] == again.eos_token_id == 1 and again.pad_token_id == 0 and ids[1, 1:].eq(0).all()
+    assert again.unk_token_id not in ids[2].tolist()  # unknown words are spelt out, not <unk>
+    assert again.decode(ids[0], skip_special_tokens=True) == "a red circle"
+
+
+def test_family_is_read_from_the_pipeline(sd3_pipeline, shapes_shards, tmp_path):
+    cfg = make(tmp_path, sd3_pipeline, shapes_shards)
+    assert families.detect(cfg.model) == "sd3"
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"model.unet.params": "{in_channels: 16}"}, "model.unet applies to the UNet families"),
+    ({"objective.prediction_type": "v_prediction"}, "flow_matching"),
+    ({"model.attention": "sliced"}, "sliced"),
+    ({"model.text_encoder.train": "true"}, "transformer only"),
+    ({"flow_matching.shift": 2.0, "flow_matching.resolution_shift": "true"}, "exclude each other"),
+    ({"model.transformer.params": "{num_layerz: 2}"}, "did you mean 'model.transformer.params.num_layers'"),
+])
+def test_sd3_refuses_what_it_does_not_apply_with_the_reason(sd3_pipeline, shapes_shards, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg = make(tmp_path, sd3_pipeline, shapes_shards, **override)
+        families.create(cfg, torch.device("cpu"), 0, True)
+
+
+@pytest.fixture(scope="module")
+def sd3_family(sd3_pipeline, shapes_shards, tmp_path_factory):
+    return family_of(tmp_path_factory.mktemp("sd3_family"), sd3_pipeline, shapes_shards,
+                     **{"model.vae.latent_sampling": "mean", "flow_matching.weighting": "cosmap"})
+
+
+def test_conditioning_equals_the_pipelines_own(sd3_family, sd3_pipeline, shapes_shards, tmp_path):
+    """States and pooled as encode_prompt gives them, empty captions encoded as "" (no zeroing); without T5
+    (model.t5.use=false) as the pipeline without text_encoder_3 (zeros) at the trained T5 length."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline)
+    states, pooled = sd3_family.condition(batch_of(sd3_family, CAPTIONS), validation=True)
+    want, _, want_pooled, _ = pipe.encode_prompt(CAPTIONS, None, None, device="cpu", do_classifier_free_guidance=False)
+    assert states.shape == (4, 77 + 256, 128) and pooled.shape == (4, 128)
+    torch.testing.assert_close(states, want.float())
+    torch.testing.assert_close(pooled, want_pooled.float())
+    _, neg, _, neg_pooled = pipe.encode_prompt(CAPTIONS[:1], None, None, device="cpu")  # the negative branch: ""
+    torch.testing.assert_close(states[1:2], neg.float())
+    torch.testing.assert_close(pooled[1:2], neg_pooled.float())
+    assert states[1].abs().sum() > 0
+
+    no_t5 = family_of(tmp_path, sd3_pipeline, shapes_shards, **{"model.t5.use": "false", "model.t5.max_length": 16})
+    assert len(no_t5.tokenizers) == 2 and no_t5.models.text_encoder_3 is None
+    states, pooled = no_t5.condition(batch_of(no_t5, CAPTIONS), validation=True)
+    pipe.text_encoder_3 = pipe.tokenizer_3 = None
+    want, _, want_pooled, _ = pipe.encode_prompt(CAPTIONS, None, None, device="cpu", do_classifier_free_guidance=False,
+                                                 max_sequence_length=16)
+    assert states.shape == (4, 77 + 16, 128) and not states[:, 77:].any()
+    torch.testing.assert_close(states, want.float())
+    torch.testing.assert_close(pooled, want_pooled.float())
+
+
+def test_t5_dropout_per_sample_from_its_seed(sd3_pipeline, shapes_shards, tmp_path):
+    fam = family_of(tmp_path, sd3_pipeline, shapes_shards, **{"model.t5.dropout": 0.5})
+    seeds = list(range(100, 108))
+    captions = ["a red circle"] * 8
+    states, _ = fam.condition(batch_of(fam, captions, seeds), validation=False)
+    dropped = ~states[:, 77:].flatten(1).any(dim=1)
+    assert 0 < int(dropped.sum()) < 8 and states[:, :77].flatten(1).any(dim=1).all()  # CLIP parts kept
+    half, _ = fam.condition(batch_of(fam, captions[:4], seeds[4:]), validation=False)
+    assert torch.equal(~half[:, 77:].flatten(1).any(dim=1), dropped[4:])
+    kept, _ = fam.condition(batch_of(fam, captions, seeds), validation=True)  # validation drops nothing
+    assert kept[:, 77:].flatten(1).any(dim=1).all()
+
+
+def hand_written_step(pipe, transformer, pixels, captions, seeds, cfg):
+    """One step as diffusers' examples/dreambooth/train_dreambooth_sd3.py computes it (its code, with the
+    posterior mean instead of a sample, and each sample's noise and u from its seed's streams)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+
+    sched = pipe.scheduler
+    vae = pipe.vae
+    model_input = vae.encode(pixels).latent_dist.mean
+    model_input = (model_input - vae.config.shift_factor) * vae.config.scaling_factor
+    noise = torch.cat([torch.randn((1, *model_input.shape[1:]), generator=torch.Generator().manual_seed(
+        stream_seed(s, "noise"))) for s in seeds])
+    u = torch.cat([compute_density_for_timestep_sampling(
+        weighting_scheme=cfg.timestep_sampling, batch_size=1, logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
+        mode_scale=cfg.mode_scale, generator=torch.Generator().manual_seed(stream_seed(s, "timesteps"))) for s in seeds])
+    indices = (u * sched.config.num_train_timesteps).long()
+    timesteps = sched.timesteps[indices]
+    step_indices = [(sched.timesteps == t).nonzero().item() for t in timesteps]  # get_sigmas
+    sigmas = sched.sigmas[step_indices].flatten().view(-1, 1, 1, 1)
+    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+    with torch.no_grad():
+        prompt_embeds, _, pooled_prompt_embeds, _ = pipe.encode_prompt(captions, None, None, device="cpu",
+                                                                       do_classifier_free_guidance=False)
+    model_pred = transformer(hidden_states=noisy_model_input, timestep=timesteps, encoder_hidden_states=prompt_embeds,
+                             pooled_projections=pooled_prompt_embeds, return_dict=False)[0]
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=cfg.weighting, sigmas=sigmas)
+    target = noise - model_input
+    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1), 1)
+    return loss.mean(), timesteps
+
+
+def test_one_step_equals_the_diffusers_example(sd3_family, sd3_pipeline):
+    """Loss and gradients of the family's step equal the example's (fp32, same batch, seeds, timesteps):
+    rtol 1e-5 on the loss, 1e-4 relative on each gradient (summation order differs)."""
+    import contextlib
+
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline)
+    seeds = [7, 8, 9, 10]
+    batch = batch_of(sd3_family, CAPTIONS, seeds)
+    net = sd3_family.net
+    ref = copy.deepcopy(net)
+    net.zero_grad(set_to_none=True)
+    out = sd3_family.loss(sd3_family.loss_module, batch, contextlib.nullcontext())
+    out.loss.backward()
+    want, timesteps = hand_written_step(pipe, ref, unit_range(batch["pixel_values"]), CAPTIONS, seeds,
+                                        sd3_family.cfg.flow_matching)
+    want.backward()
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-7)
+    assert out.timesteps.tolist() == timesteps.long().tolist()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        scale = q.grad.abs().max().clamp(min=1e-12)
+        assert (p.grad - q.grad).abs().max() / scale < 1e-4, name
+    net.zero_grad(set_to_none=True)
+
+
+def test_a_samples_loss_does_not_depend_on_the_batch_split(sd3_pipeline, shapes_shards, tmp_path):
+    """Posterior sample, noise, timestep and T5 dropout of sample i all come from its seed."""
+    import contextlib
+
+    fam = family_of(tmp_path, sd3_pipeline, shapes_shards, **{"model.t5.dropout": 0.3})
+    seeds = [21, 22, 23, 24]
+    whole = fam.loss(fam.loss_module, batch_of(fam, CAPTIONS, seeds), contextlib.nullcontext())
+    parts = []
+    for rows in ([0, 1], [2, 3]):
+        b = batch_of(fam, CAPTIONS, seeds)
+        b = {k: v[rows] for k, v in b.items()}
+        torch.manual_seed(rows[0])  # the global RNG plays no part
+        parts.append(fam.loss(fam.loss_module, b, contextlib.nullcontext()).per_sample)
+    torch.testing.assert_close(torch.cat(parts), whole.per_sample, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_blocks_are_the_shard_units(sd3_pipeline, shapes_shards,
+                                                                                         tmp_path):
+    import contextlib
+
+    plain = family_of(tmp_path, sd3_pipeline, shapes_shards)
+    ckpt = family_of(tmp_path, sd3_pipeline, shapes_shards, **{"model.gradient_checkpointing": "true"})
+    assert ckpt.net.is_gradient_checkpointing and not plain.net.is_gradient_checkpointing
+    grads = []
+    for fam in (plain, ckpt):
+        out = fam.loss(fam.loss_module, batch_of(fam, CAPTIONS, [1, 2, 3, 4]), contextlib.nullcontext())
+        out.loss.backward()
+        grads.append({n: p.grad for n, p in fam.net.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
+    units = type(plain).shard_units(plain.net, "layer")
+    assert units == list(plain.net.transformer_blocks) and type(plain).shard_units(plain.net, "block") == units
+    assert plain.net_name == "transformer"
+
+
+@pytest.mark.slow
+def test_sd3_trains_validates_exports_samples_in_bf16_with_workers(sd3_pipeline, shapes_shards, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    cfg = make(tmp_path, sd3_pipeline, shapes_shards, **{
+        "experiment.name": "sd3", "model.mixed_precision": "bf16", "system.workers": 2,
+        "experiment.num_examples_to_see": 16, "experiment.save_every": 2, "model.use_ema": "true",
+        "validation.path": shapes_shards, "validation.num_batches": 1, "experiment.num_eval_images": 2,
+        "experiment.eval_caption_file": str(prompts), "dataset.params.caption_dropout": 0.5,
+        "model.t5.max_length": 16, "model.t5.dropout": 0.3, "flow_matching.weighting": "cosmap",
+    })
+    from sd_training.loop import main
+
+    out = main(cfg)
+    run = tmp_path / "runs" / "sd3"
+    assert out["step"] == 4
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
+    assert [r["step"] for r in rows if "val/loss" in r] == [0, 2, 4]
+    assert (run / "samples" / "step_00000004.png").is_file()
+    assert len(list((run / "eval" / "step_00000004").glob("*.png"))) == 2
+    source = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline)
+    for folder in ("current_pipeline", "current_pipeline_ema"):
+        index = json.loads((run / folder / "model_index.json").read_text())
+        assert index["_class_name"] == "StableDiffusion3Pipeline"
+        pipe = StableDiffusion3Pipeline.from_pretrained(run / folder)  # plain diffusers, offline
+        image = pipe("a red circle", height=32, width=32, num_inference_steps=2, max_sequence_length=16,
+                     generator=torch.Generator().manual_seed(0)).images[0]
+        assert image.size == (32, 32)
+        # The frozen encoders and VAE are exported in fp32 as loaded (the run kept them in bf16).
+        for name in ("text_encoder_2", "text_encoder_3", "vae"):
+            a, b = getattr(pipe, name), getattr(source, name)
+            assert a.dtype == torch.float32
+            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())), name
+    trained = StableDiffusion3Pipeline.from_pretrained(run / "current_pipeline").transformer.state_dict()
+    assert any(not torch.equal(v, source.transformer.state_dict()[k]) for k, v in trained.items())
