@@ -19,7 +19,7 @@ from .sd3 import StableDiffusion3
 from .sdxl import StableDiffusionXL
 
 # model.family -> the family; adding one is a module and a line here.
-FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "flux": Flux}
+FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "sd3": StableDiffusion3, "flux": Flux}
 DEFAULT_FAMILY = "sd"  # the family of components set one by one (no pipeline root to read)
 
 
