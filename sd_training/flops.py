@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -155,8 +155,8 @@ def text_encode_flops(text_encoder, seq_len: int = 77) -> int:
 class StepFlops:
     """FLOPs per training image, counted once (see the module docstring for the conventions)."""
 
-    unet_forward: int  # one UNet forward
-    unet_train: int  # UNet forward + backward as run (incl. gradient-checkpointing recomputation)
+    unet_forward: int  # one forward of the trained module (a UNet, a transformer)
+    unet_train: int  # its forward + backward as run (incl. gradient-checkpointing recomputation)
     vae_encode: int  # frozen VAE encoder forward (0 when the batch carries precomputed latents)
     text_encode: int  # frozen text encoder forward
 
@@ -195,6 +195,63 @@ def count_step_flops(
         vae_encode=vae_encode_flops(models.vae, resolution) if encode_images else 0,
         text_encode=text_encode_flops(models.text_encoder, seq_len),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Any trained module (a diffusion transformer): the family says what one image's inputs are.
+# ----------------------------------------------------------------------------------------------
+
+MetaInputs = Callable[[torch.nn.Module], dict]  # the meta copy -> forward kwargs of ONE image, on meta
+
+
+def _meta_net(net, gradient_checkpointing: bool = False) -> torch.nn.Module:
+    m = _meta_copy(unwrap(net), None)
+    if gradient_checkpointing:
+        m.enable_gradient_checkpointing()
+    return m
+
+
+def _first(out) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+
+
+def net_forward_flops(net, inputs: MetaInputs) -> int:
+    """FLOPs of one forward of ``net`` (a diffusers model: its class and config are copied to the meta
+    device) on one image: ``inputs(meta_module)`` gives the forward's keyword arguments, meta tensors
+    with batch 1 (image tokens, text tokens, pooled embeddings, ids: as the family calls its model)."""
+    m = _meta_net(net).eval()
+    kwargs = inputs(m)
+    with torch.no_grad():
+        return _count(lambda: m(**kwargs, return_dict=False))
+
+
+def net_train_flops(net, inputs: MetaInputs, gradient_checkpointing: bool = False) -> int:
+    """FLOPs of ``net``'s forward + backward for one image as autograd runs it (with the recomputation of
+    gradient checkpointing, which diffusers' transformers apply per block)."""
+    m = _meta_net(net, gradient_checkpointing).train()
+    kwargs = inputs(m)
+    return _count(lambda: _first(m(**kwargs, return_dict=False)).sum().backward())
+
+
+def count_net_flops(net, inputs: MetaInputs, gradient_checkpointing: bool = False, vae_encode: int = 0,
+                    text_encode: int = 0) -> StepFlops:
+    """:class:`StepFlops` of a trained module with any forward (what a family's ``step_flops()`` returns):
+    model FLOPs = 3 x one forward (MFU), hardware FLOPs = forward + backward as run (recomputation
+    included) + the frozen VAE encode and text encoders' FLOPs given (``vae_encode=0`` for latent shards;
+    ``text_encode``: e.g. :func:`encoder_flops` of each frozen encoder, 0 for stored text states).
+    Image and text tokens go through joint attention as the family's ``inputs`` lay them out."""
+    return StepFlops(unet_forward=net_forward_flops(net, inputs),
+                     unet_train=net_train_flops(net, inputs, gradient_checkpointing),
+                     vae_encode=vae_encode, text_encode=text_encode)
+
+
+def encoder_flops(encoder, seq_len: int) -> int:
+    """FLOPs of a frozen transformers text encoder (CLIP, CLIP with projection, T5 encoder) for one
+    caption of ``seq_len`` tokens, counted on a meta copy of its class and config."""
+    m = _meta_copy(encoder, None).eval()
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with torch.no_grad():
+        return _count(lambda: m(input_ids=ids, return_dict=False))
 
 
 def model_flops_per_image(unet, latent_size: int | tuple[int, int], seq_len: int = 77) -> int:
