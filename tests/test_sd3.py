@@ -249,3 +249,10 @@ def test_sd3_trains_validates_exports_samples_in_bf16_with_workers(sd3_pipeline,
             assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())), name
     trained = StableDiffusion3Pipeline.from_pretrained(run / "current_pipeline").transformer.state_dict()
     assert any(not torch.equal(v, source.transformer.state_dict()[k]) for k, v in trained.items())
+
+
+@pytest.mark.parametrize("override", [{"flow_matching.shift": 2.0}, {"model.t5.use": "false"},
+                                      {"model.transformer.params": "{num_layers: 2}"}])
+def test_the_sd_family_refuses_the_transformer_keys(tiny_pipeline, shapes_shards, tmp_path, override):
+    with pytest.raises(ConfigError, match="applies to the transformer families"):
+        make(tmp_path, tiny_pipeline, shapes_shards, **override)

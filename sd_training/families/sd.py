@@ -66,6 +66,24 @@ def shard_units(net: torch.nn.Module, level: str) -> list[torch.nn.Module]:
     return units
 
 
+def refuse_transformer_keys(cfg: TrainConfig, family: str) -> None:
+    """The keys of the transformer families (flow matching, the transformer, T5) set on a UNet family's run
+    would be ignored silently: a ``ConfigError`` names the first one."""
+    from ..config import ConfigError
+    from .options import FamilyModelFields, FamilySections
+
+    sections = FamilySections()
+    model = FamilyModelFields()
+    keys = [("flow_matching", cfg.flow_matching, sections.flow_matching)]
+    keys += [(f"model.{k}", getattr(cfg.model, k), getattr(model, k))
+             for k in ("transformer", "t5", "text_encoder_3", "tokenizer_3", "guidance_embed")]
+    for key, value, default in keys:
+        if value != default:
+            raise ConfigError(f"'{key}' applies to the transformer families (sd3, flux); the {family} family trains a "
+                              "UNet with the 'objective' section: remove it, or set model.family / model.pretrained "
+                              "to a transformer pipeline")
+
+
 def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = None, for_export: bool = False):
     """A StableDiffusionPipeline of the run's components with ``unet`` (and ``vae``, when the VAE is trained).
 
@@ -103,6 +121,10 @@ class StableDiffusion(Family):
         )
         self.net = unwrap(self.models.unet)
         self.loss_module = self.net
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        refuse_transformer_keys(cfg, cls.name)
 
     def build_models(self):
         return build_models(self.cfg.model, self.device, seed=self.seed)

@@ -273,13 +273,15 @@ class StableDiffusion3(StableDiffusion):
     # -- artifacts --------------------------------------------------------------------------------
     def pipeline(self, net, for_export: bool = False, vae=None):
         """A ``StableDiffusion3Pipeline`` of the run's components with ``net``; ``for_export``: the frozen
-        components in fp32 as loaded. Generation uses ``model.t5.max_length`` T5 tokens, as trained."""
+        components in fp32 as loaded (the bare pipeline); else wrapped for sampling (:class:`Sampling`: the
+        trained T5 length)."""
         m = self.models
         if vae is None:
             vae = m.full_precision("vae") if for_export else m.vae
         enc = {n: (m.full_precision(n) if for_export else getattr(m, n)) if getattr(m, n) is not None else None
                for n in ENCODERS}
-        return _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m, m.t5_length)
+        pipe = _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m)
+        return pipe if for_export else Sampling(pipe, m.t5_length)
 
     # -- with no run ------------------------------------------------------------------------------
     @classmethod
@@ -348,30 +350,32 @@ def _joint_width(pipeline: str) -> int:
     return int(conf["joint_attention_dim"])
 
 
-def _pipeline(net, scheduler, vae, encoders: dict, m: SD3Models, t5_length: int):
+def _pipeline(net, scheduler, vae, encoders: dict, m: SD3Models):
     from diffusers import StableDiffusion3Pipeline
 
     from ..text_encoders import text_encoder_for_pipeline
 
-    pipe = StableDiffusion3Pipeline(
+    return StableDiffusion3Pipeline(
         transformer=net, scheduler=scheduler, vae=vae,
         text_encoder=text_encoder_for_pipeline(encoders["text_encoder"]), tokenizer=m.tokenizer,
         text_encoder_2=text_encoder_for_pipeline(encoders["text_encoder_2"]), tokenizer_2=m.tokenizer_2,
         text_encoder_3=encoders["text_encoder_3"], tokenizer_3=m.tokenizer_3,
     )
-    if t5_length != T5_LENGTH:
-        pipe = WithT5Length(pipe, t5_length)
-    return pipe
 
 
-class WithT5Length:
-    """A pipeline whose calls use ``max_sequence_length`` T5 tokens (the trained length), the rest as is."""
+class Sampling:
+    """The pipeline as sample grids and eval images call it: ``max_sequence_length`` = the trained T5 length,
+    and the transformer also under the name ``evaluation.generate.generate_images`` toggles (``unet``)."""
 
     def __init__(self, pipe, length: int):
         self.__dict__["_pipe"], self.__dict__["_length"] = pipe, length
 
     def __getattr__(self, name):
         return getattr(self._pipe, name)
+
+    @property
+    def unet(self):
+        return self._pipe.transformer
 
     def __call__(self, *args, **kwargs):
         kwargs.setdefault("max_sequence_length", self._length)
