@@ -29,7 +29,7 @@ def _build_atomically(final: Path, build) -> None:
 def prepare(cfg: QuickstartConfig, is_main: bool) -> None:
     if is_main and cfg.tiny_pipeline and not (Path(cfg.tiny_pipeline) / "model_index.json").exists():
         log.info("building the tiny random-weight pipeline in %s", cfg.tiny_pipeline)
-        _build_atomically(Path(cfg.tiny_pipeline), make_tiny_pipeline)
+        _build_atomically(Path(cfg.tiny_pipeline), lambda out: make_tiny_pipeline(out, family=cfg.tiny_family))
     if is_main and cfg.shapes_dataset:
         _prepare_shapes(cfg)
     distributed.barrier()

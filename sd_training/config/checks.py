@@ -42,6 +42,9 @@ def check(cfg: TrainConfig) -> TrainConfig:
     if cfg.model.unet.params:
         check_unet_params(cfg.model.unet.target, cfg.model.unet.params)
     options.check(cfg)
+    if cfg.quickstart.tiny_family is not None and cfg.quickstart.tiny_family not in registry.FAMILIES:
+        raise ConfigError(f"'quickstart.tiny_family' is '{cfg.quickstart.tiny_family}', expected one of "
+                          f"{', '.join(registry.FAMILIES)}")
     registry.validate(cfg)
     check_dataset_inputs(cfg.dataset)
     check_batch(cfg)

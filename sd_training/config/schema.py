@@ -232,6 +232,7 @@ class ModelConfig(FamilyModelFields, CommonModelFields):
 @dataclass
 class QuickstartConfig:
     tiny_pipeline: Optional[str] = f(None, "folder: build a tiny random-weight pipeline here when absent (point model.pretrained at it)")
+    tiny_family: Optional[str] = f(None, "the family of the tiny pipeline built in tiny_pipeline: a name in families.registry (None: its default)")
     shapes_dataset: Optional[str] = f(None, "folder: write generated-shapes WebDataset shards here when absent")
     shapes_samples: int = f(2000, "images in the generated-shapes dataset", ge=1)
     shapes_per_shard: int = f(250, "images per generated shard", ge=1)
