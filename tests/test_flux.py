@@ -112,6 +112,23 @@ def test_resolution_shift_is_the_pipelines_for_the_images_token_count(family, pi
     assert not torch.equal(sigmas, unshifted)
 
 
+def test_step_flops_count_the_transformer_over_image_and_text_tokens(family):
+    """MFU's FLOPs: 3 x one forward over the packed image tokens and T5's tokens; the frozen VAE and both
+    encoders are hardware FLOPs. More text tokens cost more (joint attention)."""
+    from sd_training.flops import encoder_flops
+
+    flops = family.step_flops()
+    assert flops.model == 3 * flops.unet_forward > 0 and flops.unet_train > 2 * flops.unet_forward
+    assert flops.vae_encode > 0 and flops.text_encode == encoder_flops(family.models.text_encoder, 77) + \
+        encoder_flops(family.models.text_encoder_2, T5_LEN)
+    tok = family.models.tokenizer_2
+    tok.model_max_length = 2 * T5_LEN
+    try:
+        assert family.step_flops().unet_forward > flops.unet_forward
+    finally:
+        tok.model_max_length = T5_LEN
+
+
 def _batch(family, n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     captions = ["a red circle", "", "a blue square on green", "a yellow triangle"][:n]
@@ -237,6 +254,7 @@ def test_flux_trains_validates_exports_samples_in_bf16_with_workers_and_ema(flux
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
     assert [r["step"] for r in rows if "val/loss" in r] == [0, 2, 4]
+    assert any(r.get("model_tflops_per_image", 0) > 0 for r in rows)  # MFU is defined for Flux
     assert (run / "samples" / "step_00000004.png").is_file()
     assert len(list((run / "eval" / "step_00000004").glob("*.png"))) == 2
     for folder in ("current_pipeline", "current_pipeline_ema"):

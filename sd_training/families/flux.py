@@ -34,6 +34,7 @@ from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latent
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
 from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
+from ..flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
 from ..text_encoders import build_clip_tokenizer, build_text_encoder
 from . import flow_matching, transformer_components
 from .base import Family, LossOut, SampleSettings, TextEncoding
@@ -315,6 +316,30 @@ class Flux(Family):
         m = self.models
         return StoredText(int(m.tokenizer_2.model_max_length), int(m.text_encoder_2.config.d_model), 1,
                           self.text_storage_tag())
+
+    def step_flops(self) -> StepFlops:
+        """Counted once on the meta device: 3 x one transformer forward over one image's packed tokens and
+        T5's text tokens (joint attention); hardware FLOPs add the VAE and the encoders unless stored."""
+        m, cfg = self.models, self.cfg
+        res = cfg.dataset.params.resolution
+        h, w = latent_size_of(m.vae, res)
+        n, length = (h // 2) * (w // 2), int(m.tokenizer_2.model_max_length)
+
+        def inputs(meta):
+            c = meta.config
+            return dict(hidden_states=torch.empty(1, n, c.in_channels, device="meta"),
+                        encoder_hidden_states=torch.empty(1, length, c.joint_attention_dim, device="meta"),
+                        pooled_projections=torch.empty(1, c.pooled_projection_dim, device="meta"),
+                        timestep=torch.ones(1, device="meta"), img_ids=torch.zeros(n, 3, device="meta"),
+                        txt_ids=torch.zeros(length, 3, device="meta"),
+                        guidance=torch.ones(1, device="meta") if c.guidance_embeds else None)
+
+        latent = is_latent_data(cfg)
+        stored = latent and bool(cfg.dataset.params.text_embeddings)
+        text = 0 if stored else encoder_flops(m.text_encoder, int(m.tokenizer.model_max_length)) + \
+            encoder_flops(m.text_encoder_2, length)
+        return count_net_flops(self.net, inputs, cfg.model.gradient_checkpointing,
+                               vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)
 
     def component_sources(self) -> dict:
         return component_sources(self.cfg.model, ("transformer", "vae", "text_encoder", "text_encoder_2"))
