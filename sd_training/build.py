@@ -71,9 +71,22 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     _log_memory_plan(cfg, info, family, net, ema, strategy, dtype, run_dir)
     model = strategy.wrap(family.loss_module, ema.shadow if ema is not None else None, family.shard_units)
     if cfg.model.compile:
-        # The compiled wrapper is only called; weights are always read from the bare net (no _orig_mod keys).
-        model = torch.compile(model)
+        model = compile_model(model, family, net)
     return ModelParts(family, net, ema, strategy, model, dtype, scaler)
+
+
+def compile_model(model: torch.nn.Module, family: Family, net: torch.nn.Module, **options) -> torch.nn.Module:
+    """``model.compile``: the family's units of ``net`` compiled in place (``Family.compile_units``: each
+    block its own small graph, reused across blocks), else the whole wrapped ``model`` (``torch.compile``;
+    the compiled wrapper is only called: weights are always read from the bare net, no _orig_mod keys).
+    ``options``: ``torch.compile``'s (a test's backend)."""
+    units = family.compile_units(net)
+    if units is None:
+        return torch.compile(model, **options)
+    for unit in units:
+        unit.compile(**options)
+    log.info("model.compile: %d units of the %s compiled one by one", len(units), family.net_name)
+    return model
 
 
 def _build_ema(cfg: TrainConfig, net: torch.nn.Module, net_name: str, total_steps: int,

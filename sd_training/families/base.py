@@ -153,6 +153,12 @@ class Family(abc.ABC):
         """Where each component came from, for the run folder's sources.json."""
         return {}
 
+    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module] | None:
+        """``model.compile``: the submodules of ``net`` compiled one by one, in place (``module.compile()``:
+        small graphs, one reused by every block of the same shape; FSDP2 units stay what they are); None:
+        the whole wrapped loss module is compiled (``torch.compile``)."""
+        return None
+
     def step_flops(self) -> StepFlops | None:
         """FLOPs per training image (for MFU); None where MFU is not defined."""
         return None
