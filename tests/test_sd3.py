@@ -256,3 +256,62 @@ def test_sd3_trains_validates_exports_samples_in_bf16_with_workers(sd3_pipeline,
 def test_the_sd_family_refuses_the_transformer_keys(tiny_pipeline, shapes_shards, tmp_path, override):
     with pytest.raises(ConfigError, match="applies to the transformer families"):
         make(tmp_path, tiny_pipeline, shapes_shards, **override)
+
+
+@pytest.fixture(scope="module")
+def sd3_latents(tmp_path_factory, sd3_pipeline, shapes_shards):
+    """The shapes shards precomputed for SD3 at 32 px: 16-channel shifted latents (mean, std), states of
+    77 + 16 tokens (T5 at --max-length 16) and pooled; text stored as the family asks (bf16)."""
+    from conftest import run_precompute
+
+    out = tmp_path_factory.mktemp("sd3_latents") / "out"
+    run_precompute(["--input", shapes_shards, "--pipeline", str(sd3_pipeline), "--output", str(out), "--resolution",
+                    "32", "--dtype", "fp32", "--text-embeddings", "--max-length", "16", "--batch-size", "16",
+                    "--workers", "0", "--no-progress"])
+    return out
+
+
+def test_sd3_latent_shards_give_the_same_step_as_pixels(sd3_latents, sd3_pipeline, shapes_shards, tmp_path):
+    """One step from shard latents equals the step from the same images encoded online (posterior mean): with
+    the text encoded online exactly; with the stored (bf16) text within bf16 rounding."""
+    import contextlib
+
+    from data_fixtures import make_cfg
+
+    from sd_training.data import build_train_loader
+
+    info = json.loads((sd3_latents / "latents_info.json").read_text())
+    assert info["text_family"] == "sd3" and info["text_shape"] == [77 + 16, 128] and info["pooled_shape"] == [128]
+    assert info["latent_channels"] == 16 and abs(info["latent_shift_factor"] - 0.0609) < 1e-9
+    assert info["text_dtype"] == "bfloat16"  # the family asks for bf16 (T5 states dominate the size)
+    fam = family_of(tmp_path, sd3_pipeline, str(sd3_latents), **{
+        "dataset.type": "latents", "dataset.params.text_embeddings": "true", "model.t5.max_length": 16})
+    online = family_of(tmp_path, sd3_pipeline, shapes_shards, **{"model.t5.max_length": 16})
+
+    def first(path, **params):
+        cfg = make_cfg(str(path), resolution=32, **params)
+        return next(iter(build_train_loader(cfg, tokenizer=fam.tokenizers, rank=0, world_size=1, seed=3)))
+
+    image = first(shapes_shards)
+    shard = first(sd3_latents, type="latents", latent_sampling="mean", text_embeddings=True)
+    assert shard["keys"] == image["keys"] and torch.equal(shard["input_ids_3"], image["input_ids_3"])
+    g = torch.Generator().manual_seed(0)
+    fixed = {"noise": torch.randn(shard["latents"].shape, generator=g), "timesteps": torch.tensor([100., 400, 700, 1000])}
+    ids = {k: image[k] for k in ("input_ids", "input_ids_2", "input_ids_3")}
+    latents = online.encode(unit_range(image["pixel_values"]), mean=True)
+    torch.testing.assert_close(shard["latents"], latents, rtol=1e-5, atol=1e-5)
+
+    def step(family, batch):
+        family.net.load_state_dict(online.net.state_dict())
+        family.net.zero_grad(set_to_none=True)
+        out = family.loss(family.loss_module, batch, contextlib.nullcontext(), fixed)
+        out.loss.backward()
+        return out.loss, {n: p.grad.clone() for n, p in family.net.named_parameters()}
+
+    want, want_grads = step(online, {"latents": latents, **ids})
+    stored = {"encoder_hidden_states": shard["encoder_hidden_states"], "pooled_text_embeds": shard["pooled_text_embeds"]}
+    for extra, tol in (({}, 1e-5), (stored, 2e-2)):
+        loss, grads = step(fam, {"latents": shard["latents"], **ids, **extra})
+        torch.testing.assert_close(loss, want, rtol=tol, atol=1e-6)
+        for n in grads:
+            torch.testing.assert_close(grads[n], want_grads[n], rtol=tol, atol=tol * 1e-2)

@@ -339,7 +339,7 @@ class StableDiffusion3(StableDiffusion):
             return encode_prompts(encoders[0], encoders[1], encoders[2] if has_t5 else None, ids[0], ids[1],
                                   ids[2] if has_t5 else None, length, width)
 
-        return TextEncoding(cls.text_storage_tag(), toks, encs, encode_ids)
+        return TextEncoding(cls.text_storage_tag(), toks, encs, encode_ids, storage_dtype="bf16")
 
 
 def _joint_width(pipeline: str) -> int:
