@@ -129,6 +129,14 @@ def test_step_flops_count_the_transformer_over_image_and_text_tokens(family):
         tok.model_max_length = T5_LEN
 
 
+def test_blocks_are_the_fsdp_and_compile_units(family):
+    """FSDP2 shards, and model.compile compiles, each double- and single-stream block on its own."""
+    net = family.net
+    blocks = [*net.transformer_blocks, *net.single_transformer_blocks]
+    assert family.shard_units(net, "layer") == family.shard_units(net, "block") == blocks
+    assert family.compile_units(net) == blocks and family.net_name == "transformer"
+
+
 def _batch(family, n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     captions = ["a red circle", "", "a blue square on green", "a yellow triangle"][:n]
@@ -287,3 +295,74 @@ def test_flux_trains_from_scratch_on_a_tiny_config(flux_pipeline, shapes_shards,
     assert pipe.transformer.config.num_attention_heads == 2 and not pipe.transformer.config.guidance_embeds
     assert "from scratch" in (run / "sources.json").read_text()
     _generate(run / "current_pipeline")
+
+
+@pytest.fixture(scope="module")
+def flux_latents(tmp_path_factory, flux_pipeline, shapes_shards):
+    """The shapes shards precomputed for Flux at 32 px: 16-channel shifted latents (mean, std), T5 states
+    (--max-length 16) and CLIP pooled, the text stored as the family asks (bf16)."""
+    from conftest import run_precompute
+
+    out = tmp_path_factory.mktemp("flux_latents") / "out"
+    run_precompute(["--input", shapes_shards, "--pipeline", str(flux_pipeline), "--output", str(out), "--resolution",
+                    "32", "--dtype", "fp32", "--text-embeddings", "--max-length", str(T5_LEN), "--batch-size", "16",
+                    "--workers", "0", "--no-progress"])
+    return out
+
+
+def test_flux_latent_shards_give_the_same_step_as_pixels(flux_latents, flux_pipeline, shapes_shards, family, tmp_path):
+    """One step from shard latents equals the step from the same images encoded online (posterior mean):
+    with the text encoded online exactly; with the stored (bf16) T5 states and pooled within bf16 rounding.
+    A run of another family refuses the shards."""
+    import contextlib
+    from dataclasses import replace
+
+    from data_fixtures import make_cfg
+
+    from sd_training.config.dataset import DatasetConfigError
+    from sd_training.data import build_train_loader
+    from sd_training.data.latents import EMPTY_TEXT_FILE, check_latents_match
+    from sd_training.data.transforms import unit_range
+
+    info = json.loads((flux_latents / "latents_info.json").read_text())
+    assert info["text_family"] == "flux" and info["text_shape"] == [T5_LEN, 128] and info["pooled_shape"] == [64]
+    assert info["latent_channels"] == 16 and abs(info["latent_shift_factor"] - 0.1159) < 1e-9
+    assert info["text_dtype"] == "bfloat16"
+    assert np.load(flux_latents / EMPTY_TEXT_FILE).any()  # "" is encoded, not zeros
+    fam = families.create(load(flux_args(tmp_path, flux_pipeline, str(flux_latents), **{
+        "dataset.type": "latents", "dataset.params.text_embeddings": "true", "flow_matching.weighting": "cosmap"})),
+        torch.device("cpu"), 0, True)
+
+    def first(path, **params):
+        cfg = make_cfg(str(path), resolution=32, **params)
+        return next(iter(build_train_loader(cfg, tokenizer=fam.tokenizers, rank=0, world_size=1, seed=3)))
+
+    loader = build_train_loader(make_cfg(str(flux_latents), type="latents", text_embeddings=True),
+                                tokenizer=fam.tokenizers, rank=0, world_size=1, seed=3)
+    fam.check_data(loader)
+    with pytest.raises(DatasetConfigError, match="flux layout"):
+        check_latents_match(loader, fam.models.vae, replace(fam.stored_text(), tag="sd3"))
+    image = first(shapes_shards)
+    shard = first(flux_latents, type="latents", latent_sampling="mean", text_embeddings=True)
+    assert shard["keys"] == image["keys"] and torch.equal(shard["input_ids_2"], image["input_ids_2"])
+    latents = family.latents({"pixel_values": unit_range(image["pixel_values"])})
+    torch.testing.assert_close(shard["latents"], latents, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(0)
+    fixed = {"noise": torch.randn(latents.shape, generator=g), "timesteps": torch.tensor([100., 400, 700, 1000])}
+    ids = {k: image[k] for k in ("input_ids", "input_ids_2")}
+
+    def step(f, batch):
+        f.net.load_state_dict(family.net.state_dict())
+        f.net.zero_grad(set_to_none=True)
+        out = f.loss(f.loss_module, batch, contextlib.nullcontext(), fixed)
+        out.loss.backward()
+        return out.loss, {n: p.grad.clone() for n, p in f.net.named_parameters()}
+
+    want, want_grads = step(family, {"latents": latents, **ids})
+    stored = {"encoder_hidden_states": shard["encoder_hidden_states"], "pooled_text_embeds": shard["pooled_text_embeds"]}
+    for extra, tol in (({}, 1e-5), (stored, 2e-2)):
+        loss, grads = step(fam, {"latents": shard["latents"], **ids, **extra})
+        torch.testing.assert_close(loss, want, rtol=tol, atol=1e-6)
+        for n in grads:
+            torch.testing.assert_close(grads[n], want_grads[n], rtol=tol, atol=tol * 1e-2)
+    family.net.zero_grad(set_to_none=True)

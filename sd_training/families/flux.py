@@ -241,6 +241,10 @@ class Flux(Family):
             return autocast_dtype
         return self.models.vae.dtype if self.models.vae.dtype != torch.float32 else None
 
+    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
+        """``model.compile``: each double- and single-stream block on its own (one graph per block shape)."""
+        return transformer_components.transformer_blocks(net)
+
     @property
     def tokenizers(self):
         """CLIP's ids are the batch's ``input_ids``, T5's its ``input_ids_2`` (the pipeline's numbering)."""
@@ -410,7 +414,8 @@ class Flux(Family):
     def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
                       max_length: int | None = None) -> TextEncoding:
         """T5's states (``max_length`` tokens, None: 512) and CLIP's pooled output, as :meth:`condition`
-        computes them; the T5 tokenizer comes first (its length is the stored states')."""
+        computes them; the T5 tokenizer comes first (its length is the stored states'); stored in bf16 by
+        default (T5's states dominate the shards' size)."""
         if clip_skip:
             raise ValueError("Flux conditions on CLIP's pooled output: clip skip does not apply")
         if max_length is not None and max_length > T5_MAX_LENGTH:
@@ -419,4 +424,5 @@ class Flux(Family):
         tokenizer_2 = load_t5_tokenizer(pipeline, "tokenizer_2", "the pipeline's tokenizer_2/", max_length or T5_MAX_LENGTH)
         text_encoder_2 = load_t5_encoder(pipeline, "text_encoder_2", "the pipeline's text_encoder_2/", device)
         return TextEncoding(cls.text_storage_tag(), [tokenizer_2, tokenizer], [text_encoder_2, text_encoder],
-                            lambda encoders, ids: encode_prompts(encoders[1], encoders[0], ids[1], ids[0]))
+                            lambda encoders, ids: encode_prompts(encoders[1], encoders[0], ids[1], ids[0]),
+                            storage_dtype="bf16")
