@@ -208,7 +208,9 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_blocks_are_the_shar
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
     units = type(plain).shard_units(plain.net, "layer")
     assert units == list(plain.net.transformer_blocks) and type(plain).shard_units(plain.net, "block") == units
-    assert plain.net_name == "transformer"
+    assert plain.net_name == "transformer" and plain.compile_units(plain.net) == units
+    flops = plain.step_flops()  # MFU: image patches and 77 + 256 text tokens through joint attention
+    assert flops.unet_train > 2 * flops.unet_forward > 0 and flops.text_encode > 0 and flops.vae_encode > 0
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ from .transformer_components import (
     reload_vae_fp32,
     shard_units,
     source,
+    transformer_blocks,
     validate_common,
 )
 from .unet_components import Components, frozen
@@ -267,8 +268,35 @@ class StableDiffusion3(StableDiffusion):
             ("text_encoder_3",) if self.models.text_encoder_3 is not None else ())
         return component_sources(self.cfg.model, names)
 
+    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
+        """``model.compile``: each MMDiT block on its own (one graph per block shape)."""
+        return transformer_blocks(net)
+
     def step_flops(self):
-        return None
+        """Counted once on the meta device: 3 x one transformer forward over one image's patches and the
+        77 + L text tokens (joint attention); hardware FLOPs add the VAE and the encoders unless stored."""
+        from ..flops import count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
+        from .sd import is_latent_data
+
+        m, cfg = self.models, self.cfg
+        res = cfg.dataset.params.resolution
+        h, w = latent_size_of(m.vae, res)
+        length = m.clip_length + m.t5_length
+
+        def inputs(meta):
+            c = meta.config
+            return dict(hidden_states=torch.empty(1, c.in_channels, h, w, device="meta"),
+                        encoder_hidden_states=torch.empty(1, length, c.joint_attention_dim, device="meta"),
+                        pooled_projections=torch.empty(1, c.pooled_projection_dim, device="meta"),
+                        timestep=torch.ones(1, device="meta"))
+
+        latent = is_latent_data(cfg)
+        stored = latent and bool(cfg.dataset.params.text_embeddings)
+        text = 0 if stored else sum(encoder_flops(e, n) for e, n in (
+            (m.text_encoder, m.clip_length), (m.text_encoder_2, m.clip_length), (m.text_encoder_3, m.t5_length))
+            if e is not None)
+        return count_net_flops(self.net, inputs, cfg.model.gradient_checkpointing,
+                               vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)
 
     # -- artifacts --------------------------------------------------------------------------------
     def pipeline(self, net, for_export: bool = False, vae=None):
