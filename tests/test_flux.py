@@ -58,6 +58,8 @@ def test_family_is_read_from_the_pipeline(flux_pipeline, shapes_shards, tmp_path
     ({"model.unet.params": "{in_channels: 4}"}, "model.transformer"),
     ({"objective.prediction_type": "v_prediction"}, "flow_matching"),
     ({"model.train_target": "vae"}, "transformer"),
+    ({"dataset.params.resolution": 40}, "multiples of 16"),
+    ({"dataset.params.aspect_buckets": "true", "dataset.params.bucket_step": 8}, "multiples of 16"),
 ])
 def test_flux_refuses_what_it_does_not_support_with_the_reason(flux_pipeline, shapes_shards, tmp_path, override,
                                                                message):

@@ -199,7 +199,7 @@ def check_models(m: FluxModels) -> None:
 
 def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
     """Flux's own refusals (``transformer_components.validate_common`` has the transformer families')."""
-    m = cfg.model
+    m, d = cfg.model, cfg.dataset.params
     return [
         (m.train_target != "unet", "model.train_target=vae trains a UNet pipeline's autoencoder; Flux trains its "
                                    "transformer (leave model.train_target at unet)"),
@@ -209,6 +209,9 @@ def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (m.t5.dropout > 0, "model.t5.dropout is SD3's (its T5 may be dropped); Flux always conditions on T5"),
         ((m.t5.max_length or 0) > T5_MAX_LENGTH, f"model.t5.max_length is at most {T5_MAX_LENGTH} for Flux "
                                                  "(FluxPipeline's limit)"),
+        (d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16),
+         f"Flux packs 2x2 patches of the 8x-downsampled latents: dataset.params.resolution ({d.resolution}) and, with "
+         f"aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16"),
     ]
 
 
