@@ -60,7 +60,7 @@ SCALING_FACTOR, SHIFT_FACTOR = 0.3611, 0.1159  # FLUX.1's VAE
 # FLUX.1's training scheduler: the shift by the image's token count (mu from 256 -> 0.5 to 4096 -> 1.15).
 FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                       base_image_seq_len=256, max_image_seq_len=4096)
-# The tiny pipeline: 2 double-stream + 2 single-stream blocks of 2 heads x 16 channels; T5's 128-channel states
+# The tiny pipeline: 1 double-stream + 1 single-stream block of 2 heads x 16 channels; T5's 128-channel states
 # are the text tokens, the tiny CLIP's 64-channel pooled output the pooled projection; 16 latent channels
 # packed 2x2 -> 64 input channels.
 TINY_FLUX_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
