@@ -111,7 +111,7 @@ def _log_memory_plan(cfg: TrainConfig, info: DistInfo, family: Family, net: torc
         net, family.frozen_modules(), cfg.optimizer.name, info.world_size, ema is not None,
         cfg.model.ema.device == "cpu", 2 if dtype is not None else 4, family.shard_units,
         cfg.distributed.fsdp_unit, replicated=family.trained_encoders().values(),
-        activations=micro_batch_activations(cfg, net),
+        activations=micro_batch_activations(cfg, net, text_tokens=family.text_tokens(cfg)),
     )
     check_plan(rows, strategy.plan_name, info.device.type, cfg)  # a batch that cannot fit stops here
     if info.is_main:

@@ -206,21 +206,52 @@ def trained_state_bytes(n_params: int, optimizer: str, ema: bool, strategy: str,
 LOAD_WARN_FRACTION = 0.8  # a plan above this share of the device's memory is logged as a warning
 
 
-def micro_batch_activations(cfg, net: torch.nn.Module | None = None, config: dict | None = None) -> float:
+def micro_batch_activations(cfg, net: torch.nn.Module | None = None, config: dict | None = None,
+                            text_tokens: int | None = None) -> float:
     """Bytes of one micro-batch's activations for the run ``cfg`` (``system.batch_size`` samples at
     ``dataset.params.resolution``), from the trained module's config (``net.config`` or ``config``); 0
-    when its architecture is not one the estimate knows (a UNet2DConditionModel or an AutoencoderKL)."""
+    when its architecture is not one the estimate knows (a UNet2DConditionModel, an AutoencoderKL, or a
+    diffusion transformer: ``text_tokens`` per sample through its joint attention, None: the family's
+    ``Family.text_tokens``)."""
     conf = dict(config if config is not None else getattr(net, "config", None) or {})
     kind = _kind(cfg, conf)
     if kind is None:
         return 0.0
     compute = 2 if cfg.model.mixed_precision in ("bf16", "fp16") else 4
+    if kind == "transformer":
+        from .memory_transformer import activation_elements, image_tokens
+
+        latent = cfg.dataset.params.resolution / _vae_factor(cfg)
+        channels = int(_vae_config(cfg).get("latent_channels") or 16)
+        text = text_tokens if text_tokens is not None else _family_of(cfg)[2]
+        per_sample = activation_elements(conf, image_tokens(conf, latent, latent, channels), text,
+                                         cfg.model.gradient_checkpointing) * compute
+        return cfg.system.batch_size * per_sample
     return cfg.system.batch_size * activation_bytes(conf, kind, cfg.dataset.params.resolution, compute,
                                                     cfg.model.gradient_checkpointing, _vae_factor(cfg))
 
 
+def _family_of(cfg) -> tuple[str, str | None, int]:
+    """(the trained module's component name, its class name when the family names one, text tokens per
+    sample) of the run's family; ("unet", None, 77) when the family cannot be told yet."""
+    from .families import registry
+
+    try:
+        name = registry.detect(cfg.model, must=False)
+    except Exception:  # noqa: BLE001 -- a pipeline the config checks already reported
+        name = None
+    fam = registry.FAMILIES.get(name or "")
+    if fam is None:
+        return "unet", None, 77
+    return fam.net_name, getattr(fam, "net_class", None), int(fam.text_tokens(cfg) or 77)
+
+
 def _kind(cfg, conf: dict) -> str | None:
+    from .memory_transformer import is_transformer
+
     name = str(conf.get("_class_name") or "")
+    if cfg.model.train_target != "vae" and is_transformer(conf):
+        return "transformer"
     if cfg.model.train_target == "vae":
         return "vae" if name in ("", "AutoencoderKL") else None
     target = str(cfg.model.unet.target).rsplit(".", 1)[-1]
@@ -262,11 +293,14 @@ def _component_folder(src: str | None, sub: str, revision: str | None) -> tuple[
     return None, None
 
 
+def _vae_config(cfg) -> dict:
+    m = cfg.model
+    return _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)[1] or {}
+
+
 def _vae_factor(cfg) -> int:
     """Pixels per latent pixel: 2^(VAE levels - 1) from the VAE's config.json, else Stable Diffusion's 8."""
-    m = cfg.model
-    _folder, conf = _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)
-    levels = len((conf or {}).get("block_out_channels") or (0,) * 4)
+    levels = len(_vae_config(cfg).get("block_out_channels") or (0,) * 4)
     return 2 ** (levels - 1)
 
 
@@ -301,6 +335,11 @@ def safetensors_params(folder: str) -> int | None:
 
 def _meta_params(kind: str, conf: dict) -> int:
     """Parameters of the module ``conf`` builds, built on the meta device (no memory); 0 if it does not build."""
+    if kind == "transformer":
+        from .memory_transformer import meta_module
+
+        module = meta_module(conf)
+        return sum(p.numel() for p in module.parameters()) if module is not None else 0
     try:
         import diffusers
 
@@ -367,12 +406,7 @@ def check_batch(cfg) -> None:
     from .config import ConfigError
 
     m = cfg.model
-    if m.train_target == "vae":
-        folder, conf = _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)
-    elif m.unet.params:
-        folder, conf = None, dict(m.unet.params)
-    else:
-        folder, conf = _component_folder(m.unet.pretrained or m.pretrained, "unet", m.revision)
+    folder, conf = _trained_config(cfg)
     if conf is None or _kind(cfg, conf) is None:
         return
     kind = _kind(cfg, conf)
@@ -410,6 +444,24 @@ def check_batch(cfg) -> None:
                                             "of memory", numbers, int(100 * LOAD_WARN_FRACTION), where)
 
 
+def _trained_config(cfg) -> tuple[str | None, dict | None]:
+    """(weights folder, config) of the trained module as the config names it: the VAE (train_target vae),
+    else the family's trained component (``model.<net_name>``: its params, or its folder's config.json)."""
+    m = cfg.model
+    if m.train_target == "vae":
+        return _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)
+    net_name, net_class, _text = _family_of(cfg)
+    comp = getattr(m, net_name, None)
+    if comp is None:
+        return None, None
+    if getattr(comp, "params", None):
+        conf = dict(comp.params)
+        if net_class or net_name != "unet":  # a family that names no class: not read as a UNet's params
+            conf.setdefault("_class_name", net_class or f"<{net_name}>")
+        return None, conf
+    return _component_folder(comp.pretrained or m.pretrained, net_name, m.revision)
+
+
 def check_plan(rows: list[MemoryRow], chosen: str, device: str, cfg) -> None:
     """The start-up plan (modules as built, ``chosen`` strategy) against the device's memory: the same
     refusal as ``check_batch`` for runs whose modules could not be read at load (a hub id, the
@@ -429,3 +481,17 @@ def check_plan(rows: list[MemoryRow], chosen: str, device: str, cfg) -> None:
             f"rough lower estimate, {row.activations / batch * 1024:,.1f} MiB per sample; the rest weights, gradients, "
             f"optimizer state, EMA and frozen components), and {where}. Lower system.batch_size and raise "
             "system.gradient_accumulation (or set system.global_batch_size), or set model.gradient_checkpointing=true")
+
+
+if __name__ == "__main__":  # python -m sd_training.memory_plan --table [--world-size 8] [--resolution 1024]
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Reference memory plans of known diffusion transformers")
+    parser.add_argument("--table", action="store_true", help="print the README's markdown table")
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--resolution", type=int, default=1024)
+    args = parser.parse_args()
+    if args.table:
+        from .memory_transformer import reference_table
+
+        print(reference_table(args.world_size, args.resolution))

@@ -87,6 +87,9 @@ class Family(abc.ABC):
     metric_prefix = ""  # prefix of the named loss terms in the logs
     # FSDP2: (module, distributed.fsdp_unit) -> the submodules sharded separately, innermost first
     shard_units = None
+    # The trained module's diffusers class name, for the memory plan at config load of from-scratch
+    # ``model.<net_name>.params`` (None: a UNet's params are read as before; other nets are not planned)
+    net_class: str | None = None
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         self.cfg, self.device, self.seed, self.is_main = cfg, device, seed, is_main
@@ -108,6 +111,12 @@ class Family(abc.ABC):
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
         """Config checks of this family (raise ``ConfigError`` naming the key and what to use instead)."""
+
+    @classmethod
+    def text_tokens(cls, cfg: TrainConfig) -> int | None:
+        """Text tokens one sample's conditioning holds (what a transformer's joint attention sees beside the
+        image tokens: the memory plan's activation estimate); None: CLIP's 77."""
+        return None
 
     # -- what trains besides the net --------------------------------------------------------------
     def trained_encoders(self) -> dict[str, torch.nn.Module]:

@@ -1,0 +1,129 @@
+"""The memory plan of diffusion transformers: the activation estimate against what autograd saves in
+tiny SD3Transformer2DModel / FluxTransformer2DModel (with and without gradient checkpointing), parameter
+counts from configs on the meta device, the reference rows of SD3.5-medium / large and Flux.1 (frozen
+T5-XXL and CLIPs counted) under ddp / fsdp / fsdp_offload, and a from-scratch transformer planned (and a
+batch that cannot fit refused) at config load."""
+
+import pytest
+import torch
+
+from sd_training import memory_transformer as mt
+from sd_training.memory_plan import GIB
+from sd_training.memory_transformer import activation_elements, blocks, image_tokens, meta_module
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SIDE, TEXT = 16, 16  # latent pixels a side (64 image tokens of 2x2 patches), text tokens
+SD3 = dict(sample_size=SIDE, patch_size=2, in_channels=16, out_channels=16, num_layers=4, attention_head_dim=16,
+           num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64, pooled_projection_dim=16,
+           pos_embed_max_size=32, qk_norm="rms_norm")
+FLUX = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=False,
+            axes_dims_rope=(4, 6, 6))
+
+
+def saved_elements(net, fn, seq: int) -> int:
+    """Elements of the tensors autograd saves in ``fn()`` (each storage once), the parameters and the
+    [seq, seq] attention probabilities of the CPU's math kernel left out (flash kernels keep none)."""
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and not (t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq):
+            seen[st.data_ptr()] = st.nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_the_estimate_is_close_to_what_autograd_saves(kind):
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    img = (SIDE // 2) ** 2
+    c, p, t = torch.randn(1, TEXT, 32), torch.randn(1, 16), torch.tensor([3.0])
+    if kind == "sd3":
+        net = SD3Transformer2DModel(**SD3)
+
+        def fn():
+            return net(torch.randn(1, 16, SIDE, SIDE), c, p, t, return_dict=False)[0]
+    else:
+        net = FluxTransformer2DModel(**FLUX)
+
+        def fn():
+            return net(hidden_states=torch.randn(1, img, 64), encoder_hidden_states=c, pooled_projections=p, timestep=t,
+                       img_ids=torch.zeros(img, 3), txt_ids=torch.zeros(TEXT, 3), return_dict=False)[0]
+    conf = dict(net.config)
+    assert image_tokens(conf, SIDE, SIDE, 16) == img  # 2x2 patches (SD3) or 2x2 packed latents (Flux)
+    full = saved_elements(net, fn, img + TEXT)
+    assert activation_elements(conf, img, TEXT, False) == pytest.approx(full, rel=0.05)
+    net.enable_gradient_checkpointing()
+    net.train()
+    kept = saved_elements(net, fn, img + TEXT)  # each block's inputs
+    n_blocks = len(blocks(net))
+    # ... plus one block recomputed at a time during the backward
+    assert activation_elements(conf, img, TEXT, True) == pytest.approx(kept + full / n_blocks, rel=0.1)
+    assert activation_elements(conf, img, 2 * TEXT, False) > activation_elements(conf, img, TEXT, False)  # text tokens
+
+
+def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
+    counts = mt.encoder_params()
+    assert counts["T5-XXL"] == pytest.approx(4.76e9, rel=0.01)
+    assert counts["CLIP-L"] == pytest.approx(123e6, rel=0.01) and counts["CLIP-G"] == pytest.approx(695e6, rel=0.01)
+    n, rows = mt.reference_rows("Flux.1-dev", world_size=8)
+    assert n == pytest.approx(11.9e9, rel=0.01)
+    ddp, fsdp, offload = rows
+    assert [r.strategy for r in rows] == ["ddp", "fsdp", "fsdp_offload"]
+    assert ddp.weights == pytest.approx(n * 4 / GIB) and ddp.optimizer == pytest.approx(n * 8 / GIB)
+    assert ddp.ema == ddp.weights and fsdp.weights == pytest.approx(ddp.weights / 8) and offload.weights == 0
+    net = meta_module(mt.REFERENCE["Flux.1-dev"][1], "FluxTransformer2DModel")
+    largest = max(sum(p.numel() for p in b.parameters()) for b in blocks(net))
+    assert fsdp.gathered == offload.gathered == pytest.approx(2 * largest * 2 / GIB)  # two units in bf16
+    vae = sum(p.numel() for p in meta_module(
+        {"_class_name": "AutoencoderKL", "latent_channels": 16, "layers_per_block": 2,
+         "block_out_channels": (128, 256, 512, 512), "down_block_types": ("DownEncoderBlock2D",) * 4,
+         "up_block_types": ("UpDecoderBlock2D",) * 4}).parameters())
+    frozen = (counts["T5-XXL"] + counts["CLIP-L"]) * 2 + vae * 4  # Flux: T5 and CLIP-L in bf16, the VAE in fp32
+    assert ddp.frozen == pytest.approx(frozen / GIB)
+    assert 0 < offload.activations and offload.total == pytest.approx(
+        offload.gathered + offload.frozen + offload.activations)
+    assert set(mt.ENCODERS) == {"T5-XXL", "CLIP-L", "CLIP-G"}
+
+
+def test_the_readme_table():
+    table = mt.reference_table(world_size=8)
+    lines = [x for x in table.splitlines() if x.startswith("| ") and "strategy" not in x]
+    assert len(lines) == 9 and {x.split(" (")[0][2:] for x in lines} == {"SD3.5-medium", "SD3.5-large", "Flux.1-dev"}
+    assert "| SD3.5-large (8.06B) | ddp |" in table and "| Flux.1-dev (11.90B) | fsdp |" in table
+
+
+def test_a_from_scratch_transformer_is_planned_at_config_load(monkeypatch, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    from sd_training.config import ConfigError
+    from sd_training.config.loading import parse
+    from sd_training.families import registry
+    from sd_training.memory_plan import check_batch, micro_batch_activations
+
+    fam = registry.FAMILIES["flux"]
+    monkeypatch.setattr(fam, "net_class", "FluxTransformer2DModel", raising=False)
+    monkeypatch.setattr(fam, "text_tokens", classmethod(lambda cls, cfg: 512))
+    params = "{" + ", ".join(f"{k}: {list(v) if isinstance(v, tuple) else v}" for k, v in FLUX.items()) + "}"
+    args = ["experiment.name=x", f"experiment.log_dir={tmp_path}", "experiment.num_examples_to_see=64",
+            "dataset.params.path=/data/{0..3}.tar", "system.device=cpu", "model.family=flux", "model.pretrained=/models/flux",
+            f"model.transformer.params={str(params).lower()}", "dataset.params.resolution=256"]
+    cfg = parse([*args, "system.batch_size=4"])
+    check_batch(cfg)  # fits
+    conf = {**FLUX, "_class_name": "FluxTransformer2DModel"}
+    per_sample = micro_batch_activations(cfg, config=conf) / 4  # 16x16 latents packed 2x2, 512 T5 tokens, fp32
+    assert per_sample == pytest.approx(4 * activation_elements(conf, (256 / 16) ** 2, 512, False))
+    n = sum(p.numel() for p in FluxTransformer2DModel(**FLUX).parameters())
+    with pytest.raises(ConfigError, match=rf"does not fit: .*{per_sample / 2**20:,.1f} MiB per sample.*"
+                                          rf"transformer's weights.*{n / 1e6:,.1f}M parameters"):
+        check_batch(parse([*args, "system.batch_size=10000000"]))
+    ckpt = parse([*args, "system.batch_size=4", "model.gradient_checkpointing=true"])
+    assert micro_batch_activations(ckpt, config=conf) < micro_batch_activations(cfg, config=conf) / 2
