@@ -219,6 +219,7 @@ class Flux(Family):
     name = "flux"
     net_name = "transformer"
     pipeline_classes = ("FluxPipeline",)
+    net_class = "FluxTransformer2DModel"
     shard_units = staticmethod(transformer_components.shard_units)
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
@@ -234,6 +235,11 @@ class Flux(Family):
             if refused:
                 raise ConfigError(message)
         validate_common(cfg, "flux")
+
+    @classmethod
+    def text_tokens(cls, cfg: TrainConfig) -> int:
+        """T5's tokens per caption: the text side of the joint attention (the memory plan's activations)."""
+        return int(cfg.model.t5.max_length or T5_MAX_LENGTH)
 
     @property
     def num_timesteps(self) -> int:
