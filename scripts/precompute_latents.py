@@ -60,13 +60,21 @@ import numpy as np
 import torch
 
 log = logging.getLogger("precompute_latents")
+from sd_training.data.latents_info import (  # noqa: E402  (the folder's info file and records)
+    DONE_DIR,
+    DTYPES,
+    TEXT_DTYPES,
+    atomic_write,
+    finish_if_complete,
+    make_info,
+    shift_factor,
+    start_folder,
+    text_dtype,
+)
 from sd_training.data.samples import SIZE_FIELDS  # noqa: E402  (the image path's size conditioning fields)
 from sd_training.families.registry import FAMILIES
 
-DTYPES = {"fp16": np.float16, "fp32": np.float32}
-TEXT_DTYPES = {"fp16": "float16", "fp32": "float32", "bf16": "bfloat16"}  # --text-dtype -> text_dtype
 VAE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DONE_DIR = ".done"  # per-shard records (samples, skips), written before the shard is renamed into place
 
 
 def parse(argv: List[str]) -> argparse.Namespace:
@@ -147,19 +155,6 @@ def load_models(args, device: torch.device):
         except (ValueError, NotImplementedError) as exn:
             raise SystemExit(f"precompute_latents: --clip-skip / --max-length / --family: {exn}") from None
     return vae, fingerprint.hexdigest(), encoder
-
-
-def shift_factor(vae) -> float:
-    """The VAE's shift factor (0 for VAEs without one: SD's)."""
-    return float(getattr(vae.config, "shift_factor", None) or 0.0)
-
-
-def text_dtype(args, encoder) -> Optional[str]:
-    """``latents_info.json``'s ``text_dtype``: --text-dtype, with auto the family's choice, else --dtype."""
-    if encoder is None:
-        return None
-    choice = args.text_dtype if args.text_dtype != "auto" else getattr(encoder, "storage_dtype", None) or args.dtype
-    return TEXT_DTYPES[choice]
 
 
 @torch.no_grad()
@@ -247,12 +242,6 @@ class ShardSamples(torch.utils.data.IterableDataset):
 
 def _as_is(item):
     return item
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
@@ -347,123 +336,9 @@ class ShardWriter:
             "skipped": {k[len("skipped/"):]: v for k, v in counts.items() if k.startswith("skipped/")},
         }
         (self.out / DONE_DIR).mkdir(exist_ok=True)
-        _atomic_write(self.out / DONE_DIR / f"{self.name}.json", json.dumps(record).encode())
+        atomic_write(self.out / DONE_DIR / f"{self.name}.json", json.dumps(record).encode())
         os.replace(self.tmp, self.out / self.name)
         return record
-
-
-# ----------------------------------------------------------------------------------------------
-# latents_info.json
-# ----------------------------------------------------------------------------------------------
-
-# Recorded for provenance only: a rerun may change them (moved folders, another batch size).
-PROVENANCE = ("input", "vae_source", "text_encoder_source", "batch_size", "workers", "device")
-
-
-def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape,
-              pooled_shape=None) -> Dict[str, Any]:
-    from sd_training.data.latents import EMPTY_TEXT_FILE, FORMAT, FORMAT_VERSION
-
-    cfg = vae.config
-    channels = int(cfg.latent_channels)
-    down = 2 ** (len(cfg.block_out_channels) - 1)
-    side = args.resolution // down
-    latent_shape = [2 * channels if args.store == "mean_std" else channels, side, side]
-    tdtype = text_dtype(args, encoder)
-    return {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "latent_scaling_factor": float(cfg.scaling_factor),
-        "latent_shift_factor": shift_factor(vae),
-        "latent_store": args.store,
-        "latent_dtype": np.dtype(DTYPES[args.dtype]).name,
-        "latent_channels": channels,
-        "latent_shape": latent_shape,
-        "downsample_factor": down,
-        "resolution": args.resolution,
-        "center_crop": True,
-        # Present only with --aspect-buckets (folders made without it keep their info unchanged).
-        **({"aspect_buckets": {"bucket_step": args.bucket_step, "max_aspect_ratio": args.max_aspect_ratio}}
-           if args.aspect_buckets else {}),
-        "vae_fingerprint": fingerprint,
-        "vae_dtype": args.vae_dtype,
-        "seed": args.seed if args.store == "sample" else None,
-        "text_embeddings": bool(args.text_embeddings),
-        "text_shape": list(text_shape) if text_shape else None,
-        "pooled_shape": list(pooled_shape) if pooled_shape else None,
-        "text_dtype": tdtype,
-        "bytes_per_sample": bytes_per_sample(latent_shape, np.dtype(DTYPES[args.dtype]).itemsize, tdtype,
-                                             text_shape, pooled_shape),
-        # The family's layout tag (Family.text_storage_tag; None: the single-encoder layout of older folders)
-        "text_family": encoder.tag if encoder is not None else None,
-        "clip_skip": args.clip_skip if args.text_embeddings else None,
-        "empty_text_file": EMPTY_TEXT_FILE if args.text_embeddings else None,
-        "shards": names,
-        # provenance
-        "input": args.input,
-        "vae_source": os.path.abspath(args.pipeline),
-        "text_encoder_source": os.path.abspath(args.pipeline) if args.text_embeddings else None,
-        "batch_size": args.batch_size,
-        "workers": args.workers,
-        "device": args.device,
-    }
-
-
-def bytes_per_sample(latent_shape, latent_itemsize: int, tdtype: Optional[str], text_shape,
-                     pooled_shape) -> Dict[str, int]:
-    """Array bytes of one sample (``.npy`` headers and tar headers, about 1.1 KiB a member, not counted);
-    latents at the square ``--resolution`` (aspect buckets: about the same area)."""
-    def numel(shape) -> int:
-        return int(np.prod(shape)) if shape else 0
-
-    text_size = 2 if tdtype in ("bfloat16", "float16") else 4
-    return {"latents": numel(latent_shape) * latent_itemsize,
-            "text": (numel(text_shape) + numel(pooled_shape)) * text_size if tdtype else 0}
-
-
-# Fields added after the format's first folders, and the value that means the same for a folder without them.
-LEGACY = {"latent_shift_factor": 0.0, "bytes_per_sample": None}
-
-
-def check_settings(path: Path, info: Dict[str, Any]) -> None:
-    """An existing latents_info.json must describe the same settings (the shards would mix otherwise)."""
-    if not path.exists():
-        return
-    old = json.loads(path.read_text())
-    for key, value in LEGACY.items():  # a folder written before a field: the field's old meaning
-        if key not in old and (value is None or info.get(key) == value):
-            old[key] = info.get(key)
-    if "text_dtype" not in old:
-        old["text_dtype"] = old.get("latent_dtype") if old.get("text_embeddings") else None
-    skip = set(PROVENANCE) | {"count", "complete", "skipped", "sizes"}
-    diff = [k for k in sorted(set(old) | set(info)) if k not in skip and old.get(k) != info.get(k)]
-    if diff:
-        shown = ", ".join(f"{k}: {old.get(k)!r} -> {info.get(k)!r}" for k in diff if k not in ("shards", "vae_fingerprint"))
-        raise SystemExit(
-            f"precompute_latents: {path.parent} holds latents made with other settings ({', '.join(diff)}"
-            f"{'; ' + shown if shown else ''}). Use another --output folder, or the same settings to resume"
-        )
-
-
-def finish_if_complete(out: Path, info: Dict[str, Any]) -> bool:
-    """When every shard is in place, write sizes.json and the final latents_info.json (idempotent)."""
-    records = {}
-    for name in info["shards"]:
-        rec = out / DONE_DIR / f"{name}.json"
-        if not (out / name).exists() or not rec.exists():
-            return False
-        records[name] = json.loads(rec.read_text())
-    if info["text_embeddings"] and not (out / info["empty_text_file"]).exists():
-        return False
-    skipped: Dict[str, int] = {}
-    for r in records.values():
-        for k, v in r["skipped"].items():
-            skipped[k] = skipped.get(k, 0) + v
-    sizes = {name: r["samples"] for name, r in records.items()}
-    _atomic_write(out / "sizes.json", json.dumps(sizes, indent=1).encode())
-    final = {**info, "count": sum(sizes.values()), "skipped": skipped, "complete": True}
-    _atomic_write(out / "latents_info.json", json.dumps(final, indent=1).encode())
-    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,7 +352,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from tqdm import tqdm
 
     from sd_training.data import build_sources
-    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, INFO_FILE, npy_bytes, to_stored
+    from sd_training.data.latents import INFO_FILE
     from sd_training.distributed import pick_device, probe_env
 
     layout = probe_env()
@@ -499,17 +374,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     info = make_info(args, vae, fingerprint, names, encoder, empty.shape if empty is not None else None,
                      empty_pooled.shape[1:] if empty_pooled is not None else None)
-    check_settings(out / INFO_FILE, info)
-    per = info["bytes_per_sample"]
-    log.info("bytes per sample: latents %s (%s, %s), text %s%s", f"{per['latents']:,}", info["latent_dtype"],
-             info["latent_store"], f"{per['text']:,}", f" ({info['text_dtype']})" if info["text_dtype"] else "")
-    if rank == 0:
-        if not (out / INFO_FILE).exists():
-            _atomic_write(out / INFO_FILE, json.dumps({**info, "complete": False}, indent=1).encode())
-        if empty is not None and not (out / EMPTY_TEXT_FILE).exists():
-            _atomic_write(out / EMPTY_TEXT_FILE, npy_bytes(to_stored(empty, info["text_dtype"])))
-        if empty_pooled is not None and not (out / EMPTY_POOLED_FILE).exists():
-            _atomic_write(out / EMPTY_POOLED_FILE, npy_bytes(to_stored(empty_pooled[0], info["text_dtype"])))
+    start_folder(out, rank, info, empty, empty_pooled)
 
     mine = [k for k in range(len(units)) if k % world == rank]
     todo = [k for k in mine if not (out / names[k]).exists()]
