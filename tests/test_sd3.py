@@ -64,7 +64,8 @@ def test_family_is_read_from_the_pipeline(sd3_pipeline, shapes_shards, tmp_path)
     ({"model.unet.params": "{in_channels: 16}"}, "model.unet applies to the UNet families"),
     ({"objective.prediction_type": "v_prediction"}, "flow_matching"),
     ({"model.attention": "sliced"}, "sliced"),
-    ({"model.text_encoder.train": "true"}, "transformer only"),
+    ({"model.text_encoder.max_length": 78}, "2 \\(start and end\\) to 77"),
+    ({"model.text_encoder.clip_skip": 2}, "leave it at 0"),
     ({"flow_matching.shift": 2.0, "flow_matching.resolution_shift": "true"}, "exclude each other"),
     ({"model.transformer.params": "{num_layerz: 2}"}, "did you mean 'model.transformer.params.num_layers'"),
 ])

@@ -4,13 +4,17 @@ As ``StableDiffusion3Pipeline.encode_prompt`` conditions at inference, so the tr
 
 * the penultimate hidden states of CLIP-L (``text_encoder``) and CLIP-G (``text_encoder_2``), both
   ``CLIPTextModelWithProjection``, concatenated along the channels and zero-padded to T5's width, then
-  joined along the sequence with T5's last hidden states (``text_encoder_3``, ``model.t5.max_length``
+  joined along the sequence (77 CLIP tokens unless ``model.text_encoder.max_length``)
+  with T5's last hidden states (``text_encoder_3``, ``model.t5.max_length``
   tokens, default 256): [B, 77 + L, joint_attention_dim];
 * pooled: the two CLIP projected pooled outputs, concatenated;
 * an empty caption (caption dropout) is encoded as the pipeline encodes "" (SD3 has no zeroing of empty
   prompts); ``model.t5.use=false`` leaves T5 out (its states are zeros, as a pipeline without
   ``text_encoder_3``); ``model.t5.dropout``: a training sample's T5 states are zeros with that probability,
-  drawn from the sample's ``t5_dropout`` stream (the SD3 paper drops each encoder part of the time).
+  drawn from the sample's ``t5_dropout`` stream (the SD3 paper drops each encoder part of the time);
+* ``model.text_encoder.train``: both CLIPs train with the transformer (fp32, DDP-replicated, their own
+  parameter groups; exports save them), T5 stays frozen; ``model.text_encoder.max_length``: CLIP tokens per
+  caption (both tokenizers' ``model_max_length``, which the exported pipeline's encode_prompt reads).
 
 Latents are ``(encode - shift_factor) * scaling_factor`` of the 16-channel VAE; the loss is
 ``families.flow_matching``'s. Everything else (sample grids, eval images, exports of a
@@ -34,7 +38,7 @@ from ..export import unwrap
 from ..loading import load_component
 from ..objective import host_seeds, sample_generators
 from ..precision import frozen_text_dtype
-from ..text_encoders import build_clip_tokenizer
+from ..text_encoders import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups
 from . import flow_matching
 from .base import Family, LossOut, TextEncoding
 from .sd import StableDiffusion
@@ -57,6 +61,7 @@ from .unet_components import Components, frozen
 log = logging.getLogger(__name__)
 
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
+CLIP_LENGTH = 77  # CLIP's position embeddings (model.text_encoder.max_length: fewer)
 SCALING_FACTOR, SHIFT_FACTOR = 1.5305, 0.0609  # SD3's VAE
 # The tiny pipeline: two 64-wide CLIPs (projections 64 + 64 = the pooled 128), T5 128 wide (= the joint
 # attention width; the CLIP states 64 + 64 are padded to it), a 2-layer MMDiT of 4 heads x 16, patch 2,
@@ -74,8 +79,8 @@ class SD3Models(Components):
     tokenizer: Any
     tokenizer_2: Any
     tokenizer_3: Any  # None when model.t5.use is false
-    text_encoder: torch.nn.Module  # CLIP-L with projection, frozen
-    text_encoder_2: torch.nn.Module  # CLIP-G with projection, frozen
+    text_encoder: torch.nn.Module  # CLIP-L with projection, frozen (fp32 and trained: model.text_encoder.train)
+    text_encoder_2: torch.nn.Module  # CLIP-G with projection, as text_encoder
     text_encoder_3: Optional[torch.nn.Module]  # T5, frozen (None: left out)
     vae: torch.nn.Module
     transformer: torch.nn.Module  # trained
@@ -92,13 +97,21 @@ class SD3Models(Components):
 
 def encode_prompts(text_encoder, text_encoder_2, text_encoder_3, input_ids, input_ids_2, input_ids_3=None,
                    t5_length: int = T5_LENGTH, t5_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(states [B, 77 + L, W], pooled [B, p1 + p2]) in float32, as ``StableDiffusion3Pipeline.encode_prompt``:
-    without T5 (``text_encoder_3`` None) its L x ``t5_width`` states are zeros. The encoders are frozen."""
-    with torch.no_grad():
+    """(states [B, n + L, W], pooled [B, p1 + p2]) in float32, as ``StableDiffusion3Pipeline.encode_prompt``
+    (n: the CLIP ids' length, 77 unless ``model.text_encoder.max_length``): without T5 (``text_encoder_3``
+    None) its L x ``t5_width`` states are zeros. Gradients flow into the CLIPs that train
+    (``model.text_encoder.train``: every parameter reaches the conditioning, the last layer and final norm
+    through the pooled output); T5 is always frozen."""
+    def trains(module):
+        return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+
+    with torch.set_grad_enabled(trains(text_encoder)):
         out1 = text_encoder(input_ids, output_hidden_states=True)
+    with torch.set_grad_enabled(trains(text_encoder_2)):
         out2 = text_encoder_2(input_ids_2, output_hidden_states=True)
-        clip = torch.cat([out1.hidden_states[-2].float(), out2.hidden_states[-2].float()], dim=-1)
-        pooled = torch.cat([out1[0].float(), out2[0].float()], dim=-1)
+    clip = torch.cat([out1.hidden_states[-2].float(), out2.hidden_states[-2].float()], dim=-1)
+    pooled = torch.cat([out1[0].float(), out2[0].float()], dim=-1)
+    with torch.no_grad():
         if text_encoder_3 is not None:
             t5 = encode_t5(text_encoder_3, input_ids_3)
         else:
@@ -131,7 +144,11 @@ class StableDiffusion3(StableDiffusion):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        validate_common(cfg, cls.name)
+        validate_common(cfg, cls.name, trains_clip=True)
+        n = cfg.model.text_encoder.max_length
+        if n is not None and not 2 <= n <= CLIP_LENGTH:
+            raise ConfigError(f"model.text_encoder.max_length {n}: SD3's CLIP tokens per caption are 2 (start and end) "
+                              f"to {CLIP_LENGTH}")
         if cfg.model.text_encoder_2.pretrained is None and cfg.model.pretrained is None:
             raise ConfigError("sd3 reads its components from a pipeline: set model.pretrained")
 
@@ -142,6 +159,7 @@ class StableDiffusion3(StableDiffusion):
 
         m, dev = self.cfg.model, self.device
         clip_dtype = frozen_text_dtype(m.text_encoder.dtype, m.mixed_precision)
+        train = m.text_encoder.train
 
         def load(loader, name: str):
             src, kw = source(m, name)
@@ -151,6 +169,13 @@ class StableDiffusion3(StableDiffusion):
 
         def clip(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
             return frozen(load(CLIPTextModelWithProjection.from_pretrained, name), device, dtype)
+
+        def trained_clip(name: str) -> torch.nn.Module:  # fp32, train mode, requiring grad
+            encoder = load(CLIPTextModelWithProjection.from_pretrained, name)
+            place_text_encoder(encoder, dev, True, m.gradient_checkpointing, clip_dtype)
+            return encoder
+
+        place = trained_clip if train else lambda name: clip(name, dev, clip_dtype)
 
         length = m.t5.max_length or T5_LENGTH
         t5 = tok3 = None
@@ -172,14 +197,21 @@ class StableDiffusion3(StableDiffusion):
         models = SD3Models(
             tokenizer=load(CLIPTokenizer.from_pretrained, "tokenizer"),
             tokenizer_2=load(CLIPTokenizer.from_pretrained, "tokenizer_2"), tokenizer_3=tok3,
-            text_encoder=clip("text_encoder", dev, clip_dtype), text_encoder_2=clip("text_encoder_2", dev, clip_dtype),
+            text_encoder=place("text_encoder"), text_encoder_2=place("text_encoder_2"),
             text_encoder_3=t5, vae=load_vae(m, dev),
             transformer=build_transformer(m, SD3Transformer2DModel, dev, self.seed),
             noise_scheduler=None, inference_scheduler=None, t5_length=length, reload_fp32=reload_fp32,
         )
         models.noise_scheduler, models.inference_scheduler = load_schedulers(m)
+        set_clip_length(models, m.text_encoder.max_length)
         check_components(models)
         return models
+
+    @classmethod
+    def text_tokens(cls, cfg: TrainConfig) -> int:
+        """CLIP's tokens (``model.text_encoder.max_length``, else 77) and T5's (zeros without T5): the text side
+        of the joint attention (the memory plan's activations)."""
+        return int(cfg.model.text_encoder.max_length or CLIP_LENGTH) + int(cfg.model.t5.max_length or T5_LENGTH)
 
     @property
     def tokenizers(self):
@@ -187,14 +219,22 @@ class StableDiffusion3(StableDiffusion):
         return (m.tokenizer, m.tokenizer_2) + ((m.tokenizer_3,) if m.tokenizer_3 is not None else ())
 
     def trained_encoders(self) -> dict[str, torch.nn.Module]:
-        return {}
+        """``model.text_encoder.train``: both CLIPs (fp32, replicated with DDP); T5 never trains."""
+        m = self.models
+        return {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2} if self.cfg.model.text_encoder.train else {}
 
     def frozen_modules(self) -> list[torch.nn.Module]:
-        m = self.models
-        return [x for x in (m.vae, m.text_encoder, m.text_encoder_2, m.text_encoder_3) if x is not None]
+        m, trained = self.models, self.trained_encoders().values()
+        return [x for x in (m.vae, m.text_encoder, m.text_encoder_2, m.text_encoder_3)
+                if x is not None and all(x is not t for t in trained)]
 
     def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
-        return []
+        """The trained CLIPs' groups (``model.text_encoder.learning_rate``, else the transformer's LR)."""
+        o, groups = self.cfg.optimizer, []
+        for name, encoder in self.trained_encoders().items():
+            groups += [dict(g, name=name) for g in text_encoder_param_groups(
+                encoder, self.cfg.model.text_encoder, peak_lr, o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)]
+        return groups
 
     # -- the step ---------------------------------------------------------------------------------
     def condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,8 +251,11 @@ class StableDiffusion3(StableDiffusion):
                 states = torch.cat([states[:, :m.clip_length], torch.zeros_like(states[:, m.clip_length:])], dim=1)
         else:
             ids3 = batch["input_ids_3"].to(dev, non_blocking=True) if m.text_encoder_3 is not None else None
+            clips = [m.text_encoder, m.text_encoder_2]
+            if not validation:  # trained CLIPs as DDP wraps them (gradient hooks), else the modules
+                clips = [self._encoders.get(n, e) for n, e in zip(("text_encoder", "text_encoder_2"), clips)]
             states, pooled = encode_prompts(
-                m.text_encoder, m.text_encoder_2, m.text_encoder_3, batch["input_ids"].to(dev, non_blocking=True),
+                *clips, m.text_encoder_3, batch["input_ids"].to(dev, non_blocking=True),
                 batch["input_ids_2"].to(dev, non_blocking=True), ids3, m.t5_length,
                 int(m.transformer.config.joint_attention_dim))
         if not validation and t5.use and t5.dropout > 0:
@@ -292,9 +335,10 @@ class StableDiffusion3(StableDiffusion):
 
         latent = is_latent_data(cfg)
         stored = latent and bool(cfg.dataset.params.text_embeddings)
-        text = 0 if stored else sum(encoder_flops(e, n) for e, n in (
-            (m.text_encoder, m.clip_length), (m.text_encoder_2, m.clip_length), (m.text_encoder_3, m.t5_length))
-            if e is not None)
+        passes = 3 if cfg.model.text_encoder.train else 1  # a trained CLIP's forward and backward
+        text = 0 if stored else sum(k * encoder_flops(e, n) for e, n, k in (
+            (m.text_encoder, m.clip_length, passes), (m.text_encoder_2, m.clip_length, passes),
+            (m.text_encoder_3, m.t5_length, 1)) if e is not None)
         return count_net_flops(self.net, inputs, cfg.model.gradient_checkpointing,
                                vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)
 
@@ -306,8 +350,9 @@ class StableDiffusion3(StableDiffusion):
         m = self.models
         if vae is None:
             vae = m.full_precision("vae") if for_export else m.vae
-        enc = {n: (m.full_precision(n) if for_export else getattr(m, n)) if getattr(m, n) is not None else None
-               for n in ENCODERS}
+        trained = self.trained_encoders()
+        enc = {n: unwrap(trained[n]) if n in trained else (m.full_precision(n) if for_export else getattr(m, n))
+               if getattr(m, n) is not None else None for n in ENCODERS}
         pipe = _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m)
         return pipe if for_export else Sampling(pipe, m.t5_length)
 
@@ -357,6 +402,9 @@ class StableDiffusion3(StableDiffusion):
                 for n in ("tokenizer", "tokenizer_2")]
         encs = [frozen(load_component(CLIPTextModelWithProjection.from_pretrained, pipeline, n, f"the pipeline's {n}/"),
                        device) for n in ("text_encoder", "text_encoder_2")]
+        # CLIP's length as the pipeline encodes (its tokenizer's: an export of a max_length run saved it)
+        clip = min(int(toks[0].model_max_length), *(e.config.max_position_embeddings for e in encs))
+        toks[0].model_max_length = toks[1].model_max_length = clip
         has_t5 = os.path.isdir(os.path.join(pipeline, "text_encoder_3")) or not os.path.isdir(pipeline)
         if has_t5:
             toks.append(load_t5_tokenizer(pipeline, "tokenizer_3", "the pipeline's tokenizer_3/", length))
@@ -408,6 +456,17 @@ class Sampling:
     def __call__(self, *args, **kwargs):
         kwargs.setdefault("max_sequence_length", self._length)
         return self._pipe(*args, **kwargs)
+
+
+def set_clip_length(m: SD3Models, max_length: int | None) -> None:
+    """Both CLIP tokenizers pad and truncate to ``model.text_encoder.max_length`` (None: the first
+    tokenizer's length, at most the encoders' positions): ``StableDiffusion3Pipeline`` encodes both with
+    ``tokenizer.model_max_length``, and exports save it, so inference reads the trained length."""
+    limit = min(m.text_encoder.config.max_position_embeddings, m.text_encoder_2.config.max_position_embeddings)
+    if max_length is not None and max_length > limit:
+        raise ConfigError(f"model.text_encoder.max_length {max_length} exceeds the CLIPs' {limit} position embeddings")
+    n = max_length or min(int(m.tokenizer.model_max_length), limit)
+    m.tokenizer.model_max_length = m.tokenizer_2.model_max_length = n
 
 
 def check_components(m: SD3Models) -> None:

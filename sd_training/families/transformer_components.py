@@ -32,8 +32,10 @@ def source(cfg: ModelConfig, component: str) -> tuple[str | None, dict]:
     return own or cfg.pretrained, dict(revision=cfg.revision) if cfg.revision and not own else {}
 
 
-def validate_common(cfg: TrainConfig, family: str) -> None:
-    """Refuse the keys of the UNet families that a transformer family would silently ignore."""
+def validate_common(cfg: TrainConfig, family: str, trains_clip: bool = False) -> None:
+    """Refuse the keys of the UNet families that a transformer family would silently ignore.
+    ``trains_clip``: the family trains its CLIP encoders with the transformer and sets their length
+    (``model.text_encoder.train`` / ``max_length``: sd3)."""
     m = cfg.model
     refusals = [
         (m.unet != UNetConfig(), f"model.unet applies to the UNet families; {family} trains model.transformer "
@@ -46,12 +48,12 @@ def validate_common(cfg: TrainConfig, family: str) -> None:
         (m.channels_last, f"model.channels_last applies to UNet convolutions; {family}'s transformer takes tokens"),
         (m.text_encoder.type != "clip", f"{family}'s CLIP encoders are read from the pipeline: model.text_encoder.type "
                                         "must be clip"),
-        (m.text_encoder.train, f"model.text_encoder.train: {family} trains the transformer only (its text encoders "
-                               "stay frozen)"),
+        (m.text_encoder.train and not trains_clip, f"model.text_encoder.train: {family} trains the transformer only "
+                                                   "(its text encoders stay frozen)"),
         (m.text_encoder.clip_skip not in (0,), f"model.text_encoder.clip_skip: {family} conditions as its pipeline "
                                                "does; leave it at 0"),
-        (m.text_encoder.max_length is not None, f"model.text_encoder.max_length: {family}'s CLIP length is the "
-                                                "tokenizer's 77; T5's is model.t5.max_length"),
+        (m.text_encoder.max_length is not None and not trains_clip,
+         f"model.text_encoder.max_length: {family}'s CLIP length is the tokenizer's 77; T5's is model.t5.max_length"),
     ]
     for refused, message in refusals:
         if refused:
