@@ -159,6 +159,7 @@ def configure_schedulers(noise_scheduler, inference_scheduler, cfg: ObjectiveCon
 # changes every run's draws), and a new kind of draw takes a new number.
 STREAMS = {
     "noise": 1, "timesteps": 2, "offset": 3, "pyramid": 4, "pyramid_ratios": 5, "perturbation": 6, "posterior": 7,
+    "t5_dropout": 8,  # SD3: whether a sample's T5 states are dropped (model.t5.dropout)
 }
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1

@@ -26,7 +26,7 @@ def test_family_is_read_from_the_pipeline(sdxl_pipeline, tiny_pipeline, shapes_s
     forced = load(train_args(tmp_path, tiny_pipeline, shapes_shards, model__family="sdxl"))
     assert families.detect(forced.model) == "sdxl"
     with pytest.raises(ConfigError, match="model.family"):
-        load(train_args(tmp_path, tiny_pipeline, shapes_shards, model__family="sd3"))
+        load(train_args(tmp_path, tiny_pipeline, shapes_shards, model__family="kandinsky"))
 
 
 @pytest.mark.parametrize("override, message", [

@@ -41,8 +41,12 @@ def generate_images(
     mine = list(range(rank, n, world_size))
     todo = [i for i in mine if not image_path(out, i).is_file()]
     size = dict(height=resolution, width=resolution) if resolution else {}
-    was_training = pipe.unet.training
-    pipe.unet.eval()
+    # Every module of the pipeline in eval mode while generating (the denoiser may be a UNet or a
+    # transformer, and a trained text encoder may be in train mode), each restored afterwards.
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.eval()
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=f"generate (rank {rank})", unit="img",
                disable=not progress, position=0 if rank == 0 else None, leave=rank == 0)
     try:
@@ -63,5 +67,6 @@ def generate_images(
             bar.update(len(idx))
     finally:
         bar.close()
-        pipe.unet.train(was_training)
+        for m, mode in zip(modules, was_training):
+            m.train(mode)
     return [image_path(out, i) for i in mine]

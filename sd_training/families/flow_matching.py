@@ -27,11 +27,8 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..objective import STREAMS, host_seeds, sample_generators
+from ..objective import host_seeds, sample_generators
 from .options import FlowMatchingConfig
-
-# SD3's T5 dropout draws per sample from its own stream (numbers never change: see objective.STREAMS).
-STREAMS.setdefault("t5_dropout", 8)
 
 SAMPLINGS = ("uniform", "logit_normal", "mode")
 WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")

@@ -120,6 +120,7 @@ class StableDiffusionXL(StableDiffusion):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)  # the transformer families' keys
         m = cfg.model
         refusals = [
             (m.text_encoder.type != "clip", "SDXL's text encoders are read from the pipeline (text_encoder/, "
