@@ -121,9 +121,11 @@ def test_t5_dropout_per_sample_from_its_seed(sd3_pipeline, shapes_shards, tmp_pa
     assert kept[:, 77:].flatten(1).any(dim=1).all()
 
 
-def hand_written_step(pipe, transformer, pixels, captions, seeds, cfg):
+def hand_written_step(pipe, transformer, pixels, captions, seeds, cfg, train_text=False):
     """One step as diffusers' examples/dreambooth/train_dreambooth_sd3.py computes it (its code, with the
-    posterior mean instead of a sample, and each sample's noise and u from its seed's streams)."""
+    posterior mean instead of a sample, and each sample's noise and u from its seed's streams); ``train_text``:
+    the prompt embeddings keep their graph (gradients reach the pipeline's CLIPs, as the example's
+    --train_text_encoder does)."""
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
     sched = pipe.scheduler
@@ -140,7 +142,7 @@ def hand_written_step(pipe, transformer, pixels, captions, seeds, cfg):
     step_indices = [(sched.timesteps == t).nonzero().item() for t in timesteps]  # get_sigmas
     sigmas = sched.sigmas[step_indices].flatten().view(-1, 1, 1, 1)
     noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-    with torch.no_grad():
+    with torch.set_grad_enabled(train_text):
         prompt_embeds, _, pooled_prompt_embeds, _ = pipe.encode_prompt(captions, None, None, device="cpu",
                                                                        do_classifier_free_guidance=False)
     model_pred = transformer(hidden_states=noisy_model_input, timestep=timesteps, encoder_hidden_states=prompt_embeds,
@@ -175,6 +177,96 @@ def test_one_step_equals_the_diffusers_example(sd3_family, sd3_pipeline):
         scale = q.grad.abs().max().clamp(min=1e-12)
         assert (p.grad - q.grad).abs().max() / scale < 1e-4, name
     net.zero_grad(set_to_none=True)
+
+
+def test_trained_clips_get_the_gradients_of_the_example_with_its_text_encoders_trained(sd3_pipeline, shapes_shards,
+                                                                                       tmp_path):
+    """model.text_encoder.train: both CLIPs are fp32, trained, in the optimizer (their own LR), left out of the
+    frozen modules; every CLIP parameter gets a gradient (DDP waits for none), equal to backpropagating the
+    example's loss through encode_prompt; T5 stays frozen."""
+    import contextlib
+
+    from diffusers import StableDiffusion3Pipeline
+
+    fam = family_of(tmp_path, sd3_pipeline, shapes_shards, **{
+        "model.text_encoder.train": "true", "model.text_encoder.learning_rate": 1e-4, "model.vae.latent_sampling": "mean"})
+    m = fam.models
+    assert fam.trained_encoders() == {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2}
+    assert all(e.training and next(e.parameters()).dtype == torch.float32 for e in fam.trained_encoders().values())
+    assert fam.frozen_modules() == [m.vae, m.text_encoder_3] and not any(p.requires_grad for p in m.text_encoder_3.parameters())
+    groups = fam.extra_param_groups(1e-3, 1.0)
+    assert {g["name"] for g in groups} == {"text_encoder", "text_encoder_2"} and {g["lr"] for g in groups} == {1e-4}
+    assert sum(len(g["params"]) for g in groups) == len(list(m.text_encoder.parameters())) * 2
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline)
+    ref = copy.deepcopy(fam.net)
+    seeds = [7, 8, 9, 10]
+    batch = batch_of(fam, CAPTIONS, seeds)
+    out = fam.loss(fam.loss_module, batch, contextlib.nullcontext())
+    out.loss.backward()
+    want, _ = hand_written_step(pipe, ref, unit_range(batch["pixel_values"]), CAPTIONS, seeds, fam.cfg.flow_matching,
+                                train_text=True)
+    want.backward()
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-7)
+    for name in ("text_encoder", "text_encoder_2"):
+        # k_proj's bias has an analytic gradient of 0 (softmax ignores a shift of every key): rounding noise
+        # only, so each parameter's error is measured against the larger of its own and the encoder's scale
+        floor = 1e-3 * max(float(q.grad.abs().max()) for q in getattr(pipe, name).parameters())
+        for (key, p), q in zip(getattr(m, name).named_parameters(), getattr(pipe, name).parameters()):
+            assert p.grad is not None, (name, key)
+            scale = max(float(q.grad.abs().max()), floor)
+            assert (p.grad - q.grad).abs().max() / scale < 1e-4, (name, key)
+    assert all(p.grad is None for p in m.text_encoder_3.parameters())
+    with torch.no_grad():  # validation (and the frozen case) encode without a graph
+        states, _ = fam.condition(batch_of(fam, CAPTIONS), validation=True)
+    assert not states.requires_grad
+
+
+def test_clip_max_length_conditions_as_the_pipeline_with_that_tokenizer_length(sd3_pipeline, shapes_shards, tmp_path):
+    """model.text_encoder.max_length 10: both CLIP tokenizers pad to 10, the conditioning is encode_prompt's of a
+    pipeline whose tokenizers say 10 (10 + T5 tokens), and stored text expects that length."""
+    from diffusers import StableDiffusion3Pipeline
+
+    fam = family_of(tmp_path, sd3_pipeline, shapes_shards, **{"model.text_encoder.max_length": 10,
+                                                                "model.t5.max_length": 16})
+    assert [t.model_max_length for t in fam.tokenizers[:2]] == [10, 10]
+    batch = batch_of(fam, CAPTIONS)
+    assert batch["input_ids"].shape == batch["input_ids_2"].shape == (4, 10)
+    states, pooled = fam.condition(batch, validation=True)
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline)
+    pipe.tokenizer.model_max_length = pipe.tokenizer_2.model_max_length = 10
+    pipe = StableDiffusion3Pipeline(**pipe.components)  # tokenizer_max_length is read at construction
+    want, _, want_pooled, _ = pipe.encode_prompt(CAPTIONS, None, None, device="cpu", do_classifier_free_guidance=False,
+                                                 max_sequence_length=16)
+    assert states.shape == (4, 10 + 16, 128)
+    torch.testing.assert_close(states, want.float())
+    torch.testing.assert_close(pooled, want_pooled.float())
+    assert fam.stored_text().length == 26 and type(fam).text_tokens(fam.cfg) == 26
+
+
+def test_trained_clips_are_exported_with_their_length_and_generate(sd3_pipeline, shapes_shards, tmp_path):
+    """Two optimizer steps with model.text_encoder.train and max_length 10: both CLIPs changed, T5 did not;
+    the exported pipeline holds the trained CLIPs, its tokenizers say 10, and plain diffusers loads it and
+    generates offline."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from sd_training.loop import main
+
+    cfg = make(tmp_path, sd3_pipeline, shapes_shards, **{
+        "experiment.name": "clips", "experiment.num_examples_to_see": 8, "model.text_encoder.train": "true",
+        "model.text_encoder.max_length": 10, "model.t5.max_length": 16})
+    assert main(cfg)["step"] == 2
+    source = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "runs" / "clips" / "current_pipeline")
+    assert pipe.tokenizer.model_max_length == pipe.tokenizer_2.model_max_length == pipe.tokenizer_max_length == 10
+
+    def same(name):
+        a, b = getattr(pipe, name).state_dict(), getattr(source, name).state_dict()
+        return all(torch.equal(a[k], b[k]) for k in b)
+
+    assert not same("text_encoder") and not same("text_encoder_2") and same("text_encoder_3") and same("vae")
+    image = pipe("a red circle", height=32, width=32, num_inference_steps=2, max_sequence_length=16,
+                 generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (32, 32)
 
 
 def test_a_samples_loss_does_not_depend_on_the_batch_split(sd3_pipeline, shapes_shards, tmp_path):
