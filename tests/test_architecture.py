@@ -23,6 +23,10 @@ FAMILY_NAMES = {
     "StableDiffusionXL", "Autoencoder", "StableDiffusionPipeline", "StableDiffusionXLPipeline", "AutoencoderKL",
     "UNet2DConditionModel", "CLIPTextModel", "CLIPTextModelWithProjection", "encode_text", "encode_images",
     "diffusion_loss", "vae_loss",
+    # the transformer families (SD3, Flux) and their objective
+    "sd3", "flux", "transformer", "text_encoder_3", "tokenizer_3", "t5", "guidance_embed", "StableDiffusion3",
+    "Flux", "StableDiffusion3Pipeline", "FluxPipeline", "SD3Transformer2DModel", "FluxTransformer2DModel",
+    "T5EncoderModel", "flow_loss", "flow_matching",
 }
 
 
@@ -84,7 +88,8 @@ SCANNED = [p for p in [*PKG.rglob("*.py"), *(PKG.parent / "scripts").rglob("*.py
 
 
 # Inside a longer string (an error message, a help text): the names that cannot be ordinary words.
-SUBSTRINGS = ("sdxl", "StableDiffusion", "text_encoder_2", "tokenizer_2")
+SUBSTRINGS = ("sdxl", "StableDiffusion", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3",
+              "flow_matching")
 
 
 def family_words() -> tuple[set[str], set[str]]:

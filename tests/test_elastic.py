@@ -60,9 +60,10 @@ def args(tmp_path, pipeline, shards, name, workers, precision="bf16", strategy="
     )
 
 
-def steps_keys(run: Path) -> dict[int, set[str]]:
+def steps_keys(run: Path, global_batch: int = GLOBAL_BATCH) -> dict[int, set[str]]:
     """Step -> the samples it trained on, over every rank, from the attempt that wrote the step last
-    (the one that started from the newest checkpoint at or before it)."""
+    (the one that started from the newest checkpoint at or before it); each step must have trained on
+    ``global_batch`` samples."""
     rows = [json.loads(line) for f in sorted((run / "sample_keys").glob("rank_*.jsonl"))
             for line in f.read_text().splitlines()]
     out = {}
@@ -74,7 +75,7 @@ def steps_keys(run: Path) -> dict[int, set[str]]:
         chosen = list(attempt.values())
         assert sorted(attempt) == list(range(newest["world_size"])), f"step {step}: not every rank recorded it"
         keys = [k for r in chosen for k in r["keys"]]
-        assert len(keys) == GLOBAL_BATCH, f"step {step} trained on {len(keys)} samples"
+        assert len(keys) == global_batch, f"step {step} trained on {len(keys)} samples"
         out[step] = sorted(keys)
     return out
 
