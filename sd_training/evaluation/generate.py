@@ -15,11 +15,20 @@ import torch
 
 
 def load_pipeline(folder: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A ``StableDiffusionPipeline`` (or the class its model_index.json names) from a local folder."""
+    """A ``StableDiffusionPipeline`` (or the class its model_index.json names) from a local folder. Components
+    saved as absent (``[null, null]`` in model_index.json: an SD3 pipeline trained without T5) are passed as
+    None, which diffusers requires for components that are not optional."""
+    import json
+    import os
+
     from diffusers import DiffusionPipeline
 
+    with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as fh:
+        index = json.load(fh)
+    absent = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[:1] == [None]}
     # Loaded as saved, then cast: the dtype keyword of from_pretrained changed name across diffusers versions.
-    pipe = DiffusionPipeline.from_pretrained(folder, safety_checker=None, requires_safety_checker=False, local_files_only=True)
+    pipe = DiffusionPipeline.from_pretrained(folder, **{"safety_checker": None, **absent}, requires_safety_checker=False,
+                                             local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device, dtype)
 

@@ -122,8 +122,17 @@ def load_vae(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
     src, kw = source(cfg, "vae")
     if src is None:
         raise ConfigError("the VAE has no source: set model.pretrained or model.vae.pretrained")
-    vae = load_weights(AutoencoderKL.from_pretrained, src, "vae", "model.vae.pretrained", **kw)
+    vae = with_shift(load_weights(AutoencoderKL.from_pretrained, src, "vae", "model.vae.pretrained", **kw))
     return frozen(vae, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision))
+
+
+def with_shift(vae):
+    """The VAE with a ``shift_factor`` in its config: a VAE saved without one (an SD-style VAE, the
+    quickstart's) trains as shift 0 and is exported with ``shift_factor: 0.0``, because the SD3 and Flux
+    pipelines decode ``latents / scaling_factor + shift_factor`` and fail on None."""
+    if vae.config.get("shift_factor", None) is None:
+        vae.register_to_config(shift_factor=0.0)
+    return vae
 
 
 def reload_vae_fp32(cfg: ModelConfig) -> torch.nn.Module:
@@ -131,7 +140,7 @@ def reload_vae_fp32(cfg: ModelConfig) -> torch.nn.Module:
     from diffusers import AutoencoderKL
 
     src, kw = source(cfg, "vae")
-    return load_weights(AutoencoderKL.from_pretrained, src, "vae", "model.vae.pretrained", **kw)
+    return with_shift(load_weights(AutoencoderKL.from_pretrained, src, "vae", "model.vae.pretrained", **kw))
 
 
 def vae_factors(vae) -> tuple[float, float]:
