@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..export import eval_mode
+
 
 def load_pipeline(folder: str, device: torch.device, dtype: torch.dtype = torch.float32):
     """A ``StableDiffusionPipeline`` (or the class its model_index.json names) from a local folder. Components
@@ -50,32 +52,26 @@ def generate_images(
     mine = list(range(rank, n, world_size))
     todo = [i for i in mine if not image_path(out, i).is_file()]
     size = dict(height=resolution, width=resolution) if resolution else {}
-    # Every module of the pipeline in eval mode while generating (the denoiser may be a UNet or a
-    # transformer, and a trained text encoder may be in train mode), each restored afterwards.
-    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
-    was_training = [m.training for m in modules]
-    for m in modules:
-        m.eval()
     bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=f"generate (rank {rank})", unit="img",
                disable=not progress, position=0 if rank == 0 else None, leave=rank == 0)
     try:
-        for start in range(0, len(todo), batch_size):
-            idx = todo[start : start + batch_size]
-            texts = [prompts[i % len(prompts)] for i in idx]
-            images = pipe(
-                texts, num_inference_steps=steps, guidance_scale=guidance,
-                generator=[torch.Generator("cpu").manual_seed(seed + i) for i in idx], **size,
-            ).images
-            for i, text, im in zip(idx, texts, images):
-                path = image_path(out, i)
-                # The sidecar first and the image last, via a temporary name: an image on disk is complete.
-                path.with_suffix(".txt").write_text(text + "\n")
-                tmp = path.with_name(path.name + ".tmp")
-                im.save(tmp, format="PNG")
-                tmp.replace(path)
-            bar.update(len(idx))
+        # Every module in eval mode (the denoiser, a UNet or a transformer; trained text encoders), restored after.
+        with eval_mode(pipe):
+            for start in range(0, len(todo), batch_size):
+                idx = todo[start : start + batch_size]
+                texts = [prompts[i % len(prompts)] for i in idx]
+                images = pipe(
+                    texts, num_inference_steps=steps, guidance_scale=guidance,
+                    generator=[torch.Generator("cpu").manual_seed(seed + i) for i in idx], **size,
+                ).images
+                for i, text, im in zip(idx, texts, images):
+                    path = image_path(out, i)
+                    # The sidecar first and the image last, via a temporary name: an image on disk is complete.
+                    path.with_suffix(".txt").write_text(text + "\n")
+                    tmp = path.with_name(path.name + ".tmp")
+                    im.save(tmp, format="PNG")
+                    tmp.replace(path)
+                bar.update(len(idx))
     finally:
         bar.close()
-        for m, mode in zip(modules, was_training):
-            m.train(mode)
     return [image_path(out, i) for i in mine]

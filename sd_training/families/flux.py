@@ -126,25 +126,6 @@ def image_seq_len(latents: torch.Tensor) -> int:
     return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
 
 
-class _MaxLength:
-    """A FluxPipeline whose calls pad T5 to the trained length (the pipeline's own default is 512)."""
-
-    def __init__(self, pipe, max_length: int):
-        self._pipe, self._max_length = pipe, max_length
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
-
-    @property
-    def unet(self):
-        """The denoiser under the name ``evaluation.generate.generate_images`` toggles to eval mode."""
-        return self._pipe.transformer
-
-    def __call__(self, *args, **kwargs):
-        kwargs.setdefault("max_sequence_length", self._max_length)
-        return self._pipe(*args, **kwargs)
-
-
 def build_flux_models(cfg, device: torch.device, seed: int) -> FluxModels:
     """The components from ``model.*``: CLIP and T5 frozen (``model.text_encoder.dtype``), the VAE frozen
     (``model.vae.dtype``), the transformer from ``model.transformer`` (from scratch with its params)."""
@@ -369,7 +350,7 @@ class Flux(Family):
                             tokenizer_2=m.tokenizer_2, transformer=unwrap(transformer), **parts)
 
     def inference_pipeline(self, net: torch.nn.Module):
-        return _MaxLength(self.pipeline(net), int(self.models.tokenizer_2.model_max_length))
+        return transformer_components.TrainedLength(self.pipeline(net), int(self.models.tokenizer_2.model_max_length))
 
     def export(self, net, out: Path) -> dict:
         export_pipeline(self.pipeline(net, for_export=True), out)

@@ -45,6 +45,7 @@ from .sd import StableDiffusion
 from .t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 from .transformer_components import (
+    TrainedLength,
     build_transformer,
     component_sources,
     encode_latents,
@@ -345,7 +346,7 @@ class StableDiffusion3(StableDiffusion):
     # -- artifacts --------------------------------------------------------------------------------
     def pipeline(self, net, for_export: bool = False, vae=None):
         """A ``StableDiffusion3Pipeline`` of the run's components with ``net``; ``for_export``: the frozen
-        components in fp32 as loaded (the bare pipeline); else wrapped for sampling (:class:`Sampling`: the
+        components in fp32 as loaded (the bare pipeline); else wrapped for sampling (``TrainedLength``: the
         trained T5 length)."""
         m = self.models
         if vae is None:
@@ -354,7 +355,7 @@ class StableDiffusion3(StableDiffusion):
         enc = {n: unwrap(trained[n]) if n in trained else (m.full_precision(n) if for_export else getattr(m, n))
                if getattr(m, n) is not None else None for n in ENCODERS}
         pipe = _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m)
-        return pipe if for_export else Sampling(pipe, m.t5_length)
+        return pipe if for_export else TrainedLength(pipe, m.t5_length)
 
     # -- with no run ------------------------------------------------------------------------------
     @classmethod
@@ -437,25 +438,6 @@ def _pipeline(net, scheduler, vae, encoders: dict, m: SD3Models):
         text_encoder_2=text_encoder_for_pipeline(encoders["text_encoder_2"]), tokenizer_2=m.tokenizer_2,
         text_encoder_3=encoders["text_encoder_3"], tokenizer_3=m.tokenizer_3,
     )
-
-
-class Sampling:
-    """The pipeline as sample grids and eval images call it: ``max_sequence_length`` = the trained T5 length,
-    and the transformer also under the name ``evaluation.generate.generate_images`` toggles (``unet``)."""
-
-    def __init__(self, pipe, length: int):
-        self.__dict__["_pipe"], self.__dict__["_length"] = pipe, length
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
-
-    @property
-    def unet(self):
-        return self._pipe.transformer
-
-    def __call__(self, *args, **kwargs):
-        kwargs.setdefault("max_sequence_length", self._length)
-        return self._pipe(*args, **kwargs)
 
 
 def set_clip_length(m: SD3Models, max_length: int | None) -> None:

@@ -205,3 +205,19 @@ def component_sources(cfg: ModelConfig, names: tuple[str, ...]) -> dict:
 __all__ = ["source", "validate_common", "check_transformer_params", "build_transformer", "transformer_blocks",
            "shard_units", "load_vae", "reload_vae_fp32", "vae_factors", "encode_latents", "load_schedulers",
            "component_sources"]
+
+
+class TrainedLength:
+    """A pipeline as sample grids, eval images and ``scripts/generate_examples.py`` call it: calls that do
+    not say ``max_sequence_length`` pad T5 to the trained length (the pipelines' own defaults are 256 for
+    SD3 and 512 for Flux); everything else is the pipeline's."""
+
+    def __init__(self, pipe, max_length: int):
+        self.__dict__["_pipe"], self.__dict__["_max_length"] = pipe, max_length
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+    def __call__(self, *args, **kwargs):
+        kwargs.setdefault("max_sequence_length", self._max_length)
+        return self._pipe(*args, **kwargs)
