@@ -87,11 +87,12 @@ def run_precompute(argv: list[str]) -> int:
 # tests are independent end-to-end runs sent one by one to whichever worker is free. The SLURM modules
 # share one worker (one cluster at a time). Modules that take longest go first, so no worker is left with
 # a long module at the end.
-SPREAD = {"test_resume", "test_precision_matrix", "test_elastic", "test_distributed", "test_faults"}
+SPREAD = {"test_resume", "test_precision_matrix", "test_elastic", "test_distributed", "test_faults",
+          "test_flow_families_distributed"}
 SLURM = {"test_slurm_cluster", "test_slurm_train"}
-FIRST = ["test_quickstart", "test_resume", "test_precision_matrix", "test_elastic", "test_slurm_train",
+FIRST = ["test_quickstart", "test_quickstart_mmdit", "test_resume", "test_precision_matrix", "test_elastic", "test_slurm_train",
          "test_slurm_cluster", "test_faults", "test_data_mixture", "test_sdxl", "test_recipe", "test_reshard",
-         "test_distributed", "test_restarts", "test_shutdown"]
+         "test_distributed", "test_restarts", "test_shutdown", "test_flow_families_distributed"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks

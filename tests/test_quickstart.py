@@ -69,13 +69,14 @@ def held_out_captions(shard: Path, n: int = 32) -> list[str]:
     return [caps[i] for i in order[:n]]
 
 
-def follow_rate(pipe, captions: list[str], guidance: float) -> dict:
-    """One image per caption (seed = its index) at the quickstart's sampling settings, scored."""
+def follow_rate(pipe, captions: list[str], guidance: float, **call) -> dict:
+    """One image per caption (seed = its index) at the quickstart's sampling settings, scored. ``call``: more
+    arguments of the pipeline's call."""
     import torch
 
     pipe.set_progress_bar_config(disable=True)
     images = pipe(captions, height=64, width=64, num_inference_steps=25, guidance_scale=guidance,
-                  generator=[torch.Generator().manual_seed(i) for i in range(len(captions))]).images
+                  generator=[torch.Generator().manual_seed(i) for i in range(len(captions))], **call).images
     return score(images, captions)
 
 
