@@ -29,19 +29,17 @@ def main(out: str, argv: list[str]) -> None:
         assert b * accum * info.world_size == GLOBAL_BATCH, "the config must split the global batch exactly"
         g = torch.Generator().manual_seed(1234)
         captions = [f"a {c} shape number {i}" for i, c in enumerate(["red", "green", "blue", "black"] * 2)]
-        ids = t.models.tokenizer(captions, padding="max_length", max_length=t.models.tokenizer.model_max_length,
-                                 truncation=True, return_tensors="pt").input_ids
-        extra = {}
-        if getattr(t.models, "tokenizer_2", None) is not None:  # SDXL: the second tokenizer's ids (sizes: the trained resolution)
-            tok = t.models.tokenizer_2
-            extra["input_ids_2"] = tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True,
-                                       return_tensors="pt").input_ids
+        # One ids tensor per tokenizer of the family: input_ids, input_ids_2 (SDXL's CLIP-G, Flux's T5), input_ids_3.
+        toks = t.family.tokenizers if isinstance(t.family.tokenizers, tuple) else (t.family.tokenizers,)
+        extra = {("input_ids" if k == 0 else f"input_ids_{k + 1}"): tok(
+            captions, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt").input_ids
+            for k, tok in enumerate(toks)}
+        channels = int(t.models.vae.config.latent_channels)
         for _ in range(STEPS):
             full = {
                 **extra,
-                "latents": torch.randn(GLOBAL_BATCH, 4, 8, 8, generator=g),
-                "input_ids": ids,
-                "noise": torch.randn(GLOBAL_BATCH, 4, 8, 8, generator=g),
+                "latents": torch.randn(GLOBAL_BATCH, channels, 8, 8, generator=g),
+                "noise": torch.randn(GLOBAL_BATCH, channels, 8, 8, generator=g),
                 "timesteps": torch.randint(0, 1000, (GLOBAL_BATCH,), generator=g),
             }
             # Global index layout: micro-batch m of rank r holds rows [(m * W + r) * b, ... + b).

@@ -39,11 +39,13 @@ def max_diff(a, b):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, family", [("ddp", "sd"), ("fsdp", "sd"), ("fsdp_offload", "sd"), ("ddp", "sdxl"),
-                                              ("ddp", "sdxl+text_encoders")])
+                                              ("ddp", "sdxl+text_encoders"), ("ddp", "sd3+text_encoders"),
+                                              ("fsdp_offload", "flux")])
 def test_two_ranks_equal_one_rank_double_batch(tmp_path, request, shapes_shards, strategy, family):
-    """Also for SDXL (two text encoders, size conditioning) and for FSDP with the shards offloaded to the
-    CPU (CPUOffloadPolicy; the optimizer steps there)."""
-    pipeline = request.getfixturevalue("sdxl_pipeline" if family.startswith("sdxl") else "tiny_pipeline")
+    """Also for SDXL (two text encoders, size conditioning), SD3 (both CLIPs trained under DDP), Flux, and
+    for FSDP with the shards offloaded to the CPU (CPUOffloadPolicy; the optimizer steps there)."""
+    base = family.split("+")[0]
+    pipeline = request.getfixturevalue("tiny_pipeline" if base == "sd" else f"{base}_pipeline")
     # A larger Adam epsilon keeps near-zero gradients (whose fp32 rounding differs with the summation
     # order) from turning into full-size updates of different sign.
     common = {"optimizer.params.learning_rate": 1e-3, "lr_scheduler.params.warmup_length": 0, "optimizer.params.epsilon": 1e-4,
