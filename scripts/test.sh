@@ -9,12 +9,14 @@ if [ "$(id -u)" = "0" ] && [ -f scripts/ci_install_slurm.sh ]; then
   bash scripts/ci_install_slurm.sh
 fi
 # One pytest worker per core (at most 3: a worker's heaviest tests take several GB); most tests are
-# one-thread processes (measured on 2 cores: 55 min with 2 workers; 71 serially before the reliability tests). Serial:
+# one-thread processes (measured on 2 cores: 63 min with 2 workers for 729 tests). Serial:
 # bash scripts/test.sh -n 0
 WORKERS=${PYTEST_WORKERS:-$(nproc)}
 if [ "$WORKERS" -gt 3 ]; then WORKERS=3; fi
 set +e
-.venv/bin/python -m pytest -q -n "$WORKERS" --dist loadgroup "$@"
+# --no-loadscope-reorder: work units start in tests/conftest.py's order (longest modules first); xdist's
+# default sorts them by test count, which left the long one-test runs (elastic, distributed) for the end.
+.venv/bin/python -m pytest -q -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" = "5" ]; then
