@@ -32,13 +32,12 @@ from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.transforms import unit_range
-from ..evaluation.generate import generate_images
-from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
+from ..export import export_pipeline, unwrap
 from ..flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
 from ..text_encoders import build_clip_tokenizer, build_text_encoder
 from . import flow_matching, transformer_components
 from .base import Family, LossOut, SampleSettings, TextEncoding
-from .sd import StableDiffusion, is_latent_data
+from .sd import StableDiffusion, is_latent_data, pipeline_eval_images, pipeline_grid
 from .t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 from .transformer_components import (
@@ -362,19 +361,11 @@ class Flux(Family):
         return settings._replace(guidance=float(self.cfg.model.guidance_embed))
 
     def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
-        if not settings.prompts or settings.per_prompt < 1:
-            return None
-        s = self._sampling(settings)
-        return sample_grid(self.inference_pipeline(net), s.prompts, s.per_prompt, s.seed, s.steps, s.guidance,
-                           s.resolution, self.device, s.dtype)
+        return pipeline_grid(self.inference_pipeline(net), self._sampling(settings), self.device)
 
     def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
-        s = self._sampling(settings)
-        pipe = self.inference_pipeline(net)
-        pipe.set_progress_bar_config(disable=True)
-        with eval_mode(pipe), inference_autocast(self.device, s.dtype):
-            return generate_images(pipe, s.prompts, n, out, s.seed, s.steps, s.guidance, s.resolution, rank,
-                                   world_size, batch_size=8, progress=False)
+        return pipeline_eval_images(self.inference_pipeline(net), self._sampling(settings), n, out, rank, world_size,
+                                    self.device)
 
     # -- with no run ------------------------------------------------------------------------------
     @classmethod

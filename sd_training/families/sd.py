@@ -108,6 +108,24 @@ def make_pipeline(models, unet: torch.nn.Module, vae: torch.nn.Module | None = N
     )
 
 
+def pipeline_grid(pipe, settings: SampleSettings, device: torch.device) -> Image.Image | None:
+    """The sample grid of a text-to-image pipeline (None: no prompts or no images per prompt)."""
+    if not settings.prompts or settings.per_prompt < 1:
+        return None
+    return sample_grid(pipe, settings.prompts, settings.per_prompt, settings.seed, settings.steps, settings.guidance,
+                       settings.resolution, device, settings.dtype)
+
+
+def pipeline_eval_images(pipe, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int,
+                         device: torch.device) -> list[Path]:
+    """Eval images of a text-to-image pipeline: image i uses prompt i (cycling) and seed ``seed + i``; rank r
+    makes images r, r+W, r+2W, ... (the loop and file convention of ``python -m sd_training.evaluation``)."""
+    pipe.set_progress_bar_config(disable=True)
+    with eval_mode(pipe), inference_autocast(device, settings.dtype):
+        return generate_images(pipe, settings.prompts, n, out, settings.seed, settings.steps, settings.guidance,
+                               settings.resolution, rank, world_size, batch_size=8, progress=False)
+
+
 class StableDiffusion(Family):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline",)
@@ -249,19 +267,10 @@ class StableDiffusion(Family):
         export_pipeline(self.pipeline(unet, for_export=True, vae=vae), out)
 
     def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
-        if not settings.prompts or settings.per_prompt < 1:
-            return None
-        return sample_grid(self.pipeline(net), settings.prompts, settings.per_prompt, settings.seed, settings.steps,
-                           settings.guidance, settings.resolution, self.device, settings.dtype)
+        return pipeline_grid(self.pipeline(net), settings, self.device)
 
     def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
-        """Image i uses prompt i (cycling) and seed ``seed + i``; rank r makes images r, r+W, r+2W, ...
-        (the loop and file convention of ``python -m sd_training.evaluation``)."""
-        pipe = self.pipeline(net)
-        pipe.set_progress_bar_config(disable=True)
-        with eval_mode(pipe), inference_autocast(self.device, settings.dtype):
-            return generate_images(pipe, settings.prompts, n, out, settings.seed, settings.steps, settings.guidance,
-                                   settings.resolution, rank, world_size, batch_size=8, progress=False)
+        return pipeline_eval_images(self.pipeline(net), settings, n, out, rank, world_size, self.device)
 
     # -- with no run ------------------------------------------------------------------------------
     @classmethod
