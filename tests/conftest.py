@@ -82,6 +82,31 @@ def run_precompute(argv: list[str]) -> int:
     return module.main(argv)
 
 
+def assert_shard_step_equals_online(online, from_shards, latents, shard, ids: dict, fixed: dict) -> None:
+    """One step of ``from_shards`` (a family reading latent shards) equals ``online``'s step on the same images
+    (``latents``: their online encoding) with the same ``fixed`` noise and timesteps: exactly with the text
+    encoded online, within 2e-2 with the shard's stored (bf16) text states and pooled embeddings."""
+    import contextlib
+
+    import torch
+
+    def step(family, batch):
+        family.net.load_state_dict(online.net.state_dict())
+        family.net.zero_grad(set_to_none=True)
+        out = family.loss(family.loss_module, batch, contextlib.nullcontext(), fixed)
+        out.loss.backward()
+        return out.loss, {n: p.grad.clone() for n, p in family.net.named_parameters()}
+
+    want, want_grads = step(online, {"latents": latents, **ids})
+    stored = {"encoder_hidden_states": shard["encoder_hidden_states"], "pooled_text_embeds": shard["pooled_text_embeds"]}
+    for extra, tol in (({}, 1e-5), (stored, 2e-2)):
+        loss, grads = step(from_shards, {"latents": shard["latents"], **ids, **extra})
+        torch.testing.assert_close(loss, want, rtol=tol, atol=1e-6)
+        for n in grads:
+            torch.testing.assert_close(grads[n], want_grads[n], rtol=tol, atol=tol * 1e-2)
+    online.net.zero_grad(set_to_none=True)
+
+
 # Parallel runs (pytest-xdist, ``scripts/test.sh`` starts one worker per core, at most 3): a module's tests
 # stay on one worker (its module fixtures are built once), except the modules listed in SPREAD, whose
 # tests are independent end-to-end runs sent one by one to whichever worker is free. The SLURM modules

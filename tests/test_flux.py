@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import train_args
+from conftest import assert_shard_step_equals_online, train_args
 
 from sd_training.config import ConfigError
 from sd_training.config.checks import load
@@ -316,7 +316,6 @@ def test_flux_latent_shards_give_the_same_step_as_pixels(flux_latents, flux_pipe
     """One step from shard latents equals the step from the same images encoded online (posterior mean):
     with the text encoded online exactly; with the stored (bf16) T5 states and pooled within bf16 rounding.
     A run of another family refuses the shards."""
-    import contextlib
     from dataclasses import replace
 
     from data_fixtures import make_cfg
@@ -353,18 +352,4 @@ def test_flux_latent_shards_give_the_same_step_as_pixels(flux_latents, flux_pipe
     fixed = {"noise": torch.randn(latents.shape, generator=g), "timesteps": torch.tensor([100., 400, 700, 1000])}
     ids = {k: image[k] for k in ("input_ids", "input_ids_2")}
 
-    def step(f, batch):
-        f.net.load_state_dict(family.net.state_dict())
-        f.net.zero_grad(set_to_none=True)
-        out = f.loss(f.loss_module, batch, contextlib.nullcontext(), fixed)
-        out.loss.backward()
-        return out.loss, {n: p.grad.clone() for n, p in f.net.named_parameters()}
-
-    want, want_grads = step(family, {"latents": latents, **ids})
-    stored = {"encoder_hidden_states": shard["encoder_hidden_states"], "pooled_text_embeds": shard["pooled_text_embeds"]}
-    for extra, tol in (({}, 1e-5), (stored, 2e-2)):
-        loss, grads = step(fam, {"latents": shard["latents"], **ids, **extra})
-        torch.testing.assert_close(loss, want, rtol=tol, atol=1e-6)
-        for n in grads:
-            torch.testing.assert_close(grads[n], want_grads[n], rtol=tol, atol=tol * 1e-2)
-    family.net.zero_grad(set_to_none=True)
+    assert_shard_step_equals_online(family, fam, latents, shard, ids, fixed)

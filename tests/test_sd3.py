@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import train_args
+from conftest import assert_shard_step_equals_online, train_args
 
 from sd_training.config import ConfigError
 from sd_training.config.checks import load
@@ -369,7 +369,6 @@ def sd3_latents(tmp_path_factory, sd3_pipeline, shapes_shards):
 def test_sd3_latent_shards_give_the_same_step_as_pixels(sd3_latents, sd3_pipeline, shapes_shards, tmp_path):
     """One step from shard latents equals the step from the same images encoded online (posterior mean): with
     the text encoded online exactly; with the stored (bf16) text within bf16 rounding."""
-    import contextlib
 
     from data_fixtures import make_cfg
 
@@ -396,17 +395,4 @@ def test_sd3_latent_shards_give_the_same_step_as_pixels(sd3_latents, sd3_pipelin
     latents = online.encode(unit_range(image["pixel_values"]), mean=True)
     torch.testing.assert_close(shard["latents"], latents, rtol=1e-5, atol=1e-5)
 
-    def step(family, batch):
-        family.net.load_state_dict(online.net.state_dict())
-        family.net.zero_grad(set_to_none=True)
-        out = family.loss(family.loss_module, batch, contextlib.nullcontext(), fixed)
-        out.loss.backward()
-        return out.loss, {n: p.grad.clone() for n, p in family.net.named_parameters()}
-
-    want, want_grads = step(online, {"latents": latents, **ids})
-    stored = {"encoder_hidden_states": shard["encoder_hidden_states"], "pooled_text_embeds": shard["pooled_text_embeds"]}
-    for extra, tol in (({}, 1e-5), (stored, 2e-2)):
-        loss, grads = step(fam, {"latents": shard["latents"], **ids, **extra})
-        torch.testing.assert_close(loss, want, rtol=tol, atol=1e-6)
-        for n in grads:
-            torch.testing.assert_close(grads[n], want_grads[n], rtol=tol, atol=tol * 1e-2)
+    assert_shard_step_equals_online(online, fam, latents, shard, ids, fixed)
