@@ -6,7 +6,7 @@ autoencoder stage)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from ..config.fields import ComponentConfig, ConfigError, f
 
@@ -56,6 +56,51 @@ class T5Config:
                        ge=0, le=1)
 
 
+ADAPTER_INITS = ("default", "gaussian")  # peft's init_lora_weights: True (Kaiming A, zero B) or "gaussian"
+
+
+@dataclass
+class TextEncoderAdapterConfig:
+    """``model.adapter.text_encoders``: LoRA on the family's CLIP text encoder(s) too (never T5)."""
+
+    train: bool = f(False, "also train a LoRA on the text encoder(s) (sd: CLIP; sdxl/sd3: both CLIPs; flux: none)")
+    rank: Optional[int] = f(None, "LoRA rank of the text-encoder adapter (None: model.adapter.rank)", ge=1)
+    alpha: Optional[float] = f(None, "LoRA alpha of the text-encoder adapter (None: its rank, a scale of 1)", gt=0)
+    learning_rate: Optional[float] = f(None, "peak LR of the text-encoder adapter (None: model.adapter.learning_rate)", gt=0)
+    targets: str = f("attention", "preset: attention (q/k/v/out projections) or all_linear (+ the MLPs)",
+                     choices=("attention", "all_linear"))
+
+
+@dataclass
+class AdapterConfig:
+    """``model.adapter``: train a peft adapter on the family's net instead of all its weights (sd_training.adapters).
+    The base weights stay frozen; exports are diffusers LoRA folders (``pipe.load_lora_weights(folder)``)."""
+
+    type: Optional[str] = f(None, "None: full fine-tune; lora: a LoRA (DoRA with use_dora) on the targets", choices=("lora",))
+    rank: int = f(16, "LoRA rank r (the low-rank update B A has r columns)", ge=1)
+    alpha: Optional[float] = f(None, "LoRA alpha: the update is scaled by alpha / rank (None: rank, a scale of 1)", gt=0)
+    dropout: float = f(0.0, "dropout probability on the LoRA branch's input", ge=0, le=1)
+    use_dora: bool = f(False, "DoRA: a learned magnitude per output channel beside the LoRA direction")
+    init: str = f("default", "init of the LoRA matrices: default (Kaiming A, zero B) or gaussian (B still zero)",
+                  choices=ADAPTER_INITS)
+    targets: str = f("attention", "family preset of the adapted layers: attention, attention_ffn or all_linear "
+                     "(UNets: + the convolutions); model.adapter.target_modules / target_regex replace it",
+                     choices=("attention", "attention_ffn", "all_linear"))
+    target_modules: List[str] = f([], "explicit layer names (a name or its dotted suffix, e.g. to_q, attn1.to_k) "
+                                  "instead of the preset")
+    target_regex: Optional[str] = f(None, "a regular expression the full layer names must match, instead of the preset")
+    learning_rate: Optional[float] = f(None, "peak LR of the adapter (None: optimizer.params.learning_rate)", gt=0)
+    weight_decay: Optional[float] = f(None, "weight decay of the adapter (None: optimizer.params.weight_decay)")
+    text_encoders: TextEncoderAdapterConfig = f(TextEncoderAdapterConfig, "LoRA on the text encoder(s)")
+    init_from: Optional[str] = f(None, "continue from a diffusers-format LoRA: a folder holding "
+                                 "pytorch_lora_weights.safetensors or the file (same targets and rank)")
+    export_merged: bool = f(False, "exports also write the full pipeline with the adapter merged, in <export>/merged")
+
+    @property
+    def enabled(self) -> bool:
+        return self.type is not None
+
+
 @dataclass
 class FamilyModelFields:
     """Fields of the ``model`` section that one family reads (``ModelConfig`` inherits them)."""
@@ -67,6 +112,7 @@ class FamilyModelFields:
     transformer: TransformerConfig = f(TransformerConfig, "sd3/flux: the trained transformer")
     t5: T5Config = f(T5Config, "sd3/flux: the T5 encoder's use and length")
     guidance_embed: float = f(3.5, "flux: the guidance value fed to a guidance-distilled transformer (guidance_embeds) in training", ge=0)
+    adapter: AdapterConfig = f(AdapterConfig, "LoRA / DoRA adapters trained instead of the full net (every family)")
 
 
 @dataclass
@@ -81,3 +127,35 @@ def check(cfg) -> None:
     """Rules of these sections that need no family code (``cfg``: the whole ``TrainConfig``)."""
     if cfg.model.train_target != "vae" and cfg.vae_training != VAEObjectiveConfig():
         raise ConfigError("the 'vae_training' section applies to model.train_target=vae only")
+    check_adapter(cfg)
+
+
+def check_adapter(cfg) -> None:
+    """``model.adapter`` rules that need no model (the layer checks are ``sd_training.adapters``')."""
+    a = cfg.model.adapter
+    if not a.enabled:
+        if a != AdapterConfig():
+            raise ConfigError("'model.adapter.*' keys are set but model.adapter.type is not: set "
+                              "model.adapter.type=lora to train an adapter, or remove the keys")
+        return
+    if cfg.model.train_target == "vae":
+        raise ConfigError("'model.adapter.type' with model.train_target=vae: adapters train the diffusion net "
+                          "(unet / transformer); remove model.adapter or set model.train_target=unet")
+    if a.target_modules and a.target_regex is not None:
+        raise ConfigError("'model.adapter.target_modules' and 'model.adapter.target_regex' both set: use one")
+    if a.target_regex is not None:
+        import re
+
+        try:
+            re.compile(a.target_regex)
+        except re.error as e:
+            raise ConfigError(f"'model.adapter.target_regex' {a.target_regex!r} is not a regular expression: {e}") from None
+    if cfg.model.text_encoder.train:
+        raise ConfigError("'model.text_encoder.train' trains every text-encoder weight; with model.adapter use "
+                          "model.adapter.text_encoders.train=true (a LoRA on the text encoder) instead")
+    if a.text_encoders.train and a.export_merged:
+        raise ConfigError("'model.adapter.export_merged' is not supported with model.adapter.text_encoders.train yet: "
+                          "export the LoRA folder only (load it with pipe.load_lora_weights, then pipe.fuse_lora())")
+    if a.text_encoders != TextEncoderAdapterConfig() and not a.text_encoders.train:
+        raise ConfigError("'model.adapter.text_encoders.*' keys are set but model.adapter.text_encoders.train is not: "
+                          "set it to true or remove the keys")
