@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import adapters
 from .checkpoint import init_weights_from, load_weights_checked
 from .config.schema import TrainConfig
 from .distributed import DistInfo
@@ -62,8 +63,11 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     net = family.net
     if cfg.model.init_from:
         init_weights_from(cfg.model.init_from, net, family.net_name, want_ema=cfg.model.init_weights == "ema")
-    ema = _build_ema(cfg, net, family.net_name, plan.total_steps, device)
     dtype = autocast_dtype(cfg.model.mixed_precision)
+    if adapters.enabled(cfg):
+        # The frozen base in the training precision (FSDP2 shards a unit's parameters in one dtype: fp32 there).
+        family.adapters = adapters.apply(cfg, family, dtype if cfg.distributed.strategy != "fsdp" else None)
+    ema = _build_ema(cfg, net, family.net_name, plan.total_steps, device)
     # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.model.mixed_precision == "fp16")
     # Only the trained module (and its EMA) is wrapped; the frozen components never are.
@@ -129,10 +133,14 @@ def build_optimizer_parts(cfg: TrainConfig, info: DistInfo, plan: Plan, parts: M
     if o.scale_lr:
         log.info("optimizer.scale_lr: peak LR %.3g = %.3g x (global batch %d)^0.55",
                  peak_lr, o.params.learning_rate, plan.global_batch)
-    groups = param_groups(parts.net, o.params.weight_decay, o.no_decay_norm_and_bias)
-    groups += family.extra_param_groups(peak_lr, scale)
+    if family.adapters is not None:  # only the adapters train (model.adapter)
+        groups = family.adapters.param_groups(cfg, peak_lr, scale)
+        encoders = dict(family.adapters.encoders)
+    else:
+        groups = param_groups(parts.net, o.params.weight_decay, o.no_decay_norm_and_bias)
+        groups += family.extra_param_groups(peak_lr, scale)
+        encoders = family.trained_encoders()
     # Encoders trained with the net (a text encoder) are replicated with plain DDP, never sharded.
-    encoders = family.trained_encoders()
     encoder_models = dict(encoders)
     if info.is_distributed:
         ids = [info.device.index] if info.device.type == "cuda" else None

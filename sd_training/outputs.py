@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import distributed
+from . import adapters, distributed
 from .config.schema import TrainConfig
 from .data import build_train_loader
 from .distributed import DistInfo
@@ -88,7 +88,7 @@ class RunOutputs:
         if self.info.is_main:
             for w in weights:
                 out = self.run_dir.pipeline(None, ema=w == "ema")
-                metrics = self.family.export(plain[w], out)
+                metrics = self._export(plain[w], out)
                 if metrics:
                     self.trackers.log(metrics, step)
                 if not self.cfg.experiment.save_only_most_recent:
@@ -99,6 +99,12 @@ class RunOutputs:
         distributed.barrier()
         if self.family.makes_eval_images:
             self._write_eval_images(step, plain[samples_from[0]])
+
+    def _export(self, net: torch.nn.Module, out: Path) -> dict:
+        """The family's pipeline, or with adapters their diffusers LoRA folder (and the merged pipeline)."""
+        if self.family.adapters is None:
+            return self.family.export(net, out)
+        return adapters.export(self.family.adapters, self.family, net, out, self.cfg.model.adapter.export_merged)
 
     @staticmethod
     def _weights(choice: str, ema, default_both: bool) -> list[str]:

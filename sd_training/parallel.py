@@ -110,9 +110,13 @@ class Strategy:
         sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         with torch.device("meta"):
             plain = self.module_cls.from_config(module.config)
+            for name, config in getattr(module, "peft_config", {}).items():  # model.adapter: the same adapters
+                plain.add_adapter(config, adapter_name=name)
         plain.load_state_dict({k: v.to(device) for k, v in sd.items()}, assign=True)
         leftover = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
         if leftover:  # a buffer the state dict does not hold (non-persistent): build it the slow way
             plain = self.module_cls.from_config(module.config)
+            for name, config in getattr(module, "peft_config", {}).items():
+                plain.add_adapter(config, adapter_name=name)
             plain.load_state_dict(sd)
         return plain.to(device).eval().requires_grad_(False)

@@ -15,7 +15,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "sd_training"
 GENERIC = ["loop.py", "build.py", "metrics.py", "outputs.py", "run_dir.py", "parallel.py", "export.py", "ema.py",
-           "optim.py", "preemption.py", "trackers.py", "train_state.py", "precision.py",
+           "optim.py", "preemption.py", "trackers.py", "train_state.py", "precision.py", "adapters.py",
            *(f"checkpoint/{p.name}" for p in sorted((PKG / "checkpoint").glob("*.py")))]
 # Identifiers that belong to a family: its components, its classes, how it is chosen.
 FAMILY_NAMES = {

@@ -90,6 +90,14 @@ class Family(abc.ABC):
     # The trained module's diffusers class name, for the memory plan at config load of from-scratch
     # ``model.<net_name>.params`` (None: a UNet's params are read as before; other nets are not planned)
     net_class: str | None = None
+    # model.adapter (sd_training.adapters): preset name -> a full-match regular expression over the net's layer
+    # names (only Linear / Conv2d layers are adapted); {}: the family takes explicit targets only
+    adapter_presets: dict[str, str] = {}
+    # the same for the text encoders of :meth:`adapter_text_encoders` (CLIP's layer names)
+    text_adapter_presets = {
+        "attention": r".*self_attn\.(q_proj|k_proj|v_proj|out_proj)",
+        "all_linear": r".*(self_attn\.(q_proj|k_proj|v_proj|out_proj)|mlp\.fc[12])",
+    }
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         self.cfg, self.device, self.seed, self.is_main = cfg, device, seed, is_main
@@ -97,6 +105,7 @@ class Family(abc.ABC):
         self.net: torch.nn.Module | None = None  # the trained module (bare: no DDP / FSDP / compile wrapper)
         self.loss_module: torch.nn.Module | None = None  # what the strategy wraps and the loss calls
         self._encoders: dict[str, torch.nn.Module] = {}  # trained encoders as the loss calls them (maybe DDP)
+        self.adapters = None  # sd_training.adapters.Adapters when model.adapter trains adapters (set by build)
 
     @property
     def num_timesteps(self) -> int | None:
@@ -133,6 +142,12 @@ class Family(abc.ABC):
 
     def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
         return []
+
+    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
+        """The text encoders that may carry a LoRA (``model.adapter.text_encoders.train``), by the names the
+        family's pipeline class gives them (its ``save_lora_weights`` arguments) and :meth:`condition` looks
+        up in the wrapped encoders; they must run with gradients when they hold trainable parameters."""
+        return {}
 
     # -- the step ---------------------------------------------------------------------------------
     @abc.abstractmethod

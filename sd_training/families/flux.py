@@ -201,6 +201,7 @@ class Flux(Family):
     pipeline_classes = ("FluxPipeline",)
     net_class = "FluxTransformer2DModel"
     shard_units = staticmethod(transformer_components.shard_units)
+    adapter_presets = transformer_components.ADAPTER_PRESETS
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         super().__init__(cfg, device, seed, is_main)

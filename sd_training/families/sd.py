@@ -126,9 +126,20 @@ def pipeline_eval_images(pipe, settings: SampleSettings, n: int, out: Path, rank
                                settings.resolution, rank, world_size, batch_size=8, progress=False)
 
 
+# model.adapter presets of the UNets: their attention projections; + the feed-forward layers; every Linear
+# and Conv2d layer but the first and the last convolution (kohya's LoCon set)
+UNET_ATTENTION = r".*\.attn[12]\.(to_q|to_k|to_v|to_out\.0)"
+UNET_ADAPTER_PRESETS = {
+    "attention": UNET_ATTENTION,
+    "attention_ffn": r".*\.(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))",
+    "all_linear": r"(?!conv_in$|conv_out$).+",
+}
+
+
 class StableDiffusion(Family):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline",)
+    adapter_presets = UNET_ADAPTER_PRESETS
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         super().__init__(cfg, device, seed, is_main)
@@ -171,6 +182,9 @@ class StableDiffusion(Family):
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         return [x for x in (self.models.vae, self.models.text_encoder) if not any(p.requires_grad for p in x.parameters())]
+
+    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
+        return {"text_encoder": self.models.text_encoder}
 
     def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
         o = self.cfg.optimizer

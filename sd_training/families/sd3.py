@@ -45,6 +45,7 @@ from .sd import StableDiffusion
 from .t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 from .transformer_components import (
+    ADAPTER_PRESETS,
     TrainedLength,
     build_transformer,
     component_sources,
@@ -136,6 +137,7 @@ class StableDiffusion3(StableDiffusion):
     net_name = "transformer"
     pipeline_classes = ("StableDiffusion3Pipeline",)
     shard_units = staticmethod(shard_units)
+    adapter_presets = ADAPTER_PRESETS
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         Family.__init__(self, cfg, device, seed, is_main)
@@ -218,6 +220,10 @@ class StableDiffusion3(StableDiffusion):
     def tokenizers(self):
         m = self.models
         return (m.tokenizer, m.tokenizer_2) + ((m.tokenizer_3,) if m.tokenizer_3 is not None else ())
+
+    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
+        """Both CLIPs (T5 never takes a LoRA here)."""
+        return {"text_encoder": self.models.text_encoder, "text_encoder_2": self.models.text_encoder_2}
 
     def trained_encoders(self) -> dict[str, torch.nn.Module]:
         """``model.text_encoder.train``: both CLIPs (fp32, replicated with DDP); T5 never trains."""

@@ -190,6 +190,9 @@ class StableDiffusionXL(StableDiffusion):
     def tokenizers(self):
         return (self.models.tokenizer, self.models.tokenizer_2)
 
+    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
+        return {"text_encoder": self.models.text_encoder, "text_encoder_2": self.models.text_encoder_2}
+
     def trained_encoders(self) -> dict[str, torch.nn.Module]:
         m = self.models
         return {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2} if self.cfg.model.text_encoder.train else {}

@@ -26,6 +26,17 @@ from .unet_components import frozen, load_weights
 log = logging.getLogger(__name__)
 
 
+# model.adapter presets of the MMDiTs (SD3, Flux): the joint attention's image and text projections; + the
+# feed-forward layers (Flux's single blocks: their MLP input and fused output); every Linear layer (the
+# patch-embedding convolution left out), as diffusers' DreamBooth LoRA scripts choose them
+_ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+ADAPTER_PRESETS = {
+    "attention": rf".*\.{_ATTENTION}",
+    "attention_ffn": rf".*\.({_ATTENTION}|ff(_context)?\.net\.(0\.proj|2)|proj_mlp)|single_transformer_blocks\.\d+\.proj_out",
+    "all_linear": r"(?!pos_embed\.).+",
+}
+
+
 def source(cfg: ModelConfig, component: str) -> tuple[str | None, dict]:
     """(where ``component`` is read from, the revision kwargs): its own ``pretrained``, else the pipeline's."""
     own = getattr(cfg, component).pretrained

@@ -1,0 +1,271 @@
+"""``model.adapter``: peft LoRA / DoRA adapters trained instead of the full net (every family).
+
+The family says which layers its presets adapt (``Family.adapter_presets``: full-match regular expressions
+over the net's layer names; ``Family.text_adapter_presets`` for its text encoders) and which text encoders
+may carry one (``Family.adapter_text_encoders``). This module resolves the targets (refusing targets that
+match nothing and ranks larger than a layer), injects the adapters with diffusers' / transformers'
+``add_adapter`` (peft's ``LoraConfig``, as diffusers' LoRA training examples do), freezes everything else
+(the base weights in the training precision), loads ``model.adapter.init_from``, makes the optimizer's
+groups and writes exports in diffusers' LoRA format (the pipeline class's ``save_lora_weights``:
+``pytorch_lora_weights.safetensors``, loadable with ``pipe.load_lora_weights(folder)``), optionally with the
+merged pipeline beside it. Names no family: the pipeline class, the net's and the encoders' names come from
+the family."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+from .config.schema import TrainConfig
+from .optim import param_groups
+from .run_dir import replace_dir
+
+log = logging.getLogger(__name__)
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+MERGED = "merged"  # the merged pipeline's folder inside an export (model.adapter.export_merged)
+ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
+
+
+@dataclass
+class Adapters:
+    """The adapters of one run: the net's and the text encoders' (by the family's names)."""
+
+    net: torch.nn.Module
+    net_name: str
+    encoders: dict[str, torch.nn.Module]  # text encoders carrying a LoRA, trained with the net
+    pipeline_class: str  # the diffusers pipeline whose save_lora_weights writes exports
+
+    def param_groups(self, cfg: TrainConfig, peak_lr: float, lr_scale: float) -> list[dict]:
+        """The adapter's groups (``model.adapter.learning_rate`` / ``weight_decay``, else the optimizer's) and
+        each text encoder's (``model.adapter.text_encoders.learning_rate``, else the adapter's)."""
+        a, o = cfg.model.adapter, cfg.optimizer
+        lr = a.learning_rate * lr_scale if a.learning_rate is not None else peak_lr
+        wd = a.weight_decay if a.weight_decay is not None else o.params.weight_decay
+        groups = [dict(g, name=self.net_name) for g in param_groups(self.net, wd, o.no_decay_norm_and_bias, lr)]
+        text_lr = a.text_encoders.learning_rate * lr_scale if a.text_encoders.learning_rate is not None else lr
+        for name, encoder in self.encoders.items():
+            groups += [dict(g, name=name) for g in param_groups(encoder, wd, o.no_decay_norm_and_bias, text_lr)]
+        return groups
+
+
+def enabled(cfg: TrainConfig) -> bool:
+    return cfg.model.adapter.enabled
+
+
+# ---------------------------------------------------------------------------------------------- targets
+
+def _layer_size(module: torch.nn.Module) -> tuple[int, int]:
+    """(inputs, outputs) of a layer: the largest useful rank is the smaller."""
+    if isinstance(module, torch.nn.Conv2d):
+        kh, kw = module.kernel_size
+        return module.in_channels * kh * kw // module.groups, module.out_channels
+    return module.in_features, module.out_features
+
+
+def resolve_targets(module: torch.nn.Module, presets: dict[str, str], preset: str, names: list[str],
+                    regex: str | None, key: str, what: str) -> list[str]:
+    """The full names of the Linear / Conv2d layers of ``module`` to adapt: ``names`` (each a layer name or
+    its dotted suffix), else ``regex`` (full match), else the family's ``preset``. A ConfigError names
+    ``key`` when nothing (or an explicit name) matches no adaptable layer."""
+    layers = {n: m for n, m in module.named_modules() if isinstance(m, ADAPTABLE)}
+    if names:
+        found = []
+        for target in names:
+            hits = [n for n in layers if n == target or n.endswith("." + target)]
+            if not hits:
+                raise ConfigError(f"'{key}.target_modules' entry {target!r} matches no Linear or Conv2d layer of "
+                                  f"the {what} (e.g. {', '.join(list(layers)[:4])})")
+            found += [n for n in hits if n not in found]
+        return found
+    if regex is None:
+        if preset not in presets:
+            raise ConfigError(f"'{key}.targets={preset}': the {what} has no such preset (it has "
+                              f"{', '.join(presets) or 'none'}): name the layers in {key}.target_modules")
+        regex = presets[preset]
+    found = [n for n in layers if re.fullmatch(regex, n)]
+    if not found:
+        source = f"'{key}.target_regex' {regex!r}" if regex is not presets.get(preset) else f"'{key}.targets={preset}'"
+        raise ConfigError(f"{source} matches no Linear or Conv2d layer of the {what} (e.g. "
+                          f"{', '.join(list(layers)[:4])})")
+    return found
+
+
+def check_rank(module: torch.nn.Module, targets: list[str], rank: int, key: str, what: str) -> None:
+    """A rank larger than a target layer's smaller side is refused (the update could not use it)."""
+    layers = dict(module.named_modules())
+    for name in targets:
+        n_in, n_out = _layer_size(layers[name])
+        if rank > min(n_in, n_out):
+            raise ConfigError(f"'{key}' {rank} is larger than the {what}'s layer {name} ({n_in} inputs, {n_out} "
+                              f"outputs): use a rank <= {min(n_in, n_out)} or leave that layer out of the targets")
+
+
+def lora_config(targets: list[str], rank: int, alpha: float | None, a):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank, lora_alpha=alpha if alpha is not None else rank, lora_dropout=a.dropout, use_dora=a.use_dora,
+        init_lora_weights=True if a.init == "default" else a.init,
+        # One full-match pattern of the exact names (a list would also match longer names ending in one).
+        target_modules="^(" + "|".join(re.escape(t) for t in targets) + ")$",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- apply
+
+def inject(module: torch.nn.Module, config) -> int:
+    """``add_adapter`` (diffusers' and transformers' models), the base frozen, the adapter trained in fp32.
+    Returns the adapter's parameter count."""
+    module.requires_grad_(False)
+    module.add_adapter(config)
+    trained = [p for n, p in module.named_parameters() if "lora_" in n]
+    for p in trained:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    return sum(p.numel() for p in trained)
+
+
+def apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters:
+    """Adapters on the family's net (and text encoders), from ``model.adapter``; the net's base weights cast
+    to ``base_dtype`` (the training precision; None: kept as they are) before the adapter is added."""
+    a, net = cfg.model.adapter, family.net
+    targets = resolve_targets(net, family.adapter_presets, a.targets, list(a.target_modules), a.target_regex,
+                              "model.adapter", family.net_name)
+    check_rank(net, targets, a.rank, "model.adapter.rank", family.net_name)
+    total = sum(p.numel() for p in net.parameters())
+    if base_dtype is not None:
+        net.to(base_dtype)
+    trained = inject(net, lora_config(targets, a.rank, a.alpha, a))
+    lines = [f"{family.net_name}: {len(targets)} layers, {trained:,} parameters"]
+    encoders = {}
+    if a.text_encoders.train:
+        t = a.text_encoders
+        candidates = family.adapter_text_encoders()
+        if not candidates:
+            raise ConfigError(f"'model.adapter.text_encoders.train': the {family.name} family has no text encoder "
+                              "that takes a LoRA: set it to false")
+        rank = t.rank or a.rank
+        for name, encoder in candidates.items():
+            names = resolve_targets(encoder, family.text_adapter_presets, t.targets, [], None,
+                                    "model.adapter.text_encoders", name)
+            check_rank(encoder, names, rank, "model.adapter.text_encoders.rank", name)
+            total += sum(p.numel() for p in encoder.parameters())
+            n = inject(encoder, lora_config(names, rank, t.alpha, a))
+            trained += n
+            lines.append(f"{name}: {len(names)} layers, {n:,} parameters")
+            encoders[name] = encoder
+    log.info("model.adapter: %s rank %d%s on %s; %s trainable parameters, %.3f%% of %s", a.type, a.rank,
+             " (DoRA)" if a.use_dora else "", "; ".join(lines), f"{trained:,}", 100.0 * trained / max(total, 1),
+             f"{total:,}")
+    adapters = Adapters(net, family.net_name, encoders, family.pipeline_classes[0])
+    if a.init_from:
+        load_lora(adapters, a.init_from)
+    return adapters
+
+
+# ---------------------------------------------------------------------------------------------- init_from
+
+def _lora_file(path: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / LORA_FILE
+    if not p.is_file():
+        raise ConfigError(f"'model.adapter.init_from': {p} does not exist (a folder holding {LORA_FILE}, as exports "
+                          "and diffusers' save_lora_weights write, or that file)")
+    return p
+
+
+def load_lora(adapters: Adapters, path: str) -> None:
+    """A diffusers-format LoRA file into the adapters: every key must find its layer with the same shape, and
+    every adapter layer must be in the file (made for another family, base, rank or targets: refused)."""
+    from diffusers.utils import (
+        convert_state_dict_to_diffusers,
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
+    )
+    from peft import set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = _lora_file(path)
+    state = load_file(str(file))
+    modules = {adapters.net_name: adapters.net, **adapters.encoders}
+    unknown = [k for k in state if k.split(".", 1)[0] not in modules]
+    if unknown:
+        raise ConfigError(f"'model.adapter.init_from': {file} holds {unknown[0]!r}, for a component this run has no "
+                          f"adapter on (it adapts {', '.join(modules)}): a LoRA of another family or settings")
+    for name, module in modules.items():
+        part = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+        part = (convert_unet_state_dict_to_peft(part) if name == adapters.net_name
+                else convert_state_dict_to_peft(convert_state_dict_to_diffusers(part)))
+        want = get_peft_model_state_dict(module)
+        missing = sorted(set(want) - set(part))
+        if missing:
+            raise ConfigError(f"'model.adapter.init_from': {file} has no {name} weights for {missing[0]!r} ("
+                              f"{len(missing)} of {len(want)} missing): made with other targets or for another base")
+        for k, v in part.items():
+            if k not in want or want[k].shape != v.shape:
+                got = "no such layer" if k not in want else f"shape {tuple(want[k].shape)}"
+                raise ConfigError(f"'model.adapter.init_from': {file}'s {name}.{k} {tuple(v.shape)} does not fit this "
+                                  f"run ({got}): another family, base, rank or target set")
+        result = set_peft_model_state_dict(module, part, adapter_name="default")
+        if getattr(result, "unexpected_keys", None):
+            raise ConfigError(f"'model.adapter.init_from': {file}'s {name} keys {result.unexpected_keys[:2]} were not "
+                              "loaded: another family or base")
+    log.info("model.adapter.init_from: the adapters continue from %s", file)
+
+
+# ---------------------------------------------------------------------------------------------- exports
+
+def lora_layers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's weights in diffusers' naming (as diffusers' LoRA training examples save them)."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    return convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+
+
+def save_lora(adapters: Adapters, net: torch.nn.Module, out: Path) -> Path:
+    """``out/pytorch_lora_weights.safetensors`` via the pipeline class's ``save_lora_weights`` (the adapter
+    configs as its metadata, so rank, alpha and DoRA load as trained)."""
+    import diffusers
+
+    modules = {adapters.net_name: net, **adapters.encoders}
+    kwargs = {}
+    for name, module in modules.items():
+        kwargs[f"{name}_lora_layers"] = lora_layers(module)
+        kwargs[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
+    getattr(diffusers, adapters.pipeline_class).save_lora_weights(str(out), **kwargs)
+    return out / LORA_FILE
+
+
+def merged_copy(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``net`` with the adapter merged into fp32 weights and the peft layers gone."""
+    merged = copy.deepcopy(net).float()
+    merged.fuse_lora()
+    merged.unload_lora()
+    return merged
+
+
+def export(adapters: Adapters, family, net: torch.nn.Module, out: Path, merged: bool) -> dict:
+    """An export folder ``out`` (written atomically): the LoRA file, and with ``merged`` the full pipeline
+    with the adapter merged in ``out/merged`` (the family's own export)."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_lora(adapters, net, tmp)
+    metrics = {}
+    if merged:
+        metrics = family.export(merged_copy(net), tmp / MERGED) or {}
+    replace_dir(tmp, out)
+    return metrics
