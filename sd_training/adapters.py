@@ -226,11 +226,11 @@ def load_lora(adapters: Adapters, path: str) -> None:
 # ---------------------------------------------------------------------------------------------- exports
 
 def lora_layers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's weights in diffusers' naming (as diffusers' LoRA training examples save them)."""
-    from diffusers.utils import convert_state_dict_to_diffusers
+    """The adapter's weights in peft's naming (``lora_A`` / ``lora_B``), which every diffusers LoRA loader reads
+    (diffusers' SD3 / Flux examples save it so; its older ``lora.down`` naming is lost on the SD3 loader)."""
     from peft.utils import get_peft_model_state_dict
 
-    return convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+    return get_peft_model_state_dict(module)
 
 
 def save_lora(adapters: Adapters, net: torch.nn.Module, out: Path) -> Path:
