@@ -134,6 +134,15 @@ def inject(module: torch.nn.Module, config) -> int:
 
 
 def apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters:
+    """:func:`_apply` with the adapter's initial weights drawn from the run's seed (the caller's RNG state is
+    left as it was): every rank starts from the same adapter, which FSDP2, unlike DDP, does not broadcast."""
+    cuda = [family.device.index or 0] if family.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(family.seed)
+        return _apply(cfg, family, base_dtype)
+
+
+def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters:
     """Adapters on the family's net (and text encoders), from ``model.adapter``; the net's base weights cast
     to ``base_dtype`` (the training precision; None: kept as they are) before the adapter is added."""
     a, net = cfg.model.adapter, family.net

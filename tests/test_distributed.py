@@ -41,7 +41,8 @@ def max_diff(a, b):
 # CPU offload is checked on Flux (the offload path is the strategy's, whatever the family; the SD case took
 # 143 s of the suite's time).
 @pytest.mark.parametrize("strategy, family", [("ddp", "sd"), ("fsdp", "sd"), ("ddp", "sdxl"), ("ddp", "sdxl+text_encoders"),
-                                              ("ddp", "sd3+text_encoders"), ("fsdp_offload", "flux")])
+                                              ("ddp", "sd3+text_encoders"), ("fsdp_offload", "flux"), ("ddp", "sd+lora"),
+                                              ("fsdp", "sdxl+lora")])
 def test_two_ranks_equal_one_rank_double_batch(tmp_path, request, shapes_shards, strategy, family):
     """Also for SDXL (two text encoders, size conditioning), SD3 (both CLIPs trained under DDP), Flux, and
     for FSDP with the shards offloaded to the CPU (CPUOffloadPolicy; the optimizer steps there)."""
@@ -55,13 +56,16 @@ def test_two_ranks_equal_one_rank_double_batch(tmp_path, request, shapes_shards,
         common["distributed.fsdp_cpu_offload"] = "true"
     if family.endswith("+text_encoders"):  # both SDXL encoders under DDP too (no unused parameters)
         common["model.text_encoder.train"] = "true"
+    if family.endswith("+lora"):  # only the adapters train (the frozen base sharded under FSDP)
+        common.update({"model.adapter.type": "lora", "model.adapter.rank": 4})
     one = run_worker(tmp_path, 1, pipeline, shapes_shards, tmp_path / "one.pt", **{"system.batch_size": 8}, **common)
     two = run_worker(tmp_path, 2, pipeline, shapes_shards, tmp_path / "two.pt", **{"system.batch_size": 4}, **common)
     # 2 ranks x 2 micro-batches x 2 images: accumulation with no_sync across ranks.
     acc = run_worker(tmp_path, 2, pipeline, shapes_shards, tmp_path / "acc.pt",
                      **{"system.batch_size": 2, "system.gradient_accumulation": 2}, **common)
     init = run_worker(tmp_path, 1, pipeline, shapes_shards, tmp_path / "init.pt",
-                      **{"system.batch_size": 8, "optimizer.params.learning_rate": 1e-12, "lr_scheduler.params.warmup_length": 0})
+                      **{"system.batch_size": 8, "optimizer.params.learning_rate": 1e-12, "lr_scheduler.params.warmup_length": 0},
+                      **{k: v for k, v in common.items() if k.startswith("model.")})  # the same model (adapters)
     moved = max_diff(one, init)
     assert moved > 1e-4  # the steps changed the weights, so equality below is meaningful
     # Tolerance: the same math summed in a different order (fp32), three AdamW steps at lr 1e-3.
