@@ -112,6 +112,8 @@ def test_lora_init_from_continues_and_merged_export_equals_the_lora(tiny_pipelin
     ({**LORA, "model.adapter.target_regex": "("}, "model.adapter.target_regex"),
     ({**LORA, "model.text_encoder.train": "true"}, "model.adapter.text_encoders.train"),
     ({**LORA, "model.adapter.text_encoders.rank": 2}, "model.adapter.text_encoders.train is not"),
+    ({**LORA, "model.adapter.text_encoders.train": "true", "dataset.type": "latents",
+      "dataset.params.text_embeddings": "true"}, "would get no gradient"),
 ])
 def test_bad_adapter_config_is_refused_naming_the_key(over, message, tiny_pipeline, shapes_shards, tmp_path):
     with pytest.raises(ConfigError, match=message):

@@ -156,6 +156,10 @@ def check_adapter(cfg) -> None:
     if a.text_encoders.train and a.export_merged:
         raise ConfigError("'model.adapter.export_merged' is not supported with model.adapter.text_encoders.train yet: "
                           "export the LoRA folder only (load it with pipe.load_lora_weights, then pipe.fuse_lora())")
+    if a.text_encoders.train and cfg.dataset.params.text_embeddings:
+        raise ConfigError("'model.adapter.text_encoders.train' with dataset.params.text_embeddings=true: the batches "
+                          "carry stored text-encoder outputs, so a LoRA on the text encoder would get no gradient. "
+                          "Set dataset.params.text_embeddings=false (encode captions online) or text_encoders.train=false")
     if a.text_encoders != TextEncoderAdapterConfig() and not a.text_encoders.train:
         raise ConfigError("'model.adapter.text_encoders.*' keys are set but model.adapter.text_encoders.train is not: "
                           "set it to true or remove the keys")
