@@ -30,6 +30,9 @@ from .run_dir import replace_dir
 log = logging.getLogger(__name__)
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"  # model.adapter.export_kohya (diffusers' examples' name)
+# the components diffusers' convert_state_dict_to_kohya names (lora_unet_ / lora_te1_ / lora_te2_)
+KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 MERGED = "merged"  # the merged pipeline's folder inside an export (model.adapter.export_merged)
 ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
@@ -175,6 +178,11 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
              " (DoRA)" if a.use_dora else "", "; ".join(lines), f"{trained:,}", 100.0 * trained / max(total, 1),
              f"{total:,}")
     adapters = Adapters(net, family.net_name, encoders, family.pipeline_classes[0])
+    outside = sorted({family.net_name, *encoders} - set(KOHYA_PREFIXES))
+    if a.export_kohya and outside:
+        raise ConfigError(f"'model.adapter.export_kohya': the {family.name} family's {outside[0]} has no kohya key "
+                          "names in diffusers' converter (UNets and their CLIPs only); set it to false: the "
+                          f"diffusers file {LORA_FILE} is what ComfyUI and diffusers load for this family")
     if a.init_from:
         load_lora(adapters, a.init_from)
     return adapters
@@ -256,6 +264,30 @@ def save_lora(adapters: Adapters, net: torch.nn.Module, out: Path) -> Path:
     return out / LORA_FILE
 
 
+def save_kohya(adapters: Adapters, lora_file: Path) -> Path:
+    """The diffusers LoRA file rewritten with kohya's key names (``lora_unet_down_blocks_0_..lora_down.weight``,
+    ``.alpha``), as diffusers' DreamBooth LoRA examples write it for AUTOMATIC1111 / ComfyUI. diffusers'
+    converter writes every ``alpha`` as the rank; here each layer gets its adapter's own alpha."""
+    from diffusers.utils import convert_all_state_dict_to_peft, convert_state_dict_to_kohya
+    from safetensors.torch import load_file, save_file
+
+    kohya = convert_state_dict_to_kohya(convert_all_state_dict_to_peft(load_file(str(lora_file))))
+    modules = {adapters.net_name: adapters.net, **adapters.encoders}
+    alphas = {KOHYA_PREFIXES[name]: float(module.peft_config["default"].lora_alpha) for name, module in modules.items()}
+    named = {}
+    for key, value in kohya.items():
+        prefix = next(p for p in alphas if key.startswith(p))
+        if key.endswith(".alpha"):
+            value = torch.tensor(alphas[prefix])
+        if prefix != KOHYA_PREFIXES["unet"] and not key.startswith(prefix + "text_model_"):
+            # transformers 5's CLIPTextModel has no ``text_model`` level; kohya's names (and A1111's, ComfyUI's) do
+            key = prefix + "text_model_" + key[len(prefix):]
+        named[key] = value.contiguous()
+    out = lora_file.with_name(KOHYA_FILE)
+    save_file(named, str(out))
+    return out
+
+
 def merged_copy(net: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``net`` with the adapter merged into fp32 weights and the peft layers gone."""
     merged = copy.deepcopy(net).float()
@@ -264,15 +296,17 @@ def merged_copy(net: torch.nn.Module) -> torch.nn.Module:
     return merged
 
 
-def export(adapters: Adapters, family, net: torch.nn.Module, out: Path, merged: bool) -> dict:
-    """An export folder ``out`` (written atomically): the LoRA file, and with ``merged`` the full pipeline
-    with the adapter merged in ``out/merged`` (the family's own export)."""
+def export(adapters: Adapters, family, net: torch.nn.Module, out: Path, merged: bool, kohya: bool = False) -> dict:
+    """An export folder ``out`` (written atomically): the LoRA file, with ``kohya`` its kohya-named copy, and
+    with ``merged`` the full pipeline with the adapter merged in ``out/merged`` (the family's own export)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_lora(adapters, net, tmp)
+    lora_file = save_lora(adapters, net, tmp)
+    if kohya:
+        save_kohya(adapters, lora_file)
     metrics = {}
     if merged:
         metrics = family.export(merged_copy(net), tmp / MERGED) or {}

@@ -104,7 +104,8 @@ class RunOutputs:
         """The family's pipeline, or with adapters their diffusers LoRA folder (and the merged pipeline)."""
         if self.family.adapters is None:
             return self.family.export(net, out)
-        return adapters.export(self.family.adapters, self.family, net, out, self.cfg.model.adapter.export_merged)
+        a = self.cfg.model.adapter
+        return adapters.export(self.family.adapters, self.family, net, out, a.export_merged, a.export_kohya)
 
     @staticmethod
     def _weights(choice: str, ema, default_both: bool) -> list[str]:

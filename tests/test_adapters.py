@@ -52,7 +52,8 @@ def test_lora_trains_exports_and_plain_diffusers_loads_it(family, request, shape
 
     pipeline = request.getfixturevalue(FIXTURES[family])
     text = {"model.adapter.text_encoders.train": "true"} if family == "sd" else {}
-    cfg = load(args(tmp_path, pipeline, shards=shapes_shards, **LORA, **text, **FAMILY_KEYS[family],
+    kohya = {"model.adapter.export_kohya": "true"} if family in ("sd", "sdxl") else {}
+    cfg = load(args(tmp_path, pipeline, shards=shapes_shards, **LORA, **text, **kohya, **FAMILY_KEYS[family],
                     **{"optimizer.params.learning_rate": 1e-2}))
     t = train(cfg)
     base = DiffusionPipeline.from_pretrained(pipeline)
@@ -81,6 +82,18 @@ def test_lora_trains_exports_and_plain_diffusers_loads_it(family, request, shape
     loaded = image(base, **kw)
     np.testing.assert_allclose(loaded, ours, atol=ATOL, rtol=0)
     assert np.abs(loaded - before).max() > 1e-3, "the LoRA changed nothing"
+    if kohya:  # the kohya-named copy (alpha 8 != rank 4, and SD's CLIP LoRA as lora_te1_) loads to the same image
+        from safetensors.torch import load_file
+
+        file = out / adapters.KOHYA_FILE
+        keys = load_file(str(file))
+        assert any(k.startswith("lora_unet_") and k.endswith(".lora_down.weight") for k in keys)
+        alphas = {k.split("_")[1]: float(v) for k, v in keys.items() if k.endswith(".alpha")}  # unet: 8; CLIP: its rank
+        assert alphas == ({"unet": 8.0, "te1": 4.0} if family == "sd" else {"unet": 8.0})
+        assert all(k.startswith("lora_te1_text_model_encoder_layers_") for k in keys if k.startswith("lora_te"))
+        fresh = DiffusionPipeline.from_pretrained(pipeline)
+        fresh.load_lora_weights(str(file))
+        np.testing.assert_allclose(image(fresh, **kw), ours, atol=ATOL, rtol=0)
 
 
 def test_lora_init_from_continues_and_merged_export_equals_the_lora(tiny_pipeline, shapes_shards, tmp_path):
@@ -112,6 +125,7 @@ def test_lora_init_from_continues_and_merged_export_equals_the_lora(tiny_pipelin
     ({**LORA, "model.adapter.target_regex": "("}, "model.adapter.target_regex"),
     ({**LORA, "model.text_encoder.train": "true"}, "model.adapter.text_encoders.train"),
     ({**LORA, "model.adapter.text_encoders.rank": 2}, "model.adapter.text_encoders.train is not"),
+    ({**LORA, "model.adapter.use_dora": "true", "model.adapter.export_kohya": "true"}, "export_kohya' with model"),
     ({**LORA, "model.adapter.text_encoders.train": "true", "dataset.type": "latents",
       "dataset.params.text_embeddings": "true"}, "would get no gradient"),
 ])
@@ -131,6 +145,14 @@ def test_targets_matching_nothing_and_too_large_ranks_are_refused(over, message,
     cfg = load(args(tmp_path, tiny_pipeline, shapes_shards, **{**LORA, **over}))
     fam = families.create(cfg, torch.device("cpu"), 0, True)
     with pytest.raises(ConfigError, match=message):
+        adapters.apply(cfg, fam, None)
+
+
+def test_a_kohya_export_of_a_transformer_family_is_refused(sd3_pipeline, shapes_shards, tmp_path):
+    cfg = load(args(tmp_path, sd3_pipeline, shapes_shards, **LORA, **FAMILY_KEYS["sd3"],
+                    **{"model.adapter.export_kohya": "true"}))
+    fam = families.create(cfg, torch.device("cpu"), 0, True)
+    with pytest.raises(ConfigError, match="'model.adapter.export_kohya': the sd3 family's transformer has no kohya"):
         adapters.apply(cfg, fam, None)
 
 

@@ -95,6 +95,8 @@ class AdapterConfig:
     init_from: Optional[str] = f(None, "continue from a diffusers-format LoRA: a folder holding "
                                  "pytorch_lora_weights.safetensors or the file (same targets and rank)")
     export_merged: bool = f(False, "exports also write the full pipeline with the adapter merged, in <export>/merged")
+    export_kohya: bool = f(False, "exports also write pytorch_lora_weights_kohya.safetensors (kohya / ComfyUI / A1111 "
+                           "key names, via diffusers' convert_state_dict_to_kohya; UNet families)")
 
     @property
     def enabled(self) -> bool:
@@ -160,6 +162,9 @@ def check_adapter(cfg) -> None:
         raise ConfigError("'model.adapter.text_encoders.train' with dataset.params.text_embeddings=true: the batches "
                           "carry stored text-encoder outputs, so a LoRA on the text encoder would get no gradient. "
                           "Set dataset.params.text_embeddings=false (encode captions online) or text_encoders.train=false")
+    if a.export_kohya and a.use_dora:
+        raise ConfigError("'model.adapter.export_kohya' with model.adapter.use_dora: the kohya file's DoRA scale is "
+                          "not written in a layout we have checked; export the diffusers LoRA folder only")
     if a.text_encoders != TextEncoderAdapterConfig() and not a.text_encoders.train:
         raise ConfigError("'model.adapter.text_encoders.*' keys are set but model.adapter.text_encoders.train is not: "
                           "set it to true or remove the keys")
