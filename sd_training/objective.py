@@ -258,6 +258,16 @@ def encode_text(text_encoder, input_ids: torch.Tensor, clip_skip: int = 0) -> to
 # ----------------------------------------------------------------------------------------------
 
 
+def scheduler_tensors_to(noise_scheduler, device: torch.device) -> None:
+    """The training scheduler's tables on the training device at set-up: diffusers' ``add_noise`` and
+    ``get_velocity`` move ``alphas_cumprod`` to the samples' device at their first call, a copy that waits
+    for the GPU (step 0 failed ``scripts/sync_check.py --device cuda``)."""
+    for name in ("alphas_cumprod", "alphas", "betas"):
+        value = getattr(noise_scheduler, name, None)
+        if isinstance(value, torch.Tensor):
+            setattr(noise_scheduler, name, value.to(device))
+
+
 def training_target(noise_scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
     """What the UNet is asked to predict, following the scheduler's ``prediction_type``."""
     kind = noise_scheduler.config.prediction_type

@@ -104,10 +104,12 @@ def sample_u(cfg: FlowMatchingConfig, batch_size: int, device: torch.device,
 def sample_sigmas(cfg: FlowMatchingConfig, scheduler, batch_size: int, device: torch.device, sample_seeds=None,
                   image_seq_len: int | None = None) -> torch.Tensor:
     """[B] float32 sigmas in (0, 1]: the scheduler's table (:func:`sigma_table`) at ``int(u * 1000)``."""
-    table = sigma_table(cfg, scheduler, image_seq_len)
-    u = sample_u(cfg, batch_size, device, sample_seeds)
-    index = (u * len(table)).long().clamp_(0, len(table) - 1)
-    return table.to(device)[index]
+    table = sigma_table(cfg, scheduler, image_seq_len)  # on the CPU
+    if sample_seeds is None:  # u drawn on the device: the table follows without waiting (non_blocking)
+        u = sample_u(cfg, batch_size, device, None)
+        return table.to(device, non_blocking=True)[(u * len(table)).long().clamp_(0, len(table) - 1)]
+    u = sample_u(cfg, batch_size, "cpu", sample_seeds)  # drawn on the CPU: look up there, copy B values
+    return table[(u * len(table)).long().clamp_(0, len(table) - 1)].to(device, non_blocking=True)
 
 
 def sample_noise(latents: torch.Tensor, sample_seeds=None) -> torch.Tensor:

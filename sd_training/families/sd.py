@@ -21,7 +21,7 @@ from ..evaluation.generate import generate_images
 from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
 from ..flops import StepFlops, count_step_flops
 from ..loading import load_component
-from ..objective import configure_schedulers, diffusion_loss, encode_images, encode_text
+from ..objective import configure_schedulers, diffusion_loss, encode_images, encode_text, scheduler_tensors_to
 from ..text_encoders import (
     apply_clip_skip,
     build_clip_tokenizer,
@@ -148,6 +148,7 @@ class StableDiffusion(Family):
         self.models.noise_scheduler, self.models.inference_scheduler = configure_schedulers(
             self.models.noise_scheduler, self.models.inference_scheduler, cfg.objective
         )
+        scheduler_tensors_to(self.models.noise_scheduler, device)
         self.net = unwrap(self.models.unet)
         self.loss_module = self.net
 
