@@ -17,7 +17,7 @@ from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
 from .families import registry
 from .families.base import Family
-from .memory_plan import as_dicts, check_plan, format_plan, memory_plan, micro_batch_activations
+from .memory_plan import as_dicts, check_plan, format_plan, memory_plan, micro_batch_activations, module_bytes
 from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
 from .parallel import Strategy
 from .precision import autocast_dtype
@@ -111,11 +111,14 @@ def _build_ema(cfg: TrainConfig, net: torch.nn.Module, net_name: str, total_step
 def _log_memory_plan(cfg: TrainConfig, info: DistInfo, family: Family, net: torch.nn.Module, ema: EMA | None,
                      strategy: Strategy, dtype: torch.dtype | None, run_dir: RunDir) -> None:
     """Per-GPU bytes of the trained and frozen modules under each strategy, before the first step."""
+    # Text encoders trained alongside: whole (model.text_encoder.train) or through their adapter.
+    replicated = [*family.trained_encoders().values(), *(family.adapters.encoders.values() if family.adapters else ())]
     rows = memory_plan(
         net, family.frozen_modules(), cfg.optimizer.name, info.world_size, ema is not None,
         cfg.model.ema.device == "cpu", 2 if dtype is not None else 4, family.shard_units,
-        cfg.distributed.fsdp_unit, replicated=family.trained_encoders().values(),
+        cfg.distributed.fsdp_unit, replicated=replicated,
         activations=micro_batch_activations(cfg, net, text_tokens=family.text_tokens(cfg)),
+        ema_bytes=module_bytes(ema.shadow) if ema is not None else None,
     )
     check_plan(rows, strategy.plan_name, info.device.type, cfg)  # a batch that cannot fit stops here
     if info.is_main:

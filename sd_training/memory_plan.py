@@ -20,6 +20,12 @@ not fit the device (a CUDA device's memory; on the CPU the machine's RAM shared 
   gathered in the compute dtype (two in flight: one computing, the next prefetched).
 - ``fsdp_offload`` (``distributed.fsdp_cpu_offload``): weights, gradients, optimizer state and EMA
   shards live in pinned CPU memory; the GPU holds only the gathered units.
+
+With ``model.adapter`` only the adapter's parameters train (weights, gradients, optimizer state and EMA
+rows: the adapter's); the net's frozen base is its own column (``base``: stored in the training
+precision, no gradients, no optimizer state), and text encoders with an adapter count in ``frozen``
+(their adapter's state plus their frozen weights). At config load the adapter is counted from the
+layers' shapes (``memory_load``).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ def _bytes(module: torch.nn.Module) -> int:
 @dataclass
 class MemoryRow:
     strategy: str
-    weights: float  # GiB per GPU
+    weights: float  # GiB per GPU: the trained parameters, kept in fp32
     gradients: float
     optimizer: float
     ema: float
@@ -51,24 +57,56 @@ class MemoryRow:
     frozen: float  # frozen components (VAE, text encoders) and replicated trained ones, whole on every GPU
     total: float
     activations: float = 0.0  # the estimate for one micro-batch (in the total)
+    base: float = 0.0  # the trained module's frozen weights (an adapter's base), as stored (in the total)
+    trained_params: int = 0  # parameters of the trained module that train (an adapter's alone with model.adapter)
+    base_params: int = 0  # its frozen ones
+    encoder_trained_params: int = 0  # of the text encoders trained with it (whole, or their adapters)
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers as stored (an EMA copy, a frozen component)."""
+    return _bytes(module)
+
+
+def _unique(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    out: dict[int, torch.nn.Module] = {}
+    for m in modules:
+        out.setdefault(id(m), m)
+    return list(out.values())
+
+
+def _trained_bytes(module: torch.nn.Module, per_param: int) -> tuple[int, int, int]:
+    """(trained parameters, their bytes at ``per_param`` each, the frozen parameters' bytes as stored) of a
+    module trained whole or through an adapter."""
+    trained = [p for p in module.parameters() if p.requires_grad]
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    n = sum(p.numel() for p in trained)
+    return n, n * per_param, sum(t.numel() * t.element_size() for t in frozen)
 
 
 def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], optimizer: str, world_size: int,
                 ema: bool, ema_on_cpu: bool, compute_bytes: int,
                 shard_units: Callable[[torch.nn.Module, str], list[torch.nn.Module]] | None,
-                unit_level: str, replicated: Iterable[torch.nn.Module] = (), activations: float = 0.0) -> list[MemoryRow]:
-    """One row per strategy (GiB per GPU). ``compute_bytes``: bytes per element of the gathered weights
-    (2 under bf16/fp16 mixed precision, 4 in fp32); ``shard_units`` as the strategy shards them;
-    ``replicated``: modules trained alongside (a text encoder), whole on every GPU under every strategy;
-    ``activations``: bytes of one micro-batch's activations (``activation_bytes`` x the batch)."""
-    n = sum(p.numel() for p in trained.parameters() if p.requires_grad)
-    weights = sum(p.numel() * 4 for p in trained.parameters())  # trained weights are kept in fp32
+                unit_level: str, replicated: Iterable[torch.nn.Module] = (), activations: float = 0.0,
+                ema_bytes: int | None = None) -> list[MemoryRow]:
+    """One row per strategy (GiB per GPU). The trained module's parameters that train (all of them, or an
+    adapter's with ``model.adapter``) hold fp32 weights, gradients and optimizer state; its frozen ones (the
+    adapter's base, in the training precision) only their stored bytes (``base``), sharded under FSDP like
+    the rest. ``compute_bytes``: bytes per element of the gathered weights (2 under bf16/fp16 mixed
+    precision, 4 in fp32); ``shard_units`` as the strategy shards them; ``replicated``: modules trained
+    alongside (a text encoder, whole or through its adapter), whole on every GPU under every strategy;
+    ``activations``: bytes of one micro-batch's activations (``activation_bytes`` x the batch);
+    ``ema_bytes``: what the EMA's copy holds when known (None: a copy of the trained module)."""
+    opt = OPTIMIZER_BYTES.get(optimizer, 8)
+    n, weights, base = _trained_bytes(trained, 4)  # trained weights are kept in fp32
     grads = n * 4
-    optim = n * OPTIMIZER_BYTES.get(optimizer, 8)
-    ema_b = weights if ema and not ema_on_cpu else 0
-    n_rep = sum(p.numel() for m in replicated for p in m.parameters())
-    rep = n_rep * (4 + 4 + OPTIMIZER_BYTES.get(optimizer, 8))
-    frozen_b = sum(_bytes(m) for m in frozen)
+    optim = n * opt
+    ema_b = 0 if not ema or ema_on_cpu else (weights + base if ema_bytes is None else ema_bytes)
+    n_rep, rep = 0, 0
+    for module in _unique(replicated):
+        k, trained_b, frozen_b = _trained_bytes(module, 4 + 4 + opt)
+        n_rep, rep = n_rep + k, rep + trained_b + frozen_b
+    frozen_b = sum(_bytes(m) for m in _unique(frozen))
     # Each unit gathers the parameters no inner unit holds (units come innermost first; the root last).
     seen: set[int] = set()
     sizes = []
@@ -78,32 +116,43 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
         sizes.append(sum(p.numel() for p in own))
     largest = max(sizes)
     gathered = 2 * largest * compute_bytes
+    counts = dict(trained_params=n, base_params=sum(p.numel() for p in trained.parameters()) - n,
+                  encoder_trained_params=n_rep)
     rows = []
     for strategy in STRATEGIES:
         if strategy == "ddp":
-            parts = (weights, grads, optim, ema_b, 0)
+            parts = (weights, grads, optim, ema_b, 0, base)
         elif strategy == "fsdp":
             w = world_size
-            parts = (weights / w, grads / w, optim / w, ema_b / w, gathered)
+            parts = (weights / w, grads / w, optim / w, ema_b / w, gathered, base / w)
         else:
-            parts = (0, 0, 0, 0, gathered)
-        rows.append(MemoryRow(strategy, *(p / GIB for p in parts), (frozen_b + rep) / GIB,
-                              (sum(parts) + frozen_b + rep + activations) / GIB, activations / GIB))
+            parts = (0, 0, 0, 0, gathered, 0)
+        g = [x / GIB for x in parts]
+        rows.append(MemoryRow(strategy, *g[:5], frozen=(frozen_b + rep) / GIB,
+                              total=(sum(parts) + frozen_b + rep + activations) / GIB, activations=activations / GIB,
+                              base=g[5], **counts))
     return rows
 
 
 def format_plan(rows: list[MemoryRow], chosen: str, world_size: int) -> str:
     acts = any(r.activations for r in rows)
+    base = any(r.base_params for r in rows)
     what = "activations: a rough lower estimate" if acts else "activations not included"
-    lines = [f"memory plan per GPU (GiB, {world_size} GPU(s); {what}):",
-             f"  {'strategy':<13}{'weights':>8}{'grads':>8}{'optim':>8}{'ema':>8}{'gathered':>9}{'frozen':>8}"
-             + (f"{'acts':>8}" if acts else "") + f"{'total':>8}  fits"]
+    lines = [f"memory plan per GPU (GiB, {world_size} GPU(s); {what}):"]
+    if base:  # an adapter: its parameters train; the net's base is frozen
+        r = rows[0]
+        lines.append(f"  trained: {r.trained_params:,} parameters (the adapter) + {r.encoder_trained_params:,} of the "
+                     f"text encoders; frozen base: {r.base_params:,} parameters, stored as built (no grads, no "
+                     "optimizer state)")
+    lines.append(f"  {'strategy':<13}{'weights':>8}{'grads':>8}{'optim':>8}{'ema':>8}{'gathered':>9}"
+                 + (f"{'base':>8}" if base else "") + f"{'frozen':>8}" + (f"{'acts':>8}" if acts else "")
+                 + f"{'total':>8}  fits")
     for r in rows:
         fits = " ".join(f"{g}GB:{'yes' if r.total < 0.9 * g * 1e9 / GIB else 'no'}" for g in GPU_SIZES_GB)
         mark = " <- this run" if r.strategy == chosen else ""
         lines.append(f"  {r.strategy:<13}{r.weights:8.2f}{r.gradients:8.2f}{r.optimizer:8.2f}{r.ema:8.2f}"
-                     f"{r.gathered:9.2f}{r.frozen:8.2f}" + (f"{r.activations:8.2f}" if acts else "")
-                     + f"{r.total:8.2f}  {fits}{mark}")
+                     f"{r.gathered:9.2f}" + (f"{r.base:8.2f}" if base else "") + f"{r.frozen:8.2f}"
+                     + (f"{r.activations:8.2f}" if acts else "") + f"{r.total:8.2f}  {fits}{mark}")
     return "\n".join(lines)
 
 
@@ -231,16 +280,21 @@ def micro_batch_activations(cfg, net: torch.nn.Module | None = None, config: dic
                                                     cfg.model.gradient_checkpointing, _vae_factor(cfg))
 
 
-def _family_of(cfg) -> tuple[str, str | None, int]:
-    """(the trained module's component name, its class name when the family names one, text tokens per
-    sample) of the run's family; ("unet", None, 77) when the family cannot be told yet."""
+def _family_class(cfg):
+    """The run's family class; None when it cannot be told yet."""
     from .families import registry
 
     try:
         name = registry.detect(cfg.model, must=False)
     except Exception:  # noqa: BLE001 -- a pipeline the config checks already reported
         name = None
-    fam = registry.FAMILIES.get(name or "")
+    return registry.FAMILIES.get(name or "")
+
+
+def _family_of(cfg) -> tuple[str, str | None, int]:
+    """(the trained module's component name, its class name when the family names one, text tokens per
+    sample) of the run's family; ("unet", None, 77) when the family cannot be told yet."""
+    fam = _family_class(cfg)
     if fam is None:
         return "unet", None, 77
     return fam.net_name, getattr(fam, "net_class", None), int(fam.text_tokens(cfg) or 77)
@@ -304,53 +358,6 @@ def _vae_factor(cfg) -> int:
     return 2 ** (levels - 1)
 
 
-def safetensors_params(folder: str) -> int | None:
-    """Parameters in a component folder's safetensors weights, from the files' headers (nothing loaded);
-    None when there are none."""
-    import json
-    import os
-    import struct
-
-    index = _json(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"))
-    files = sorted(set(index["weight_map"].values())) if index and isinstance(index.get("weight_map"), dict) else [
-        "diffusion_pytorch_model.safetensors"]
-    total = 0
-    for name in files:
-        try:
-            with open(os.path.join(folder, name), "rb") as fh:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                if size > 100 * 2**20:
-                    return None
-                header = json.loads(fh.read(size))
-        except (OSError, ValueError, struct.error):
-            return None
-        for key, entry in header.items():
-            if key != "__metadata__" and isinstance(entry, dict):
-                n = 1
-                for dim in entry.get("shape", ()):
-                    n *= int(dim)
-                total += n
-    return total
-
-
-def _meta_params(kind: str, conf: dict) -> int:
-    """Parameters of the module ``conf`` builds, built on the meta device (no memory); 0 if it does not build."""
-    if kind == "transformer":
-        from .memory_transformer import meta_module
-
-        module = meta_module(conf)
-        return sum(p.numel() for p in module.parameters()) if module is not None else 0
-    try:
-        import diffusers
-
-        cls = diffusers.AutoencoderKL if kind == "vae" else diffusers.UNet2DConditionModel
-        with torch.device("meta"):
-            module = cls.from_config({k: v for k, v in conf.items() if not k.startswith("_")})
-        return sum(p.numel() for p in module.parameters())
-    except Exception:  # noqa: BLE001 -- a config the class refuses is reported when the run builds it
-        return 0
-
-
 def device_memory(device: str) -> tuple[int, str] | None:
     """(bytes, description) of the memory one rank may use: the CUDA device's (``LOCAL_RANK``'s), or on
     the CPU the machine's RAM (or its cgroup limit) divided among the ranks on the machine. None for
@@ -411,13 +418,27 @@ def check_batch(cfg) -> None:
         return
     kind = _kind(cfg, conf)
     per_batch = micro_batch_activations(cfg, config=conf)
-    n_params = (safetensors_params(folder) if folder else None) or _meta_params(kind, conf)
+    from .memory_load import meta_params, safetensors_params
+
+    n_params = (safetensors_params(folder) if folder else None) or meta_params(kind, conf)
     strategy = cfg.distributed.strategy
     if strategy == "fsdp" and cfg.distributed.fsdp_cpu_offload:
         strategy = "fsdp_offload"
     world = _world_size()
     ema = m.use_ema and m.ema.device != "cpu"
     state = trained_state_bytes(n_params, cfg.optimizer.name, ema, strategy, world)
+    what = f"{n_params / 1e6:,.1f}M parameters"
+    if m.adapter.enabled:  # only the adapter trains; the base is frozen in the training precision
+        from .memory_load import adapter_state_bytes, plan_adapter
+
+        fam = _family_class(cfg)
+        planned = plan_adapter(cfg, kind, conf, getattr(fam, "adapter_presets", {}), _family_of(cfg)[0])
+        if planned is None:  # targets that resolve to nothing: the run says so when it builds the net
+            return
+        per_trained = 4 + 4 + OPTIMIZER_BYTES.get(cfg.optimizer.name, 8) + (4 if ema else 0)
+        state = adapter_state_bytes(planned, per_trained, strategy, world)
+        what = (f"a LoRA of {planned.trained / 1e6:,.2f}M parameters on {planned.layers:,} layers; the frozen base's "
+                f"{planned.base / 1e6:,.1f}M parameters at {planned.base_bytes} bytes")
     device = device_memory(cfg.system.device)
     if device is None:
         return
@@ -428,7 +449,7 @@ def check_batch(cfg) -> None:
     numbers = (f"about {need / GIB:,.1f} GiB per device: activations {per_sample / 2**20:,.1f} MiB per sample "
                f"(a rough lower estimate) x system.batch_size={batch:,} = {per_batch / GIB:,.1f} GiB, plus "
                f"{state / GIB:,.2f} GiB of the {kind}'s weights, gradients, optimizer state"
-               f"{' and EMA' if ema else ''} ({n_params / 1e6:,.1f}M parameters, {strategy}"
+               f"{' and EMA' if ema else ''} ({what}, {strategy}"
                f"{f' over {world} ranks' if strategy == 'fsdp' else ''})")
     if need > memory:
         fits = int((memory - state) // per_sample) if memory > state else 0

@@ -1,0 +1,118 @@
+"""The memory plan at config load (``memory_plan.check_batch`` uses it), before anything is built: the
+trained module's parameters counted from its weight files' headers or built on the meta device (no
+memory), and with ``model.adapter`` the adapter's parameters: its layers resolved
+as ``sd_training.adapters`` resolves them (the family's preset, ``target_modules`` or ``target_regex``),
+and the adapter's parameters counted from the layers' shapes: a LoRA of rank r on a layer with ``in``
+inputs (a convolution's in_channels x kernel area) and ``out`` outputs holds ``r x (in + out)``
+parameters (``lora_A``, ``lora_B``), plus ``out`` with DoRA (its magnitude vector). Once the modules
+are built, the start-up plan counts the adapter's real parameters instead (``memory_plan.memory_plan``).
+
+The frozen base is stored in the training precision (2 bytes under bf16 / fp16, fp32 under FSDP, which
+shards it), with no gradients and no optimizer state; the adapter's parameters train in fp32 with
+gradients, optimizer state and (model.use_ema) an EMA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .adapters import _layer_size, resolve_targets
+from .config import ConfigError
+from .memory_plan import _json
+
+
+def safetensors_params(folder: str) -> int | None:
+    """Parameters in a component folder's safetensors weights, from the files' headers (nothing loaded);
+    None when there are none."""
+    index = _json(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values())) if index and isinstance(index.get("weight_map"), dict) else [
+        "diffusion_pytorch_model.safetensors"]
+    total = 0
+    for name in files:
+        try:
+            with open(os.path.join(folder, name), "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > 100 * 2**20:
+                    return None
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error):
+            return None
+        for key, entry in header.items():
+            if key != "__metadata__" and isinstance(entry, dict):
+                n = 1
+                for dim in entry.get("shape", ()):
+                    n *= int(dim)
+                total += n
+    return total
+
+
+def meta_net(kind: str, conf: dict) -> torch.nn.Module | None:
+    """The module ``conf`` builds (``kind``: unet, vae or transformer) on the meta device (no memory); None
+    if it does not build."""
+    if kind == "transformer":
+        from .memory_transformer import meta_module
+
+        return meta_module(conf)
+    try:
+        import diffusers
+
+        cls = diffusers.AutoencoderKL if kind == "vae" else diffusers.UNet2DConditionModel
+        with torch.device("meta"):
+            return cls.from_config({k: v for k, v in conf.items() if not k.startswith("_")})
+    except Exception:  # noqa: BLE001 -- a config the class refuses is reported when the run builds it
+        return None
+
+
+def meta_params(kind: str, conf: dict) -> int:
+    """Parameters of the module ``conf`` builds, counted on the meta device; 0 if it does not build."""
+    module = meta_net(kind, conf)
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+
+@dataclass
+class PlannedAdapter:
+    trained: int  # the adapter's parameters (the net's; text-encoder adapters are planned at start-up)
+    base: int  # the net's frozen parameters
+    base_bytes: int  # bytes per base parameter as stored (the training precision; fp32 under FSDP)
+    layers: int  # adapted layers
+
+
+def lora_params(module: torch.nn.Module, targets: list[str], rank: int, dora: bool = False) -> int:
+    """Parameters of a LoRA of ``rank`` on the layers ``targets`` of ``module`` (see the module doc)."""
+    layers = dict(module.named_modules())
+    total = 0
+    for name in targets:
+        n_in, n_out = _layer_size(layers[name])
+        total += rank * (n_in + n_out) + (n_out if dora else 0)
+    return total
+
+
+def plan_adapter(cfg, kind: str, conf: dict, presets: dict[str, str], net_name: str) -> PlannedAdapter | None:
+    """The adapter ``cfg.model.adapter`` would put on the net ``conf`` builds; None when the net does not
+    build on the meta device or the targets resolve to nothing (the run reports that when it builds)."""
+    a = cfg.model.adapter
+    net = meta_net(kind, conf)
+    if net is None:
+        return None
+    try:
+        targets = resolve_targets(net, presets, a.targets, list(a.target_modules), a.target_regex, "model.adapter",
+                                  net_name)
+    except ConfigError:
+        return None
+    total = sum(p.numel() for p in net.parameters())
+    half = cfg.model.mixed_precision in ("bf16", "fp16") and cfg.distributed.strategy != "fsdp"
+    return PlannedAdapter(lora_params(net, targets, a.rank, a.use_dora), total, 2 if half else 4, len(targets))
+
+
+def adapter_state_bytes(planned: PlannedAdapter, per_trained: int, strategy: str, world_size: int) -> float:
+    """Per device: the adapter's weights, gradients, optimizer state and EMA (``per_trained`` bytes each) and
+    the frozen base as stored, under ``strategy`` (fsdp: 1/world_size; fsdp_offload: none on the device)."""
+    if strategy == "fsdp_offload":
+        return 0.0
+    both = planned.trained * per_trained + planned.base * planned.base_bytes
+    return both / (world_size if strategy == "fsdp" else 1)
