@@ -73,7 +73,8 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     # Only the trained module (and its EMA) is wrapped; the frozen components never are.
     strategy = Strategy(cfg.distributed.strategy, info.is_distributed, device, dtype, cfg.distributed)
     _log_memory_plan(cfg, info, family, net, ema, strategy, dtype, run_dir)
-    model = strategy.wrap(family.loss_module, ema.shadow if ema is not None else None, family.shard_units)
+    model = strategy.wrap(family.loss_module, ema.shadow if ema is not None else None, family.shard_units,
+                          shadow_units=ema is None or ema.names is None)
     if cfg.model.compile:
         model = compile_model(model, family, net)
     return ModelParts(family, net, ema, strategy, model, dtype, scaler)
@@ -102,7 +103,9 @@ def _build_ema(cfg: TrainConfig, net: torch.nn.Module, net_name: str, total_step
     if e.strength_target is not None:
         decay = decay_from_strength(e.strength_target, total_steps, e.update_every)
         log.info("EMA decay %.8f derived from model.ema.strength_target=%s", decay, e.strength_target)
-    ema = EMA(net, decay, e.update_every, e.start_step, e.warmup, torch.device("cpu") if e.device == "cpu" else device)
+    # model.adapter: the EMA of the adapters only (the frozen base would be a second copy of itself).
+    ema = EMA(net, decay, e.update_every, e.start_step, e.warmup, torch.device("cpu") if e.device == "cpu" else device,
+              trainable_only=adapters.enabled(cfg))
     if e.path:
         ema.load_weights(load_weights_checked(e.path, net, net_name, "model.ema.path"))
     return ema

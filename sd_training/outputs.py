@@ -84,7 +84,7 @@ class RunOutputs:
         if "raw" in needed:
             plain["raw"] = self.strategy.plain_copy(net, self.device)
         if "ema" in needed:
-            plain["ema"] = self.strategy.plain_copy(ema.shadow, self.device)
+            plain["ema"] = self._ema_net(net, ema, plain.get("raw"))
         if self.info.is_main:
             for w in weights:
                 out = self.run_dir.pipeline(None, ema=w == "ema")
@@ -99,6 +99,14 @@ class RunOutputs:
         distributed.barrier()
         if self.family.makes_eval_images:
             self._write_eval_images(step, plain[samples_from[0]])
+
+    def _ema_net(self, net: torch.nn.Module, ema, raw: torch.nn.Module | None) -> torch.nn.Module:
+        """The net with the EMA's weights, unsharded: the shadow itself, or (an EMA of the trained parameters
+        only, model.adapter) a copy of the net sharing its frozen weights, with the averaged ones."""
+        if ema.names is None:
+            return self.strategy.plain_copy(ema.shadow, self.device)
+        base = raw if raw is not None else self.strategy.plain_copy(net, self.device)
+        return ema.applied_to(base, {k: v.to(self.device) for k, v in self.strategy.full_state_dict(ema.shadow).items()})
 
     def _export(self, net: torch.nn.Module, out: Path) -> dict:
         """The family's pipeline, or with adapters their diffusers LoRA folder (and the merged pipeline)."""

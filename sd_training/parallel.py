@@ -51,9 +51,12 @@ class Strategy:
         return torch.device("cpu") if self.cpu_offload else self.device
 
     def wrap(self, net: torch.nn.Module, ema_shadow: torch.nn.Module | None,
-             shard_units: Callable[[torch.nn.Module, str], list[torch.nn.Module]] | None = None) -> torch.nn.Module:
+             shard_units: Callable[[torch.nn.Module, str], list[torch.nn.Module]] | None = None,
+             shadow_units: bool = True) -> torch.nn.Module:
         """Returns the module to call in the forward pass. ``shard_units(module, distributed.fsdp_unit)``:
-        the submodules FSDP2 shards separately, innermost first (the model family knows its layout)."""
+        the submodules FSDP2 shards separately, innermost first (the model family knows its layout).
+        ``shadow_units``: the EMA shadow is a copy of the net, sharded by the same units; else (an EMA of
+        some parameters only) one unit. Either way each parameter is split on dim 0 as the net's is."""
         self.module_cls = type(net)  # FSDP2 swaps the class of a module it shards
         c = self.cfg
         bf16_reduce = c is not None and c.grad_reduce_dtype == "bf16"
@@ -82,7 +85,8 @@ class Strategy:
                 kw["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
             level = c.fsdp_unit if c is not None else "layer"
             for module in [net] + ([ema_shadow] if ema_shadow is not None else []):
-                for unit in (shard_units(module, level) if shard_units is not None else []):
+                units = shard_units is not None and (module is net or shadow_units)
+                for unit in (shard_units(module, level) if units else []):
                     fully_shard(unit, **kw)
                 fully_shard(module, **kw)
             return net
@@ -105,9 +109,7 @@ class Strategy:
         does all the time, so eval images are split across all ranks instead of waiting on rank 0."""
         if not self.sharded:
             return module
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        sd = self.full_state_dict(module)
         with torch.device("meta"):
             plain = self.module_cls.from_config(module.config)
             for name, config in getattr(module, "peft_config", {}).items():  # model.adapter: the same adapters
@@ -120,3 +122,11 @@ class Strategy:
                 plain.add_adapter(config, adapter_name=name)
             plain.load_state_dict(sd)
         return plain.to(device).eval().requires_grad_(False)
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``module``'s state dict with full tensors (FSDP: all-gathered, collective; on the shards' device)."""
+        if not self.sharded:
+            return module.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=False))

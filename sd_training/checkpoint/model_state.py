@@ -139,7 +139,7 @@ class ModelState:
                 ema = shared[EMA]
                 if not isinstance(ema, dict) or not isinstance(ema.get("shadow"), dict):
                     raise CheckpointDamaged(shared_file(folder, EMA), "holds no EMA 'shadow' state dict")
-                check_state_shapes(shared_file(folder, EMA), ema["shadow"], expected, "EMA parameter")
+                check_state_shapes(shared_file(folder, EMA), ema["shadow"], shapes_of(self.shadow), "EMA parameter")
             if OPTIMIZER in shared:
                 check_optimizer_shapes(shared_file(folder, OPTIMIZER), shared[OPTIMIZER], self.optimizer, self.net)
         for name, module in (modules or {}).items():
@@ -171,9 +171,11 @@ class ModelState:
                 raise CheckpointDamaged(folder / rel, f"holds {sizes[rel]:,} bytes, DCP's index reads up to byte {end:,} "
                                                       "(cut short)")
         saved = md.state_dict_metadata
-        groups = [(DCP_NET, "parameter")] + ([(DCP_EMA, "EMA parameter")] if self.ema is not None else [])
-        for prefix, what in groups:
-            for key, shape in expected.items():
+        groups = [(DCP_NET, "parameter", expected)]
+        if self.ema is not None:  # the shadow: the net's entries, or only its trained parameters (model.adapter)
+            groups.append((DCP_EMA, "EMA parameter", shapes_of(self.shadow)))
+        for prefix, what, shapes in groups:
+            for key, shape in shapes.items():
                 m = saved.get(f"{prefix}.{key}")
                 if m is None:
                     raise CheckpointDamaged(meta, f"has no {what} '{key}' of this run's model: it was written for "
