@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU production path in one command (about 10 minutes on one GPU): bf16 train + export + sample,
+# The GPU production path in one command (about 14 minutes on one GPU): bf16 train + export + sample,
 # torchrun DDP and FSDP2 over NCCL on the GPUs present, torch.compile, xformers when installed, a window of
-# steps under torch.cuda.set_sync_debug_mode("error"), and the step benchmark (images/s per GPU, MFU).
+# steps under torch.cuda.set_sync_debug_mode("error"), the step benchmark (images/s per GPU, MFU) and the memory
+# benchmark (full-size SDXL shapes at 1024 px: LoRA and full fine-tune peaks beside the memory plan).
 # It prints a table to paste into a bug report.      bash scripts/gpu_check.sh   (OUT=folder to keep logs)
 set -uo pipefail
 if [ -n "${OUT:-}" ]; then  # a relative OUT is the caller's, not the repository's
@@ -61,6 +62,9 @@ fi
 check sync_debug_window "$PY" scripts/sync_check.py --device cuda
 rm -f "$OUT/bench_step.json"  # a failed benchmark must not leave an earlier run's numbers to print
 check bench_step "$PY" benchmarks/bench_step.py --device cuda --out "$OUT/bench_step.json"
+rm -f "$OUT/bench_memory.json"
+check bench_memory "$PY" benchmarks/bench_memory.py --device cuda --timeout 300 --work "$OUT/bench_memory" \
+  --out "$OUT/bench_memory.json"
 echo
 echo "sd-training gpu_check ($(date -u '+%F %T') UTC)"
 "$PY" -c "import torch, diffusers; p = torch.cuda.get_device_properties(0); print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, diffusers {diffusers.__version__}; {torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB)')"
@@ -73,6 +77,19 @@ for r in json.load(open(sys.argv[1])).get("sd1_unet", []):
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (GPU not in the peak table)"
     print(f"  SD 1.x {r.get('resolution')} px: {r.get('images_per_sec', 0):.1f} img/s per GPU, MFU {mfu}, "
           f"peak {r.get('peak_memory_gb', 0):.1f} GB")
+PYEOF
+fi
+if [ -f "$OUT/bench_memory.json" ]; then
+  "$PY" - "$OUT/bench_memory.json" <<'PYEOF' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+for mode, s in r.get("summary", {}).items():
+    if "error" in s:
+        print(f"  memory {mode}: FAILED ({s['error']})")
+        continue
+    goal = f", goal <= {s['goal_gib']:g} GiB: {'yes' if s['within_goal'] else 'NO'}" if "goal_gib" in s else ""
+    print(f"  memory {r['model']} {mode} {r['resolution']} px batch {r['batch']}: peak {s['peak_gib']:.1f} GiB allocated "
+          f"({s['reserved_gib'] or 0:.1f} reserved), plan {s['plan_total_gib']:.1f} GiB, {s['images_per_sec']:.2f} img/s{goal}")
 PYEOF
 fi
 ! printf '%s\n' "${ROWS[@]}" | grep -q FAIL

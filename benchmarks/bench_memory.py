@@ -1,0 +1,397 @@
+"""Peak memory of training modes, measured through our own Trainer, beside the memory plan's prediction.
+
+    python benchmarks/bench_memory.py --device cuda                  # full-size SDXL shapes, 1024 px, lora + full
+    python benchmarks/bench_memory.py --device cpu                   # the tiny SDXL-shaped pipeline, 64 px
+    python benchmarks/bench_memory.py --device cuda --mode lora      # one mode (--mode is repeatable or a list)
+
+The model (``--model``, from benchmarks/memory_models.yaml) is built with random weights, nothing is
+downloaded: the family's tiny pipeline with its components replaced by full-size random ones (on a GPU:
+SDXL's CLIP ViT-L and OpenCLIP bigG text encoders and its VAE, saved once to a temporary folder), and the
+trained net built from scratch by the trainer from its config (``model.<net>.params``: SDXL's UNet, 2.57B
+parameters). The text conditioning is the real encoders' (frozen, in the training precision) on captions
+of synthetic shape images written at the resolution, encoded by the frozen VAE every step: the template's
+path (a folder of images), not precomputed latents.
+
+Each mode runs in its own process (a fresh CUDA context and a clean peak RSS), through the product:
+``sd_training.loop.Trainer`` after ``setup()`` (the config checks, the memory plan at start-up, the
+family, ``model.adapter``, the optimizer), one batch from its own loader, then ``--steps`` of its
+``_micro_step`` + ``_optimizer_step`` (the first untimed: it allocates the optimizer state). Gradient
+checkpointing on, bf16 mixed precision, AdamW, no EMA (``--ema`` to add it), batch ``--batch``.
+
+Modes (``MODES``; each a set of config overrides): ``full`` (every weight of the net trains: fp32 master
+weights, gradients and AdamW state) and ``lora`` (``model.adapter``: a LoRA of the model's rank on its
+preset; the base frozen in bf16). Issue 24 adds its single-GPU memory modes here.
+
+Measured per mode: on CUDA ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the steps
+(peak stats reset after set-up, synchronised before reading), on the CPU the process's peak RSS; images/s
+(median step); and the bytes the trainer actually holds (trained and frozen parameters by dtype, the
+gradients of the last step, the optimizer state, the frozen components), beside the start-up memory
+plan's rows for the run's strategy (``memory_plan.json``). Writes benchmarks/results/bench_memory.json
+(``--out``); prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODELS = HERE / "memory_models.yaml"
+GIB = 2**30
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def lora_overrides(spec: dict) -> dict:
+    lora = spec.get("lora") or {}
+    return {"model.adapter.type": "lora", "model.adapter.rank": lora.get("rank", 16),
+            "model.adapter.targets": lora.get("targets", "attention")}
+
+
+# name -> (what it is, config overrides for a model spec). Issue 24: offload, opt_in_backward, adam8bit.
+MODES = {
+    "full": ("full fine-tune: every weight of the net trains (fp32 master weights, gradients, AdamW state)",
+             lambda spec: {}),
+    "lora": ("LoRA (model.adapter): the adapter trains in fp32, the base is frozen in the training precision",
+             lora_overrides),
+}
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--mode", action="append", default=None,
+                   help=f"a mode or a comma-separated list; repeatable ({', '.join(MODES)}; default: lora and full)")
+    p.add_argument("--model", default=None, help="a model of --models (default: its defaults for the device)")
+    p.add_argument("--models", default=str(MODELS), help="the YAML file of models (default: %(default)s)")
+    p.add_argument("--resolution", type=int, default=None, help="pixels (default: the model's)")
+    p.add_argument("--batch", type=int, default=1, help="images per step")
+    p.add_argument("--steps", type=int, default=None, help="steps per mode, the first untimed (default: 6 cuda, 3 cpu)")
+    p.add_argument("--precision", default="bf16", help="model.mixed_precision: bf16 | fp16 | no")
+    p.add_argument("--ema", action="store_true", help="model.use_ema on the device (default: off)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one mode may take (set-up included)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on the CPU)")
+    p.add_argument("--work", default=None, help="folder for the pipeline, shards and runs (default: a temporary one)")
+    p.add_argument("--out", default=str(HERE / "results" / "bench_memory.json"), help="JSON result")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one mode, write --out
+    return p.parse_args(argv)
+
+
+def modes_of(args) -> list[str]:
+    names = [m.strip() for entry in (args.mode or ["lora,full"]) for m in entry.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODES]
+    if unknown:
+        raise SystemExit(f"bench_memory: unknown mode {unknown[0]!r} (known: {', '.join(MODES)})")
+    return list(dict.fromkeys(names))
+
+
+def load_spec(args) -> tuple[str, dict]:
+    import yaml
+
+    models = yaml.safe_load(Path(args.models).read_text())
+    name = args.model or models["defaults"]["cuda" if args.device == "cuda" else "cpu"]
+    if name not in models or name == "defaults":
+        raise SystemExit(f"bench_memory: no model {name!r} in {args.models}")
+    return name, models[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# The parent: the pipeline and shards once, then one process per mode.
+# ----------------------------------------------------------------------------------------------
+
+
+def build_component(cls_name: str, config: dict):
+    """A random-weight diffusers or transformers module of class ``cls_name`` from ``config``."""
+    import diffusers
+    import transformers
+
+    cls = getattr(diffusers, cls_name, None) or getattr(transformers, cls_name)
+    if hasattr(cls, "config_class") and not hasattr(cls, "from_config"):  # transformers: a Config object
+        return cls(cls.config_class(**config))
+    return cls(**config)
+
+
+def make_pipeline(spec: dict, out: Path) -> Path:
+    """The family's tiny pipeline with the spec's components replaced by full-size random ones."""
+    import shutil
+
+    import torch
+
+    from sd_training.families.registry import make_tiny_pipeline
+
+    if (out / "model_index.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny_pipeline(tmp, family=spec["family"])
+    for component, entry in (spec.get("components") or {}).items():
+        # The tiny pipeline's tokenizers stay: their special token ids win over the spec's.
+        tiny = json.loads((tmp / component / "config.json").read_text())
+        config = {**entry["config"], **{k: tiny[k] for k in TOKEN_IDS if k in tiny}}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            module = build_component(entry["class"], config)
+        shutil.rmtree(tmp / component)
+        module.save_pretrained(tmp / component)
+        del module
+    tmp.rename(out)
+    return out
+
+
+def run_mode(mode: str, args, work: Path, pipeline: Path, shards: str) -> dict:
+    """One mode in a child process; its JSON, or what went wrong."""
+    out = work / f"mode_{mode}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--device", args.device,
+           "--batch", str(args.batch), "--steps", str(args.steps), "--precision", args.precision,
+           "--resolution", str(args.resolution), "--work", str(work), "--out", str(out)]
+    cmd += ["--model", args.model, "--models", str(Path(args.models).resolve())] + (["--ema"] if args.ema else []) + (["--threads", str(args.threads)] if args.threads else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               HF_HUB_OFFLINE="1", WANDB_MODE="disabled", BENCH_PIPELINE=str(pipeline), BENCH_SHARDS=shards)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:
+        rc, tail = "timeout", ((e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"))[-3000:]
+    if rc == 0 and out.exists():
+        result = json.loads(out.read_text())
+    else:
+        result = {"mode": mode, "error": f"exit {rc}", "log_tail": tail}
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def main(argv=None) -> dict:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.child:
+        return child(args)
+    modes = modes_of(args)
+    args.model, spec = load_spec(args)
+    args.resolution = args.resolution or int(spec.get("resolution", 64))
+    args.steps = args.steps or (6 if args.device == "cuda" else 3)
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        from sd_training.data.synthetic import write_shapes_shards
+
+        pipeline = make_pipeline(spec, work / f"pipeline_{args.model}")
+        shard_dir = work / f"shapes_{args.resolution}"
+        if not shard_dir.exists():
+            write_shapes_shards(str(shard_dir), n_samples=max(4, args.batch), n_shards=1, size=args.resolution)
+        shards = str(sorted(shard_dir.glob("*.tar"))[0])
+        prepare_s = time.perf_counter() - t0
+        print(f"bench_memory: {args.model} pipeline and shards ready in {prepare_s:.0f} s", file=sys.stderr)
+        results = {}
+        for mode in modes:
+            results[mode] = run_mode(mode, args, work, pipeline, shards)
+            print(json.dumps({mode: summary_row(results[mode])}), file=sys.stderr)
+    result = {
+        "what": "peak memory of training modes through our Trainer, beside the start-up memory plan",
+        "model": args.model, "model_what": " ".join(str(spec.get("what", "")).split()), "family": spec["family"],
+        "device": args.device, "resolution": args.resolution, "batch": args.batch, "steps": args.steps,
+        "precision": args.precision, "gradient_checkpointing": True, "ema": args.ema,
+        "modes": {m: MODES[m][0] for m in modes}, "goals_gib_allocated": spec.get("goals") or {},
+        "prepare_s": prepare_s, "results": results, "summary": {m: summary_row(r) for m, r in results.items()},
+        "load_average": {"start": load_start, "end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                         "cpus": os.cpu_count()},
+        "total_s": time.perf_counter() - t0,
+    }
+    for mode, goal in result["goals_gib_allocated"].items():
+        peak = (results.get(mode) or {}).get("measured", {}).get("peak_allocated_gib")
+        if peak is not None and args.device == "cuda" and spec.get("net"):
+            result["summary"][mode]["goal_gib"] = goal
+            result["summary"][mode]["within_goal"] = peak <= goal
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    print(out)
+    if any("error" in r for r in results.values()) and argv is None:
+        sys.exit(1)  # a mode that failed (out of memory, a timeout) fails the command; its log tail is in the JSON
+    return result
+
+
+def summary_row(r: dict) -> dict:
+    if "error" in r:
+        return {"error": r["error"]}
+    m, plan = r["measured"], r["plan"]["row"]
+    peak = m.get("peak_allocated_gib", m.get("peak_rss_gib"))
+    return {"peak_gib": peak, "peak_what": "allocated" if "peak_allocated_gib" in m else "process RSS",
+            "reserved_gib": m.get("peak_reserved_gib"), "plan_total_gib": plan["total"],
+            "plan_over_peak": plan["total"] / peak if peak else None, "images_per_sec": r["images_per_sec"],
+            "trained_params": m["trained_params"]}
+
+
+def table(result: dict) -> str:
+    lines = [f"bench_memory: {result['model']} on {result['device']}, {result['resolution']} px, batch {result['batch']}, "
+             f"{result['precision']}, gradient checkpointing",
+             f"  {'mode':<8}{'peak GiB':>10}{'reserved':>10}{'plan GiB':>10}{'plan/peak':>10}{'img/s':>8}"
+             f"{'trained':>14}  goal"]
+    for mode, s in result["summary"].items():
+        if "error" in s:
+            lines.append(f"  {mode:<8}FAILED: {s['error']} (see results.{mode}.log_tail)")
+            continue
+        goal = "" if "goal_gib" not in s else f"<= {s['goal_gib']:g}: {'yes' if s['within_goal'] else 'NO'}"
+        reserved = f"{s['reserved_gib']:10.2f}" if s["reserved_gib"] is not None else f"{'-':>10}"
+        lines.append(f"  {mode:<8}{s['peak_gib']:10.2f}{reserved}{s['plan_total_gib']:10.2f}{s['plan_over_peak']:10.2f}"
+                     f"{s['images_per_sec']:8.2f}{s['trained_params']:14,}  {goal}")
+    lines.append("  (peak: CUDA max_memory_allocated over the steps; on the CPU the process's peak RSS, libraries included)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# The child: one mode through the Trainer.
+# ----------------------------------------------------------------------------------------------
+
+
+def rss_gib() -> dict:
+    """This process's resident memory now and at its peak (Linux: ru_maxrss in KiB)."""
+    now = None
+    try:
+        with open("/proc/self/statm") as fh:
+            now = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"rss_gib": now, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def make_trainer(args, spec: dict, mode: str):
+    """A real Trainer after ``setup()``: the mode's overrides on a config like the templates'."""
+    from sd_training import distributed
+    from sd_training.config.checks import load
+    from sd_training.families.registry import FAMILIES
+    from sd_training.loop import Trainer
+
+    work = Path(args.work)
+    overrides = {
+        "experiment.log_dir": str(work / "runs"), "experiment.name": f"{args.model}_{mode}",
+        "experiment.num_examples_to_see": 10**6, "experiment.sample_per_prompt": 0, "experiment.resume": False,
+        "experiment.start_fresh": True, "experiment.progress_bar": "off",
+        "system.batch_size": args.batch, "system.workers": 0, "system.device": args.device,
+        "model.pretrained": os.environ["BENCH_PIPELINE"], "model.family": spec["family"],
+        "model.mixed_precision": f"'{args.precision}'", "model.gradient_checkpointing": True,
+        "model.use_ema": bool(args.ema),
+        "dataset.params.path": os.environ["BENCH_SHARDS"], "dataset.params.resolution": args.resolution,
+        "dataset.params.resampled": True, "wandb.mode": "disabled", "lr_scheduler.params.warmup_length": 0,
+        **MODES[mode][1](spec),
+    }
+    yaml_text = None
+    if spec.get("net"):  # the trainer builds the net from scratch (random weights) from its config
+        yaml_text = json.dumps({"model": {FAMILIES[spec["family"]].net_name: {"params": spec["net"]}}})
+    cfg = load([f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()], yaml_text=yaml_text)
+    trainer = Trainer(cfg, distributed.setup(args.device))
+    trainer.setup()
+    return trainer
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def held(trainer) -> dict:
+    """What the trainer holds, counted from its tensors (the plan's rows, measured)."""
+    import torch
+
+    params = list(trainer.net.parameters())
+    trained = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    encoders = {id(m): m for m in trainer.encoders.values()}.values()
+    enc_params = [p for m in encoders for p in m.parameters()]
+    by_dtype: dict[str, int] = {}
+    for p in frozen:
+        by_dtype[str(p.dtype).replace("torch.", "")] = by_dtype.get(str(p.dtype).replace("torch.", ""), 0) + p.numel()
+    return {
+        "trained_params": sum(p.numel() for p in trained), "trained_bytes": tensor_bytes(trained),
+        "trained_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in trained}),
+        "base_params": sum(p.numel() for p in frozen), "base_bytes": tensor_bytes(frozen), "base_params_by_dtype": by_dtype,
+        "optimizer_state_bytes": tensor_bytes(state),
+        "encoder_trained_params": sum(p.numel() for p in enc_params if p.requires_grad),
+        "frozen_component_bytes": tensor_bytes(t for m in trainer.family.frozen_modules()
+                                               for t in [*m.parameters(), *m.buffers()]),
+        "ema_bytes": tensor_bytes([*trainer.ema.shadow.parameters(), *trainer.ema.shadow.buffers()]) if trainer.ema else 0,
+    }
+
+
+def child(args) -> dict:
+    import torch
+
+    if args.threads or args.device == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    import diffusers
+
+    _name, spec = load_spec(args)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    mem = {"after_import": rss_gib()}
+    t0 = time.perf_counter()
+    trainer = make_trainer(args, spec, args.child)
+    setup_s = time.perf_counter() - t0
+    mem["after_setup"] = rss_gib()
+    plan = json.loads(trainer.run_dir.memory_plan.read_text())
+    batch = next(iter(trainer.loader))  # one batch of the run's own loader, re-used every step
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    sync()
+    measured = {}
+    if cuda:
+        measured["allocated_after_setup_gib"] = torch.cuda.memory_allocated(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses, grads = [], [], 0
+    for step in range(args.steps):
+        sync()
+        start = time.perf_counter()
+        out = trainer._micro_step(batch, sync=True)
+        if step == args.steps - 1:  # the gradients one step holds, before the optimizer step frees them
+            grads = tensor_bytes(p.grad for p in trainer.net.parameters() if p.grad is not None)
+        trainer._optimizer_step()
+        sync()
+        if step:  # the first step allocates the optimizer state (and warms up kernels)
+            times.append(time.perf_counter() - start)
+        losses.append(float(out.loss.detach().float()))
+    if cuda:
+        measured["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        measured["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        measured["allocated_after_steps_gib"] = torch.cuda.memory_allocated(device) / GIB
+    mem["after_steps"] = rss_gib()
+    measured.update(held(trainer), gradient_bytes=grads, peak_rss_gib=mem["after_steps"]["peak_rss_gib"])
+    net_params = sum(p.numel() for n, p in trainer.net.named_parameters() if "lora_" not in n)
+    step_s = statistics.median(times) if times else None
+    row = next(r for r in plan["rows"] if r["strategy"] == plan["strategy"])
+    result = {
+        "mode": args.child, "what": MODES[args.child][0], "device_name": torch.cuda.get_device_name(device) if cuda
+        else platform.processor() or platform.machine(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+        "torch_threads": torch.get_num_threads(), "net_params": net_params, "net_params_expected": spec.get("net_params"),
+        "setup_s": setup_s, "median_step_s": step_s, "images_per_sec": args.batch / step_s if step_s else None,
+        "losses": losses, "nonfinite_skipped": int(trainer.nonfinite_total), "measured": measured, "process_memory": mem,
+        "plan": {"strategy": plan["strategy"], "row": row, "rows": plan["rows"]},
+        "plan_vs_measured_gib": {  # the plan's rows beside the tensors the trainer holds
+            "weights": [row["weights"], measured["trained_bytes"] / GIB],
+            "gradients": [row["gradients"], grads / GIB],
+            "optimizer": [row["optimizer"], measured["optimizer_state_bytes"] / GIB],
+            "base": [row.get("base", 0.0), measured["base_bytes"] / GIB],
+            "ema": [row["ema"], measured["ema_bytes"] / GIB],
+        },
+    }
+    trainer.trackers.close()
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

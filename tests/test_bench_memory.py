@@ -1,0 +1,75 @@
+"""benchmarks/bench_memory.py on the CPU: the tiny SDXL-shaped pipeline trains two steps through the Trainer
+in a LoRA and a full fine-tune (one process each), and its JSON holds the measured peaks, images/s and the
+start-up memory plan's rows, which equal the tensors the trainer held."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_memory  # noqa: E402
+
+
+def test_the_full_size_model_has_sdxl_shapes():
+    """What the GPU run builds (on the meta device here): SDXL's UNet (2.57B), its two CLIPs and VAE, whose
+    widths meet the UNet's cross-attention and added conditioning."""
+    import yaml
+    from diffusers import UNet2DConditionModel
+
+    from sd_training.memory_transformer import meta_module
+
+    spec = yaml.safe_load(bench_memory.MODELS.read_text())["sdxl"]
+    net = meta_module(spec["net"], "UNet2DConditionModel")
+    assert isinstance(net, UNet2DConditionModel) and sum(p.numel() for p in net.parameters()) == spec["net_params"]
+    assert spec["net_params"] == 2_567_463_684
+    parts = {k: meta_module(c["config"], c["class"]) for k, c in spec["components"].items()}
+    counts = {k: sum(p.numel() for p in m.parameters()) for k, m in parts.items()}
+    assert counts["text_encoder"] == pytest.approx(123.1e6, rel=0.01)
+    assert counts["text_encoder_2"] == pytest.approx(694.7e6, rel=0.01)
+    assert counts["vae"] == pytest.approx(83.65e6, rel=0.01)
+    te, te2, n = spec["components"]["text_encoder"]["config"], spec["components"]["text_encoder_2"]["config"], spec["net"]
+    assert te["hidden_size"] + te2["hidden_size"] == n["cross_attention_dim"] == 2048
+    assert te2["projection_dim"] + 6 * n["addition_time_embed_dim"] == n["projection_class_embeddings_input_dim"]
+    assert bench_memory.modes_of(bench_memory.parse(["--mode", "lora", "--mode", "full,lora"])) == ["lora", "full"]
+    with pytest.raises(SystemExit, match="unknown mode"):
+        bench_memory.modes_of(bench_memory.parse(["--mode", "offload_everything"]))
+
+
+@pytest.mark.slow
+def test_bench_memory_runs_both_modes_on_the_cpu_and_the_plan_matches_the_trainer(tmp_path, sdxl_pipeline):
+    out, work = tmp_path / "bench_memory.json", tmp_path / "work"
+    work.mkdir()
+    (work / "pipeline_sdxl-tiny").symlink_to(sdxl_pipeline)  # the session's tiny SDXL pipeline, not a second one
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "benchmarks/bench_memory.py", "--device", "cpu", "--mode", "lora",
+                           "--mode", "full", "--steps", "2", "--resolution", "32", "--work", str(work), "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["model"] == "sdxl-tiny" and result["device"] == "cpu" and set(result["results"]) == {"lora", "full"}
+    lora, full = result["results"]["lora"], result["results"]["full"]
+    for r in (lora, full):
+        assert "error" not in r, r.get("log_tail")
+        m = r["measured"]
+        assert m["peak_rss_gib"] > 0 and r["images_per_sec"] > 0 and len(r["losses"]) == 2
+        assert r["plan"]["strategy"] == "ddp" and r["plan"]["row"]["total"] > 0
+        # The plan's rows are the tensors the trainer held (AdamW's state adds its step counters).
+        for key, (planned, held) in r["plan_vs_measured_gib"].items():
+            assert held == pytest.approx(planned, rel=1e-3, abs=1e-6), key
+        assert r["plan"]["row"]["trained_params"] == m["trained_params"] and m["trained_dtypes"] == ["float32"]
+    # LoRA: the adapter alone trains; the net's base is frozen in bf16 with no gradients or optimizer state.
+    assert 0 < lora["measured"]["trained_params"] < full["measured"]["trained_params"] / 50
+    assert lora["measured"]["base_params_by_dtype"] == {"bfloat16": full["measured"]["trained_params"]}
+    assert full["measured"]["base_params"] == 0 and lora["net_params"] == full["net_params"]
+    assert lora["measured"]["optimizer_state_bytes"] < full["measured"]["optimizer_state_bytes"] / 50
+    assert lora["losses"][0] == full["losses"][0]  # the same first batch, noise and weights
+    summary = result["summary"]
+    assert summary["lora"]["plan_total_gib"] < summary["full"]["plan_total_gib"]
+    assert "lora" in proc.stdout and "plan/peak" in proc.stdout
