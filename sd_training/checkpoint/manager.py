@@ -54,6 +54,15 @@ class CheckpointManager:
                                   checksum=e.checkpoint_verify == "full")
         self.config_yaml = to_yaml(cfg)
         self._rank_states = None  # every rank's file of the checkpoint being resumed, read while it was checked
+        # Asynchronous saves copy the state into host buffers: allocate them after the first optimizer step
+        # (its state exists then), in the background, so the first save does not wait for them.
+        self._reserve_hook = None
+        if self.store.asynchronous and info.is_main and model.optimizer is not None:
+            self._reserve_hook = model.optimizer.register_step_post_hook(self._reserve_buffers)
+
+    def _reserve_buffers(self, *_) -> None:
+        self._reserve_hook.remove()
+        self.store.reserve({name: obj.state_dict() for name, obj in self.plain_objects().items()}, {})
 
     def check_disk(self) -> None:
         """Weights, two AdamW moments, the EMA: the folder found unwritable or nearly full now, not at

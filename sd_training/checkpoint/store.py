@@ -163,8 +163,51 @@ class Snapshot:
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
         self._event = None  # recorded after the device-to-host copies of the last snapshot, if any
+        self._reserving: threading.Thread | None = None
+
+    @staticmethod
+    def staged(t: torch.Tensor) -> bool:
+        """Whether ``t`` is copied into a kept host buffer (a device tensor) rather than cloned."""
+        return t.device.type != "cpu"
+
+    @staticmethod
+    def new_buffer(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+
+    def _buffer(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.new_buffer(t)
+            self._buffers[key] = buf
+        return buf
+
+    def reserve(self, obj) -> None:
+        """Allocate the buffers a later :meth:`take` of a state shaped like ``obj`` uses, copying nothing.
+        Pinning host memory is slow (seconds per 10 GB), so doing it here, in a thread while training goes
+        on, keeps it out of the first save's stall."""
+        if isinstance(obj, torch.Tensor):
+            if self.staged(obj):
+                self._buffer(obj, "")
+            return
+        self._walk(obj, "")
+
+    def _walk(self, obj, key: str) -> None:
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+        for k, v in items:
+            if isinstance(v, torch.Tensor):
+                if self.staged(v):
+                    self._buffer(v.detach(), f"{key}/{k}")
+            else:
+                self._walk(v, f"{key}/{k}")
+
+    def reserve_in_background(self, obj) -> None:
+        self._reserving = threading.Thread(target=self.reserve, args=(obj,), name="checkpoint-staging", daemon=True)
+        self._reserving.start()
 
     def take(self, obj):
+        if self._reserving is not None:  # the buffers' allocation, if still going, finishes first
+            self._reserving.join()
+            self._reserving = None
         self._event = None
         self._device_copies = False
         out = self._copy(obj, "")
@@ -180,14 +223,11 @@ class Snapshot:
     def _copy(self, obj, key: str):
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
-            if t.device.type == "cpu":
+            if not self.staged(t):
                 return t.clone()
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-                self._buffers[key] = buf
+            buf = self._buffer(t, key)
             buf.copy_(t, non_blocking=True)
-            self._device_copies = True
+            self._device_copies = self._device_copies or t.is_cuda  # ready() waits on a CUDA event
             return buf
         if isinstance(obj, dict):
             return {k: self._copy(v, f"{key}/{k}") for k, v in obj.items()}
@@ -252,6 +292,12 @@ class Checkpointer:
         self._snapshot = Snapshot()
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    def reserve(self, shared: dict, per_rank: dict) -> None:
+        """Asynchronous saves: allocate, in a background thread, the host buffers that a save of a state
+        shaped like this one will copy into (:meth:`Snapshot.reserve`); no-op for synchronous saves."""
+        if self.asynchronous:
+            self._snapshot.reserve_in_background({"shared": shared, "rank": per_rank})
 
     def latest(self) -> Path | None:
         steps = complete_steps(self.root)
