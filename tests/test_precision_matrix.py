@@ -5,7 +5,7 @@ and eval images and resumes, or is refused at start-up with a reason.
 bf16 and fp16 autocast run on the CPU, so the class of defect that only showed on GPUs (a bf16 VAE
 fed fp32 latents by the pipeline at the first sample grid, after the checkpoint was already written)
 is caught here. The runnable combinations are grouped so that every value of every axis runs, bf16
-with each strategy, in 10 runs of two launches each.
+with each strategy and each EMA placement, in 9 runs of two launches each.
 """
 
 import json
@@ -21,12 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RES = 32
 
 # (mixed_precision, ranks, strategy, ema, train_target, data, text_encoder.train)
+# Two runs were dropped as adding no axis value (a run costs the suite 1-2 min): bf16 x 1 x ddp x EMA on
+# the device x unet x pixels (the default path: bf16 and EMA on the device run in the vae and fsdp rows below,
+# pixels and 1 rank in most) and fp32 x 1 x ddp x device x unet x latents (fp32 unet runs on 2 ranks under
+# fsdp, fp32 on 1 rank for the vae, latents in three rows, EMA on the device in three; the unet with EMA on the
+# device on 1 rank trains, checkpoints, exports and resumes in test_resume[1-ddp-*], in bf16 and fp32).
 RUNNABLE = [
-    ("bf16", 1, "ddp", "device", "unet", "pixels", False),
     ("bf16", 1, "ddp", "cpu", "unet", "latents", False),
     ("bf16", 1, "ddp", "off", "unet", "pixels", True),
     ("fp16", 1, "ddp", "cpu", "unet", "pixels", True),
-    ("no", 1, "ddp", "device", "unet", "latents", False),
     ("bf16", 1, "ddp", "device", "vae", "pixels", False),
     ("no", 1, "ddp", "cpu", "vae", "pixels", False),
     pytest.param("bf16", 2, "ddp", "cpu", "unet", "pixels", True, marks=pytest.mark.distributed),
