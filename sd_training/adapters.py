@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"  # model.adapter.export_kohya (diffusers' examples' name)
-# the components diffusers' convert_state_dict_to_kohya names (lora_unet_ / lora_te1_ / lora_te2_)
-KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 MERGED = "merged"  # the merged pipeline's folder inside an export (model.adapter.export_merged)
 ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
@@ -45,6 +43,7 @@ class Adapters:
     net_name: str
     encoders: dict[str, torch.nn.Module]  # text encoders carrying a LoRA, trained with the net
     pipeline_class: str  # the diffusers pipeline whose save_lora_weights writes exports
+    kohya_prefixes: dict[str, str]  # component -> its kohya key prefix (Family.kohya_lora_prefixes)
 
     def param_groups(self, cfg: TrainConfig, peak_lr: float, lr_scale: float) -> list[dict]:
         """The adapter's groups (``model.adapter.learning_rate`` / ``weight_decay``, else the optimizer's) and
@@ -177,8 +176,8 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
     log.info("model.adapter: %s rank %d%s on %s; %s trainable parameters, %.3f%% of %s", a.type, a.rank,
              " (DoRA)" if a.use_dora else "", "; ".join(lines), f"{trained:,}", 100.0 * trained / max(total, 1),
              f"{total:,}")
-    adapters = Adapters(net, family.net_name, encoders, family.pipeline_classes[0])
-    outside = sorted({family.net_name, *encoders} - set(KOHYA_PREFIXES))
+    adapters = Adapters(net, family.net_name, encoders, family.pipeline_classes[0], dict(family.kohya_lora_prefixes))
+    outside = sorted({family.net_name, *encoders} - set(adapters.kohya_prefixes))
     if a.export_kohya and outside:
         raise ConfigError(f"'model.adapter.export_kohya': the {family.name} family's {outside[0]} has no kohya key "
                           "names in diffusers' converter (UNets and their CLIPs only); set it to false: the "
@@ -273,13 +272,15 @@ def save_kohya(adapters: Adapters, lora_file: Path) -> Path:
 
     kohya = convert_state_dict_to_kohya(convert_all_state_dict_to_peft(load_file(str(lora_file))))
     modules = {adapters.net_name: adapters.net, **adapters.encoders}
-    alphas = {KOHYA_PREFIXES[name]: float(module.peft_config["default"].lora_alpha) for name, module in modules.items()}
+    prefixes = adapters.kohya_prefixes
+    alphas = {prefixes[name]: float(module.peft_config["default"].lora_alpha) for name, module in modules.items()}
+    name_of = {prefix: name for name, prefix in prefixes.items()}
     named = {}
     for key, value in kohya.items():
         prefix = next(p for p in alphas if key.startswith(p))
         if key.endswith(".alpha"):
             value = torch.tensor(alphas[prefix])
-        if prefix != KOHYA_PREFIXES["unet"] and not key.startswith(prefix + "text_model_"):
+        if name_of[prefix] != adapters.net_name and not key.startswith(prefix + "text_model_"):
             # transformers 5's CLIPTextModel has no ``text_model`` level; kohya's names (and A1111's, ComfyUI's) do
             key = prefix + "text_model_" + key[len(prefix):]
         named[key] = value.contiguous()

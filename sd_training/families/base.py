@@ -93,6 +93,9 @@ class Family(abc.ABC):
     # model.adapter (sd_training.adapters): preset name -> a full-match regular expression over the net's layer
     # names (only Linear / Conv2d layers are adapted); {}: the family takes explicit targets only
     adapter_presets: dict[str, str] = {}
+    # model.adapter.export_kohya: component -> the key prefix diffusers' convert_state_dict_to_kohya gives it
+    # ({}: the family's LoRA has no kohya names)
+    kohya_lora_prefixes: dict[str, str] = {}
     # the same for the text encoders of :meth:`adapter_text_encoders` (CLIP's layer names)
     text_adapter_presets = {
         "attention": r".*self_attn\.(q_proj|k_proj|v_proj|out_proj)",

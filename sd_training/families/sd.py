@@ -140,6 +140,7 @@ class StableDiffusion(Family):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline",)
     adapter_presets = UNET_ADAPTER_PRESETS
+    kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_"}
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         super().__init__(cfg, device, seed, is_main)

@@ -138,6 +138,7 @@ class StableDiffusion3(StableDiffusion):
     pipeline_classes = ("StableDiffusion3Pipeline",)
     shard_units = staticmethod(shard_units)
     adapter_presets = ADAPTER_PRESETS
+    kohya_lora_prefixes = {}  # diffusers' kohya converter names UNets and CLIPs only
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         Family.__init__(self, cfg, device, seed, is_main)
