@@ -277,7 +277,7 @@ def test_a_key_newer_than_the_checkpoint_at_its_default_is_not_a_change():
 
     saved = "system:\n  batch_size: 4\nmodel:\n  use_ema: false\n"
     free, _, refused = config_changes(saved, {"system": {"batch_size": 4, "stop_timeout_s": 120.0},
-                                              "model": {"use_ema": False, "channels_last": False}})
+                                              "model": {"use_ema": False, "gradient_checkpointing": False}})
     assert refused == [] and any("newer than the checkpoint" in line for line in free)
-    assert config_changes(saved, {"system": {"batch_size": 4}, "model": {"use_ema": False, "channels_last": True}})[2] == [
-        "model.channels_last: <absent> -> True"]
+    assert config_changes(saved, {"system": {"batch_size": 4}, "model": {"use_ema": False, "gradient_checkpointing": True}})[2] == [
+        "model.gradient_checkpointing: <absent> -> True"]

@@ -38,6 +38,8 @@ MAY_CHANGE = (
     # How the same training is laid out over the ranks (elastic resume: checkpoints reshard between them).
     "distributed.strategy", "distributed.bucket_cap_mb", "distributed.static_graph", "distributed.fsdp_unit",
     "distributed.fsdp_cpu_offload", "distributed.reshard_after_forward",
+    # How the same computation is laid out and compiled (the memory format, the compiled regions, their cache).
+    "model.channels_last", "model.compile_scope", "model.compile_cache",
 )
 # Keys whose new value takes effect on resume, said in the log.
 APPLIED = ("optimizer.params.learning_rate", "lr_scheduler.params.learning_rate")

@@ -32,8 +32,9 @@ def _value_at(cfg, path: str):
 def validate(cfg: TrainConfig) -> None:
     """Choices, ranges and the checks that need several keys; world-size checks come at start-up."""
     # YAML reads a bare on/off as a boolean: yes/no/true/false are accepted and mean on/off.
-    cfg.experiment.progress_bar = {"yes": "on", "true": "on", "no": "off", "false": "off"}.get(
-        str(cfg.experiment.progress_bar).lower(), cfg.experiment.progress_bar)
+    on_off = {"yes": "on", "true": "on", "no": "off", "false": "off"}
+    cfg.experiment.progress_bar = on_off.get(str(cfg.experiment.progress_bar).lower(), cfg.experiment.progress_bar)
+    cfg.model.channels_last = on_off.get(str(cfg.model.channels_last).lower(), cfg.model.channels_last)  # was a bool
     for section in fields(cfg):
         if section.name == "dataset":
             check_dataset(cfg.dataset)

@@ -218,7 +218,9 @@ class CommonModelFields:
     gradient_checkpointing: bool = f(False, "recompute activations in backward (~40% slower, much less memory)")
     xformers: bool = f(False, "use xformers memory-efficient attention (falls back to SDPA, with a warning, where unavailable)")
     attention: str = f("sdpa", "attention backend (model.xformers=True means xformers)", choices=("sdpa", "xformers", "sliced"))
-    channels_last: bool = f(False, "UNet weights and inputs in channels-last memory format (faster convolutions on recent GPUs)")
+    channels_last: str = f("auto", "UNet (and frozen VAE) weights and inputs in channels-last memory format: cuDNN's "
+                           "convolutions then need no NCHW<->NHWC transposes (auto: on for the UNet families on CUDA; "
+                           "true/false mean on/off)", choices=("auto", "on", "off"))
     compile: bool = f(False, "torch.compile the UNet (minutes of compilation; saved weights never carry its prefix)")
     init_from: Optional[str] = f(None, "stage 2: start the UNet from another run's dir, checkpoint (step_N) or exported pipeline")
     init_weights: str = f("ema", "with init_from (ema: when present, else raw)", choices=("ema", "raw"))

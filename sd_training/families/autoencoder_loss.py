@@ -374,5 +374,5 @@ def validate_vae_stage(cfg) -> None:
         obj = cfg.model
         for part in key.split("."):
             obj = getattr(obj, part)
-        if obj:
+        if obj is True or obj == "on":  # channels_last: auto means off here
             raise ConfigError(f"'model.{key}' applies to UNet training, not model.train_target=vae")

@@ -31,7 +31,7 @@ from ..text_encoders import (
 )
 from .base import Family, LossOut, SampleSettings, TextEncoding
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
-from .unet_components import build_models, component_sources
+from .unet_components import build_models, component_sources, uses_channels_last
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class StableDiffusion(Family):
         else:
             pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
             latents = self.encode(pixels, sample_seeds=batch.get("sample_seeds"))
-        if self.cfg.model.channels_last:
+        if uses_channels_last(self.cfg.model, self.device):  # as the UNet's weights (model.channels_last)
             latents = latents.contiguous(memory_format=torch.channels_last)
         return latents
 

@@ -56,7 +56,7 @@ def validate_common(cfg: TrainConfig, family: str, trains_clip: bool = False) ->
         (m.attention == "sliced", f"model.attention=sliced: {family}'s transformer has no sliced attention; use sdpa"),
         (m.xformers or m.attention == "xformers", f"model.attention=xformers: {family}'s joint attention runs with "
                                                   "PyTorch SDPA (flash / memory-efficient kernels): use sdpa"),
-        (m.channels_last, f"model.channels_last applies to UNet convolutions; {family}'s transformer takes tokens"),
+        (m.channels_last == "on", f"model.channels_last applies to UNet convolutions; {family}'s transformer takes tokens"),
         (m.text_encoder.type != "clip", f"{family}'s CLIP encoders are read from the pipeline: model.text_encoder.type "
                                         "must be clip"),
         (m.text_encoder.train and not trains_clip, f"model.text_encoder.train: {family} trains the transformer only "
