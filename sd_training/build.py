@@ -18,7 +18,7 @@ from .ema import EMA, decay_from_strength
 from .families import registry
 from .families.base import Family
 from .memory_plan import as_dicts, check_plan, format_plan, memory_plan, micro_batch_activations, module_bytes
-from .optim import build_lr_scheduler, build_optimizer, lr_scale, param_groups
+from .optim import build_lr_scheduler, build_optimizer, check_in_backward, lr_scale, param_groups
 from .parallel import Strategy
 from .precision import autocast_dtype
 from .run_dir import RunDir
@@ -71,7 +71,7 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.model.mixed_precision == "fp16")
     # Only the trained module (and its EMA) is wrapped; the frozen components never are.
-    strategy = Strategy(cfg.distributed.strategy, info.is_distributed, device, dtype, cfg.distributed)
+    strategy = Strategy(cfg.distributed.strategy, info.has_group, device, dtype, cfg.distributed)
     _log_memory_plan(cfg, info, family, net, ema, strategy, dtype, run_dir)
     model = strategy.wrap(family.loss_module, ema.shadow if ema is not None else None, family.shard_units,
                           shadow_units=ema is None or ema.names is None)
@@ -134,6 +134,7 @@ def build_optimizer_parts(cfg: TrainConfig, info: DistInfo, plan: Plan, parts: M
     """Parameter groups (after wrapping: FSDP2 has replaced the parameters by sharded DTensors), trained
     encoders under DDP, the optimizer and the LR schedule."""
     o, family = cfg.optimizer, parts.family
+    check_in_backward(o, parts.strategy.name, info.world_size, plan.accumulation)
     scale = lr_scale(o, plan.global_batch)
     peak_lr = o.params.learning_rate * scale
     if o.scale_lr:

@@ -51,6 +51,11 @@ class DistInfo:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def has_group(self) -> bool:
+        """A process group is up: several ranks, or one rank that FSDP2 asked for (``setup(one_rank_group)``)."""
+        return self.backend is not None
+
 
 def _first_host(nodelist: str) -> str:
     """First host of a SLURM node list, e.g. 'gpu[003-005,9],cpu1' -> 'gpu003'."""
@@ -142,18 +147,25 @@ def configure_math(device: torch.device, tf32: bool) -> None:
         torch.backends.cudnn.allow_tf32 = bool(tf32)
 
 
-def setup(device: str = "auto", backend: str = "auto", init_method: str = "env://", timeout_minutes: float = 30.0) -> DistInfo:
-    """Start the process group (when there is more than one process) and pick this rank's device."""
+def setup(device: str = "auto", backend: str = "auto", init_method: str = "env://", timeout_minutes: float = 30.0,
+          one_rank_group: bool = False) -> DistInfo:
+    """Start the process group (when there is more than one process) and pick this rank's device.
+
+    ``one_rank_group``: one process starts a process group of its own too (``distributed.strategy=fsdp``:
+    FSDP2 and its CPU offload on one GPU). Its store is in this process (``HashStore``): no address or
+    port is opened, and nothing else can join it."""
     layout = probe_env()
     dev = pick_device(device, layout["local_rank"], backend)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if layout["world_size"] == 1:
+    if layout["world_size"] == 1 and not one_rank_group:
         return DistInfo(device=dev, launcher=layout["launcher"])
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
         raise RuntimeError("distributed.dist_backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
+    if layout["world_size"] == 1:
+        return _one_rank_group(dev, backend, layout["launcher"], datetime.timedelta(minutes=timeout_minutes))
     if init_method == "env://":
         os.environ.setdefault("MASTER_ADDR", layout["master_addr"])
         os.environ.setdefault("MASTER_PORT", str(layout["master_port"]))
@@ -184,6 +196,14 @@ def setup(device: str = "auto", backend: str = "auto", init_method: str = "env:/
         device=dev,
         backend=backend,
     )
+
+
+def _one_rank_group(dev: torch.device, backend: str, launcher: str, timeout: datetime.timedelta) -> DistInfo:
+    """A process group of this one process (rank 0 of 1), its rendezvous in an in-process store."""
+    kwargs = {"device_id": dev} if backend == "nccl" else {}
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
+    log.info("one process with a process group of its own (%s): distributed.strategy=fsdp on one rank", backend)
+    return DistInfo(launcher=launcher, device=dev, backend=backend)
 
 
 def attempt_store(timeout: datetime.timedelta, env: dict[str, str] | None = None):

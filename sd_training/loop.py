@@ -21,6 +21,7 @@ from .config.loading import public_dict, to_yaml
 from .config.schema import TrainConfig
 from .data import build_train_loader
 from .metrics import LogWindow, StepMetrics
+from .optim import clip_gradients
 from .outputs import RunOutputs, validation_batches
 from .precision import autocast
 from .preemption import StopFlag, requeue_job, under_slurm
@@ -37,9 +38,8 @@ def main(cfg: TrainConfig, stop: StopFlag | None = None, prepare: Callable | Non
 
     ``stop``: a flag installed by the entry point before set-up (else installed here). ``prepare(info)``:
     called on every rank once the process group is up, before anything is built (generated inputs)."""
-    info = distributed.setup(
-        cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url, cfg.distributed.timeout_minutes
-    )
+    info = distributed.setup(cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url,
+                             cfg.distributed.timeout_minutes, one_rank_group=cfg.distributed.strategy == "fsdp")
     failed = True
     try:
         if prepare is not None:
@@ -152,9 +152,7 @@ class Trainer:
         read at log time, so the step never waits for the host. Other optimizers read the flag on the
         host (one scalar per step; free on the CPU)."""
         self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.optimizer.params.max_grad_norm
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        grad_norm = clip_gradients(self.optimizer, self.cfg.optimizer.params.max_grad_norm)  # (in_backward: its norm)
         # The gradients are already all-reduced, so every rank sees the same norm and takes the same branch.
         bad = ~torch.isfinite(grad_norm)
         if self.scaler.is_enabled():

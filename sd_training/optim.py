@@ -1,12 +1,14 @@
-"""Optimizer, parameter groups and learning-rate schedule, all counted in optimizer steps."""
+"""Optimizer, parameter groups and learning-rate schedule, all counted in optimizer steps; the optimizer
+in the backward pass (``optimizer.in_backward``) and the gradient clipping of the step."""
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import logging
 import math
 
 import torch
+import torch.distributed as dist
 
 from .config import ConfigError
 from .config.schema import LRSchedulerConfig, OptimizerConfig
@@ -42,6 +44,15 @@ def lr_scale(cfg: OptimizerConfig, global_batch: int) -> float:
 
 
 def build_optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.device, peak_lr: float) -> torch.optim.Optimizer:
+    """The configured optimizer of ``groups``; with ``optimizer.in_backward`` its updates run in the backward
+    pass (:class:`InBackward`, attached as ``optimizer.in_backward``)."""
+    optimizer = _build(groups, cfg, device, peak_lr)
+    if cfg.in_backward:
+        optimizer.in_backward = InBackward(optimizer, lambda one: _build(one, cfg, device, peak_lr))
+    return optimizer
+
+
+def _build(groups: list[dict], cfg: OptimizerConfig, device: torch.device, peak_lr: float) -> torch.optim.Optimizer:
     p = cfg.params
     name = cfg.name
     if name == "adamw":
@@ -59,9 +70,12 @@ def build_optimizer(groups: list[dict], cfg: OptimizerConfig, device: torch.devi
             kwargs["foreach"] = False
         return torch.optim.AdamW(groups, **kwargs)
     if name == "adamw8bit":
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError("optimizer.name=adamw8bit needs bitsandbytes: pip install bitsandbytes (CUDA only)")
-        import bitsandbytes as bnb
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:  # not installed, or a build without this platform's kernels
+            raise ConfigError(f"optimizer.name=adamw8bit needs bitsandbytes, which cannot be imported here ({e}): "
+                              "pip install bitsandbytes (8-bit AdamW on CUDA; recent versions on the CPU too), or use "
+                              "optimizer.name=adamw") from None
 
         return bnb.optim.AdamW8bit(groups, lr=peak_lr, betas=(p.beta1, p.beta2), weight_decay=p.weight_decay, eps=p.epsilon)
     if name == "adafactor":
@@ -102,3 +116,95 @@ def build_lr_scheduler(optimizer, cfg: LRSchedulerConfig, total_steps: int) -> t
     """A LambdaLR (its state is just the step counter) stepped once per optimizer step; every param
     group follows the same factor of its own peak LR (e.g. a text encoder with its own LR)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+
+
+class InBackward:
+    """``optimizer.in_backward``: every trained parameter is updated in the backward pass as soon as its
+    gradient is complete (``register_post_accumulate_grad_hook``; under FSDP2, once its gradient is
+    reduce-scattered into the shard), and its gradient is freed at once, so the gradients of the whole net
+    never exist together (kohya's fused backward pass, torch's optimizer-in-backward).
+
+    Each parameter has an optimizer of its own (the configured class, one group, one parameter), whose
+    state is the run's optimizer's ``state`` (shared, so its ``state_dict()`` and checkpoints are the
+    ordinary optimizer's, with the same keys and numbering) and whose hyper-parameters are copied from the
+    run's optimizer's group before every update: the LR schedule, a changed peak LR on resume and a loaded
+    state apply as they do to the ordinary step. The run's optimizer's own ``step()`` then finds no gradient
+    and changes nothing (its step hooks still run).
+
+    A parameter whose gradient is not finite is not updated (on the device with a fused optimizer, else a
+    host check per parameter); the step's gradient norm (:meth:`grad_norm`, from each gradient as it
+    arrived) is then non-finite and the step is counted as skipped. Unlike the ordinary step, the
+    parameters with finite gradients were updated (a non-finite loss makes every gradient non-finite)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, build_one):
+        self.optimizer = optimizer
+        self.fused = any(g.get("fused") for g in optimizer.param_groups)
+        self._sq: torch.Tensor | None = None  # sum of the squared gradient norms of this backward
+        self._done: set[int] = set()
+        self.handles = []
+        for index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                one = build_one([{**{k: v for k, v in group.items() if k != "params"}, "params": [p]}])
+                self.handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._update, one, index)))
+
+    def _update(self, one: torch.optim.Optimizer, index: int, p: torch.Tensor) -> None:
+        if id(p) in self._done:
+            raise RuntimeError(
+                "optimizer.in_backward: a parameter received its gradient twice in one backward (reentrant gradient "
+                "checkpointing, or a weight used by two modules): its first update would have used part of its "
+                "gradient. Set optimizer.in_backward=false")
+        self._done.add(id(p))
+        grad = p.grad
+        sq = torch.linalg.vector_norm(grad.to_local() if hasattr(grad, "to_local") else grad,
+                                      dtype=torch.float32).square()
+        self._sq = sq if self._sq is None else self._sq + sq
+        one.state = self.optimizer.state  # re-bound every time: load_state_dict replaces the dict
+        mine = one.param_groups[0]
+        for key, value in self.optimizer.param_groups[index].items():
+            if key != "params":
+                mine[key] = value
+        if self.fused:  # skipped on the device, as the ordinary fused step does (no host sync)
+            one.found_inf = (~torch.isfinite(sq)).float()
+            one.step()
+            one.found_inf = None
+        elif bool(torch.isfinite(sq)):
+            one.step()
+        p.grad = None
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm of the gradients of the backward just run (all ranks' shards under FSDP2), and a
+        fresh count for the next one."""
+        sq, self._sq, self._done = self._sq, None, set()
+        if sq is None:
+            return torch.zeros(())
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl" and sq.device.type == "cpu":  # shards offloaded to the CPU
+                sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(sq)  # the shards' squares (FSDP2): every rank gets the same norm
+        return sq.sqrt()
+
+
+def check_in_backward(cfg: OptimizerConfig, strategy: str, world_size: int, accumulation: int) -> None:
+    """What only start-up knows: the rank count under ddp and an accumulation derived from the global batch."""
+    if not cfg.in_backward:
+        return
+    if strategy == "ddp" and world_size > 1:
+        raise ConfigError(f"'optimizer.in_backward' cannot work with distributed.strategy=ddp on {world_size} ranks: "
+                          "DDP all-reduces gradients in buckets after the hooks that would update each parameter. "
+                          "Use distributed.strategy=fsdp (FSDP2 updates each shard once it is reduced), or "
+                          "optimizer.in_backward=false")
+    if accumulation > 1:
+        raise ConfigError(f"'optimizer.in_backward' cannot work with gradient accumulation ({accumulation} micro-batches "
+                          "from system.global_batch_size): every micro-batch's backward would update the weights. "
+                          "Lower system.global_batch_size to system.batch_size x ranks, or optimizer.in_backward=false")
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+    """The step's global gradient norm, the gradients clipped to ``max_norm`` (None or 0: not clipped).
+    ``optimizer.in_backward``: the norm of the gradients the updates in the backward used (never clipped:
+    the config refuses a max_grad_norm)."""
+    in_backward = getattr(optimizer, "in_backward", None)
+    if in_backward is not None:
+        return in_backward.grad_norm()
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))

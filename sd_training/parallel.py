@@ -24,10 +24,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Strategy:
-    def __init__(self, name: str, is_distributed: bool, device: torch.device, param_dtype: torch.dtype | None,
+    def __init__(self, name: str, has_group: bool, device: torch.device, param_dtype: torch.dtype | None,
                  dist_cfg=None):
-        # One process: neither wrapper does anything useful, so both run the plain module.
-        self.name = name if is_distributed else "single"
+        # One process without a process group: neither wrapper does anything useful, so both run the plain
+        # module. FSDP2 on one rank (its CPU offload for one GPU) runs in a process group of one.
+        self.name = name if has_group else "single"
         self.device = device
         self.param_dtype = param_dtype
         self.cfg = dist_cfg

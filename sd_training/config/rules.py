@@ -54,6 +54,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.dataset.params.text_embeddings and cfg.model.text_encoder.train:
         raise ConfigError("dataset.params.text_embeddings=true cannot train the text encoder (model.text_encoder.train)")
     _check_optimizer_keys(cfg.optimizer)
+    _check_in_backward(cfg)
     if not cfg.model.use_ema:
         for key in ("export_weights", "sample_from"):
             if getattr(cfg.experiment, key) in ("ema", "both"):
@@ -133,6 +134,26 @@ def _check_optimizer_keys(cfg: OptimizerConfig) -> None:
         raise ConfigError(f"'optimizer.implementation' only applies to adamw, not {cfg.name}")
     if cfg.name != "sgd" and cfg.nesterov:
         raise ConfigError("'optimizer.nesterov' only applies to optimizer.name=sgd")
+
+
+def _check_in_backward(cfg: TrainConfig) -> None:
+    """``optimizer.in_backward``: each parameter is updated once per backward, from its gradient alone, so
+    nothing may need all the gradients of a step together (the rank count is checked at start-up)."""
+    if not cfg.optimizer.in_backward:
+        return
+    why = None
+    if cfg.system.gradient_accumulation > 1 or cfg.system.global_batch_size:
+        why = ("gradient accumulation: every micro-batch's backward would update the weights. Set "
+               "system.gradient_accumulation=1 (and system.global_batch_size=0), or optimizer.in_backward=false")
+    elif cfg.optimizer.params.max_grad_norm is not None:
+        why = (f"clipping by the global gradient norm (optimizer.params.max_grad_norm={cfg.optimizer.params.max_grad_norm}, "
+               "default 1.0): each parameter is updated before the others' gradients exist. Set "
+               "optimizer.params.max_grad_norm=null (no clipping), or optimizer.in_backward=false")
+    elif cfg.model.mixed_precision == "fp16":
+        why = ("model.mixed_precision=fp16: the gradient scaler unscales and checks all gradients before the "
+               "step. Use model.mixed_precision=bf16 (or no)")
+    if why:
+        raise ConfigError(f"'optimizer.in_backward' cannot work with {why}")
 
 
 def _check_model_sources(cfg: TrainConfig) -> None:

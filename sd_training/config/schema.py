@@ -157,6 +157,7 @@ class OptimizerConfig:
     nesterov: bool = f(False, "sgd: Nesterov momentum")
     scale_lr: bool = f(False, "multiply the peak LR by (global batch)^0.55 (EveryDream2's rule; the result is logged)")
     no_decay_norm_and_bias: bool = f(True, "no weight decay on normalisation weights and biases")
+    in_backward: bool = f(False, "update each parameter in the backward pass as soon as its gradient is complete, then free that gradient (kohya's fused backward pass): the gradients of the whole net never exist at once. One process or fsdp (not ddp on several ranks), no gradient accumulation, no clipping (max_grad_norm: null), not with fp16")
 
 
 @dataclass
