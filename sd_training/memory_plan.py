@@ -88,7 +88,7 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
                 ema: bool, ema_on_cpu: bool, compute_bytes: int,
                 shard_units: Callable[[torch.nn.Module, str], list[torch.nn.Module]] | None,
                 unit_level: str, replicated: Iterable[torch.nn.Module] = (), activations: float = 0.0,
-                ema_bytes: int | None = None) -> list[MemoryRow]:
+                ema_bytes: int | None = None, in_backward: bool = False) -> list[MemoryRow]:
     """One row per strategy (GiB per GPU). The trained module's parameters that train (all of them, or an
     adapter's with ``model.adapter``) hold fp32 weights, gradients and optimizer state; its frozen ones (the
     adapter's base, in the training precision) only their stored bytes (``base``), sharded under FSDP like
@@ -96,10 +96,14 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
     precision, 4 in fp32); ``shard_units`` as the strategy shards them; ``replicated``: modules trained
     alongside (a text encoder, whole or through its adapter), whole on every GPU under every strategy;
     ``activations``: bytes of one micro-batch's activations (``activation_bytes`` x the batch);
-    ``ema_bytes``: what the EMA's copy holds when known (None: a copy of the trained module)."""
+    ``ema_bytes``: what the EMA's copy holds when known (None: a copy of the trained module);
+    ``in_backward`` (``optimizer.in_backward``): each gradient is freed once its parameter is updated, so the
+    gradients column is the largest trained tensor's."""
     opt = OPTIMIZER_BYTES.get(optimizer, 8)
     n, weights, base = _trained_bytes(trained, 4)  # trained weights are kept in fp32
     grads = n * 4
+    if in_backward:
+        grads = max((p.numel() for p in trained.parameters() if p.requires_grad), default=0) * 4
     optim = n * opt
     ema_b = 0 if not ema or ema_on_cpu else (weights + base if ema_bytes is None else ema_bytes)
     n_rep, rep = 0, 0
