@@ -10,6 +10,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
+# One intra-op thread in the test processes (torch is imported after this) and in every process they start
+# (train.py, scripts) unless a test sets its own: the models are tiny, and with 2 pytest workers on 2 cores a
+# second thread per process only waits for a busy core (measured on the shared 2-core machine: test_loss_decreases
+# 260 CPU-s and over 900 s, timed out, with 2 threads; 60 CPU-s and 286 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

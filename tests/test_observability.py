@@ -10,6 +10,9 @@ from sd_training.config import ConfigError
 from sd_training.config.checks import load
 from sd_training.loop import main as train
 
+# In-process training: one intra-op thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def rows(run: Path):
     return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]

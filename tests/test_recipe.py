@@ -16,6 +16,9 @@ from sd_training.loop import NonFiniteLossError, Trainer
 from sd_training.loop import main as train
 from sd_training.optim import build_optimizer, lr_factor, lr_scale, param_groups
 
+# In-process training: one intra-op thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def make_trainer(tmp_path, pipeline, shards, name="r", **overrides) -> Trainer:
     cfg = load(train_args(tmp_path, pipeline, shards, name=name, **overrides))

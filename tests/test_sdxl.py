@@ -18,6 +18,9 @@ from sd_training.families import registry as families
 from sd_training.families.sdxl import encode_prompts, time_ids
 from sd_training.loop import main
 
+# In-process training: one intra-op thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_family_is_read_from_the_pipeline(sdxl_pipeline, tiny_pipeline, shapes_shards, tmp_path):
     xl = load(train_args(tmp_path, sdxl_pipeline, shapes_shards))

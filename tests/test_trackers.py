@@ -9,6 +9,9 @@ from sd_training.config.checks import load
 from sd_training.loop import main as train
 from sd_training.trackers import wandb_mode
 
+# In-process training: one intra-op thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_wandb_auto_mode(monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_MODE", raising=False)

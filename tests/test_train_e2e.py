@@ -12,6 +12,9 @@ from conftest import train_args
 from sd_training.config.checks import load
 from sd_training.loop import main as train
 
+# In-process training: one intra-op thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
