@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import adapters
+from . import adapters, compile_cache
 from .checkpoint import init_weights_from, load_weights_checked
 from .config.schema import TrainConfig
 from .distributed import DistInfo
@@ -76,18 +76,26 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     model = strategy.wrap(family.loss_module, ema.shadow if ema is not None else None, family.shard_units,
                           shadow_units=ema is None or ema.names is None)
     if cfg.model.compile:
-        model = compile_model(model, family, net)
+        family.compile_cache = compile_cache.for_run(cfg.model.compile_cache, run_dir.root, device, info.is_main)
+        family.compile_cache.load()  # before anything compiles
+        model = compile_model(model, family, net, cfg.model.compile_scope)
     return ModelParts(family, net, ema, strategy, model, dtype, scaler)
 
 
-def compile_model(model: torch.nn.Module, family: Family, net: torch.nn.Module, **options) -> torch.nn.Module:
-    """``model.compile``: the family's units of ``net`` compiled in place (``Family.compile_units``: each
-    block its own small graph, reused across blocks), else the whole wrapped ``model`` (``torch.compile``;
-    the compiled wrapper is only called: weights are always read from the bare net, no _orig_mod keys).
-    ``options``: ``torch.compile``'s (a test's backend)."""
-    units = family.compile_units(net)
+def compile_model(model: torch.nn.Module, family: Family, net: torch.nn.Module, scope: str = "blocks",
+                  **options) -> torch.nn.Module:
+    """``model.compile``: with ``scope`` blocks, the family's units of ``net`` compiled in place
+    (``Family.compile_units``: each block its own small graph, reused by the blocks of its shape: a shorter
+    warm-up than one graph of the whole net); else (scope whole, or a family without units) the whole
+    wrapped ``model`` (``torch.compile``; the compiled wrapper is only called: weights are always read from
+    the bare net, no _orig_mod keys). ``options``: ``torch.compile``'s (a test's backend)."""
+    units = family.compile_units(net) if scope == "blocks" else None
     if units is None:
         return torch.compile(model, **options)
+    # Dynamo keeps at most recompile_limit graphs per function (then runs it eager): a UNet's ResNet blocks
+    # are one function with a graph per shape, up to one per unit.
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, len(units))
     for unit in units:
         unit.compile(**options)
     log.info("model.compile: %d units of the %s compiled one by one", len(units), family.net_name)
@@ -155,6 +163,8 @@ def build_optimizer_parts(cfg: TrainConfig, info: DistInfo, plan: Plan, parts: M
                           for name, m in encoders.items()}
     family.use_wrapped_encoders(encoder_models)
     optimizer = build_optimizer(groups, o, parts.strategy.optimizer_device, peak_lr)
+    if family.compile_cache is not None:  # model.compile: the compiler's cache, saved after the first step
+        family.compile_cache.save_after_first_step(optimizer)
     device_side_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(
         g.get("fused") for g in optimizer.param_groups)
     lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, plan.total_steps)

@@ -116,3 +116,177 @@ def test_resuming_with_another_layout_or_compile_scope_is_not_a_change():
     saved = "model:\n  channels_last: false\n"
     free, _, refused = config_changes(saved, {"model": {"channels_last": "auto", "compile_scope": "whole"}})
     assert refused == [] and len(free) == 2
+
+
+# ---------------------------------------------------------------- regional compilation (model.compile_scope)
+
+
+def counting_backend():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, graphs
+
+
+def unet_step(net, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 8, 8, generator=g)
+    hidden = torch.randn(2, 77, net.config.cross_attention_dim, generator=g)
+    added = None
+    if net.config.addition_embed_type == "text_time":  # SDXL: pooled text and size conditioning
+        added = {"text_embeds": torch.randn(2, net.config.projection_class_embeddings_input_dim
+                                             - 6 * net.config.addition_time_embed_dim, generator=g),
+                 "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * 2)}
+    out = net(x, torch.tensor([10, 500]), hidden, added_cond_kwargs=added, return_dict=False)[0]
+    out.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    net.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("which", ["sd", "sdxl"])
+def test_unet_blocks_compile_one_by_one_in_place_and_equal_eager(request, which):
+    """compile_scope=blocks (the default): each ResNet and transformer block of the UNet is compiled on its
+    own, in place; the blocks of one shape share a graph; outputs and gradients equal eager. (A counting
+    backend: what dynamo hands the compiler, no code generation.)"""
+    import types
+
+    from diffusers import UNet2DConditionModel
+
+    from sd_training.build import compile_model
+    from sd_training.families.sd import compile_units
+
+    torch._dynamo.reset()
+    pipeline = request.getfixturevalue("tiny_pipeline" if which == "sd" else "sdxl_pipeline")
+    net = UNet2DConditionModel.from_pretrained(pipeline, subfolder="unet")
+    want_out, want = unet_step(net)
+    backend, graphs = counting_backend()
+    family = types.SimpleNamespace(compile_units=compile_units, net_name="unet")
+    assert compile_model(net, family, net, "blocks", backend=backend) is net  # not replaced
+    units = compile_units(net)
+    kinds = {type(u).__name__ for u in units}
+    assert kinds == {"ResnetBlock2D", "BasicTransformerBlock"}, kinds
+    assert all(u._compiled_call_impl is not None for u in units)
+    assert not any(m._compiled_call_impl is not None for m in (net, net.conv_in, net.down_blocks[0]))
+    got_out, got = unet_step(net)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    n_graphs = len(graphs)
+    assert 2 <= n_graphs < len(units)  # shared by the blocks of one shape (forward graphs; backward by AOT)
+    unet_step(net, seed=2)
+    assert len(graphs) == n_graphs  # new values, same shapes: no recompilation
+
+
+def test_whole_scope_compiles_the_wrapped_module_as_one_graph():
+    import types
+
+    from sd_training.build import compile_model
+    from sd_training.families.sd import compile_units
+
+    torch._dynamo.reset()
+    backend, graphs = counting_backend()
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.SiLU())
+    family = types.SimpleNamespace(compile_units=compile_units, net_name="unet")
+    out = compile_model(model, family, model, "whole", backend=backend)
+    assert isinstance(out, torch._dynamo.eval_frame.OptimizedModule)
+    out(torch.randn(1, 4, 4, 4))
+    assert len(graphs) == 1
+
+
+def test_compile_scope_is_a_checked_key(tmp_path, tiny_pipeline, shapes_shards):
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards))
+    assert cfg.model.compile_scope == "blocks" and cfg.model.compile_cache is None
+    with pytest.raises(ConfigError, match="compile_scope"):
+        load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{"model.compile_scope": "everything"}))
+
+
+# ---------------------------------------------------------------- the compiler's cache (model.compile_cache)
+
+ROUND = r"""
+import json, sys, torch
+from torch._dynamo.utils import counters
+from sd_training.compile_cache import CompileCache
+torch.set_num_threads(1)
+cache = CompileCache(sys.argv[1], torch.device("cpu"))
+loaded = cache.load()
+m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+m.compile()
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+cache.save_after_first_step(opt)
+for _ in range(2):
+    m(torch.randn(4, 8)).sum().backward()
+    opt.step()
+print(json.dumps({"loaded": loaded, "entries": cache.loaded, "saved": cache.saved_bytes,
+                  "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def run_round(tmp_path, name: str) -> dict:
+    """One process compiling a small module with inductor, from an empty inductor cache (a fresh machine)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor_{name}"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", ROUND, str(tmp_path / "cache")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch.compiler, "save_cache_artifacts"), reason="torch < 2.7: no cache artifacts")
+def test_a_second_run_on_a_fresh_machine_loads_the_compiled_graphs(tmp_path):
+    """The first run compiles (inductor, C++ on the CPU) and saves its artifacts after its first optimizer
+    step; the second, with an empty inductor cache as on a new machine, loads them before compiling and
+    every graph is a cache hit (forward and backward), none compiled again."""
+    first = run_round(tmp_path, "a")
+    assert first["loaded"] is False and first["saved"] > 0 and first["misses"] >= 2 and first["hits"] == 0
+    second = run_round(tmp_path, "b")
+    assert second["loaded"] is True and second["entries"].get("inductor", 0) >= 2
+    assert second["hits"] >= 2 and second["misses"] == 0
+
+
+def test_the_cache_is_skipped_where_torch_lacks_it_or_the_file_is_bad(tmp_path, monkeypatch, caplog):
+    from sd_training.compile_cache import artifact_file, for_run
+
+    cache = for_run(None, tmp_path / "run", torch.device("cpu"), is_main=True)
+    assert cache.path == artifact_file(tmp_path / "run" / "compile_cache", torch.device("cpu"))
+    assert cache.path.name.startswith("torch-") and cache.path.name.endswith("-cpu.bin")
+    assert cache.load() is False  # nothing saved yet
+    cache.path.parent.mkdir(parents=True)
+    cache.path.write_bytes(b"not a cache")
+    with caplog.at_level("WARNING"):
+        assert cache.load() is False
+    assert "could not be loaded" in caplog.text
+    shared = for_run(str(tmp_path / "shared"), tmp_path / "run", torch.device("cpu"), is_main=False)
+    assert shared.path.parent == tmp_path / "shared" and shared.save() is False  # only rank 0 saves
+    monkeypatch.delattr(torch.compiler, "save_cache_artifacts", raising=False)
+    monkeypatch.delattr(torch.compiler, "load_cache_artifacts", raising=False)
+    assert cache.load() is False and cache.save() is False
+
+
+def test_the_trainer_loads_the_cache_before_compiling_and_saves_after_its_first_step(tmp_path, tiny_pipeline,
+                                                                                     shapes_shards, caplog):
+    """Wiring, without compiling (the units compile at their first call): model.compile loads the cache at
+    set-up and hooks the save to the first optimizer step."""
+    from sd_training import distributed
+    from sd_training.loop import Trainer
+
+    folder = tmp_path / "shared_cache"
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards,
+                          **{"model.compile": "true", "model.compile_cache": str(folder)}))
+    t = Trainer(cfg, distributed.setup("cpu"))
+    with caplog.at_level("INFO"):
+        t.setup()
+    assert f"no compile cache at {folder}" in caplog.text
+    assert "units of the unet compiled one by one" in caplog.text
+    hooks = list(t.optimizer._optimizer_step_post_hooks.values())
+    assert any(getattr(h, "__qualname__", "").startswith("CompileCache") for h in hooks)
+    t.trackers.close()

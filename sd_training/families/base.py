@@ -109,6 +109,7 @@ class Family(abc.ABC):
         self.loss_module: torch.nn.Module | None = None  # what the strategy wraps and the loss calls
         self._encoders: dict[str, torch.nn.Module] = {}  # trained encoders as the loss calls them (maybe DDP)
         self.adapters = None  # sd_training.adapters.Adapters when model.adapter trains adapters (set by build)
+        self.compile_cache = None  # sd_training.compile_cache.CompileCache under model.compile (set by build)
 
     @property
     def num_timesteps(self) -> int | None:

@@ -52,6 +52,20 @@ def diffusers_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
+def compile_units(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model.compile`` (compile_scope=blocks): the UNet's repeated layers, each compiled on its own: every
+    ResNet block, and every transformer block inside the attention blocks (SDXL's are 2 or 10 deep, all of
+    one width per level). Blocks of one class share a graph per shape (a ResNet block's channels differ
+    across levels, so ResNets take several); the convolutions between blocks (conv_in, the up/downsamplers,
+    the attention blocks' norm and projections, conv_out) stay eager."""
+    units = []
+    for block in diffusers_blocks(net):
+        units.extend(getattr(block, "resnets", None) or [])
+        for attention in getattr(block, "attentions", None) or []:
+            units.extend(getattr(attention, "transformer_blocks", None) or [attention])
+    return units
+
+
 def shard_units(net: torch.nn.Module, level: str) -> list[torch.nn.Module]:
     """The modules FSDP2 shards separately, innermost first. ``block``: each down/mid/up block (an SD UNet's
     largest is about 30% of the weights, all gathered at once). ``layer``: each resnet and transformer
@@ -161,6 +175,9 @@ class StableDiffusion(Family):
         return build_models(self.cfg.model, self.device, seed=self.seed)
 
     shard_units = staticmethod(shard_units)
+
+    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
+        return compile_units(net)
 
     @property
     def num_timesteps(self) -> int:
