@@ -187,8 +187,8 @@ class ModelState:
         state_prefix = f"{DCP_OPTIMIZER}.state."
         for key, m in saved.items():
             if key.startswith(state_prefix) and getattr(m, "size", None) is not None and len(m.size) > 0:
-                param = key[len(state_prefix):].rsplit(".", 1)[0]
-                if param in expected and tuple(m.size) != expected[param]:
+                param, entry = key[len(state_prefix):].rsplit(".", 1)
+                if entry in PARAM_SHAPED_STATE and param in expected and tuple(m.size) != expected[param]:
                     raise CheckpointDamaged(meta, f"holds optimizer state '{key}' of shape {tuple(m.size)}, this "
                                                   f"run's parameter {param} has {expected[param]}")
 
@@ -278,6 +278,12 @@ def check_state_shapes(file: Path, sd, expected: dict, what: str = "parameter") 
                                       "written for another model")
 
 
+# Optimizer state entries shaped like their parameter: AdamW's and Adafactor's moments, SGD's momentum,
+# bitsandbytes' 8-bit (or 32-bit) states. Others have shapes of their own (Adafactor's factored row and
+# column moments, bitsandbytes' quantization map and block maxima) and are not checked against it.
+PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2"})
+
+
 def check_optimizer_shapes(file: Path, osd, optimizer: torch.optim.Optimizer, net: torch.nn.Module) -> None:
     """A plain optimizer state dict (state keyed by parameter index) against this run's optimizer: its
     groups' sizes, and every state tensor's shape against the parameter it belongs to."""
@@ -299,7 +305,7 @@ def check_optimizer_shapes(file: Path, osd, optimizer: torch.optim.Optimizer, ne
         if p is None or not isinstance(state, dict):
             raise CheckpointDamaged(file, f"holds state for parameter {str(index)[:50]!r}, which its groups do not list")
         for key, t in state.items():
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and tuple(t.shape) != tuple(p.shape):
+            if key in PARAM_SHAPED_STATE and isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(p.shape):
                 raise CheckpointDamaged(file, f"holds '{key}' of shape {tuple(t.shape)} for parameter "
                                               f"{names.get(id(p), index)}, whose shape is {tuple(p.shape)} in this run")
 
