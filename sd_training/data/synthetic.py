@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -104,6 +104,41 @@ def write_shapes_shards(
     (width, height)) cycles through several image sizes instead of ``size x size``; ``radius`` and
     ``offset``: the shapes' size and position jitter (see :func:`draw_shape`).
     """
+    return _write_shards(out_dir, n_samples, n_shards, prefix, lambda index: shape_sample(
+        index, sizes[index % len(sizes)] if sizes else size, seed, radius=radius, offset=offset))
+
+
+def word_sample(index: int, word: str, shape: str, colour: str, backgrounds: Sequence[str], size: int = 64,
+                seed: int = 0, radius: Tuple[float, float] = RADIUS, offset: float = OFFSET):
+    """(key, JPEG bytes, caption, metadata) of sample ``index`` of a made-up ``word`` that names one shape in
+    one colour: "a dax on a white background" draws a ``colour`` ``shape`` on a background drawn from
+    ``backgrounds``. Teaches a trained model a word it never saw (the metadata has the shape and colour,
+    so :func:`read_shape_image` can check a drawing of it)."""
+    if colour in backgrounds or shape not in SHAPES or not set(backgrounds) | {colour} <= set(COLOURS):
+        raise ValueError(f"word {word!r}: need a shape of {SHAPES} and colours of {list(COLOURS)}, the shape's "
+                         f"colour {colour!r} not among the backgrounds {list(backgrounds)}")
+    rng = np.random.default_rng([seed, index])
+    background = backgrounds[int(rng.integers(len(backgrounds)))]
+    img = draw_shape(shape, colour, background, size, size, rng, radius, offset)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=92)
+    article = "an" if word[0] in "aeiou" else "a"
+    meta = {"width": size, "height": size, "shape": shape, "colour": colour, "background": background,
+            "word": word, "index": index}
+    return f"{index:08d}", buf.getvalue(), f"{article} {word} on a {background} background", meta
+
+
+def write_word_shards(out_dir: str, word: str, shape: str, colour: str, backgrounds: Sequence[str],
+                      n_samples: int, n_shards: int = 1, size: int = 64, seed: int = 0, *,
+                      radius: Tuple[float, float] = RADIUS, offset: float = OFFSET) -> str:
+    """:func:`word_sample` images in shards named after the word (``out_dir/dax-000000.tar``...), plus
+    ``sizes.json``; returns their brace pattern."""
+    return _write_shards(out_dir, n_samples, n_shards, word, lambda index: word_sample(
+        index, word, shape, colour, backgrounds, size, seed, radius, offset))
+
+
+def _write_shards(out_dir: str, n_samples: int, n_shards: int, prefix: str, sample) -> str:
+    """``sample(index)`` -> (key, bytes, caption, metadata) for every index, split into ``n_shards`` shards."""
     import webdataset as wds
 
     if n_shards < 1 or n_samples < n_shards:
@@ -115,8 +150,7 @@ def write_shapes_shards(
         name = f"{prefix}-{k:06d}.tar"
         with wds.TarWriter(os.path.join(out_dir, name)) as sink:
             for index in range(lo, hi):
-                sz = sizes[index % len(sizes)] if sizes else size
-                key, data, caption, meta = shape_sample(index, sz, seed, radius=radius, offset=offset)
+                key, data, caption, meta = sample(index)
                 sink.write({"__key__": key, "jpg": data, "txt": caption, "json": meta})
         counts[name] = hi - lo
     with open(os.path.join(out_dir, "sizes.json"), "w") as fh:
