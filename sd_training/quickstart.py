@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import distributed
 from .config.schema import QuickstartConfig
-from .data.synthetic import write_shapes_shards
+from .data.synthetic import write_shapes_shards, write_word_shards
 from .families.registry import make_tiny_pipeline
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ def prepare(cfg: QuickstartConfig, is_main: bool) -> None:
         _build_atomically(Path(cfg.tiny_pipeline), lambda out: make_tiny_pipeline(out, family=cfg.tiny_family))
     if is_main and cfg.shapes_dataset:
         _prepare_shapes(cfg)
+    if is_main and cfg.word_dataset:
+        _prepare_word(cfg)
     distributed.barrier()
 
 
@@ -41,23 +43,40 @@ SHAPES_SPEC = "quickstart_spec.json"
 def _prepare_shapes(cfg: QuickstartConfig) -> None:
     """Write the shapes dataset when absent, or rewrite it when it was written with other settings (its
     ``quickstart_spec.json`` records them), so a changed ``quickstart.shapes_*`` key always takes effect."""
-    folder = Path(cfg.shapes_dataset)
     spec = {"samples": cfg.shapes_samples, "per_shard": cfg.shapes_per_shard, "size": cfg.shapes_size,
             "radius": [float(r) for r in cfg.shapes_radius], "offset": float(cfg.shapes_offset), "seed": 0}
+    n_shards = -(-cfg.shapes_samples // cfg.shapes_per_shard)
+    _write_dataset(Path(cfg.shapes_dataset), spec, "quickstart.shapes_*", lambda out: write_shapes_shards(
+        str(out), cfg.shapes_samples, n_shards, size=cfg.shapes_size, seed=0, radius=tuple(spec["radius"]),
+        offset=spec["offset"]))
+
+
+def _prepare_word(cfg: QuickstartConfig) -> None:
+    """The made-up word's images (quickstart.word_*), drawn like the shapes dataset (its size and jitter),
+    kept while its settings match."""
+    spec = {"word": cfg.word, "shape": cfg.word_shape, "colour": cfg.word_colour,
+            "backgrounds": list(cfg.word_backgrounds), "samples": cfg.word_samples, "size": cfg.shapes_size,
+            "radius": [float(r) for r in cfg.shapes_radius], "offset": float(cfg.shapes_offset), "seed": 0}
+    _write_dataset(Path(cfg.word_dataset), spec, "quickstart.word_*", lambda out: write_word_shards(
+        str(out), cfg.word, cfg.word_shape, cfg.word_colour, spec["backgrounds"], cfg.word_samples, 2,
+        size=cfg.shapes_size, radius=tuple(spec["radius"]), offset=spec["offset"]))
+
+
+def _write_dataset(folder: Path, spec: dict, keys: str, write) -> None:
+    """``write(folder)`` when the folder is absent, or again when it was written with other settings (its
+    ``quickstart_spec.json`` records them), so a changed key always takes effect."""
     if folder.is_dir():
         try:
             if json.loads((folder / SHAPES_SPEC).read_text()) == spec:
                 return
         except (OSError, ValueError):
             pass
-        log.info("%s was written with other settings than quickstart.shapes_*: writing it again", folder)
+        log.info("%s was written with other settings than %s: writing it again", folder, keys)
         shutil.rmtree(folder)
-    n_shards = -(-cfg.shapes_samples // cfg.shapes_per_shard)
-    log.info("writing %d generated-shapes images in %d shards to %s", cfg.shapes_samples, n_shards, folder)
+    log.info("writing %d generated images to %s", spec["samples"], folder)
 
     def build(out: Path) -> None:
-        write_shapes_shards(str(out), cfg.shapes_samples, n_shards, size=cfg.shapes_size, seed=0,
-                            radius=tuple(spec["radius"]), offset=spec["offset"])
+        write(out)
         (out / SHAPES_SPEC).write_text(json.dumps(spec, indent=1))
 
     _build_atomically(folder, build)

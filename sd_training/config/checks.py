@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from ..data.checks import check_dataset_inputs
+from ..data.synthetic import COLOURS
 from ..distributed import usable_cpus
 from ..families import options, registry
 from ..families.unet_components import check_unet_params
@@ -45,10 +46,22 @@ def check(cfg: TrainConfig) -> TrainConfig:
     if cfg.quickstart.tiny_family is not None and cfg.quickstart.tiny_family not in registry.FAMILIES:
         raise ConfigError(f"'quickstart.tiny_family' is '{cfg.quickstart.tiny_family}', expected one of "
                           f"{', '.join(registry.FAMILIES)}")
+    check_word(cfg.quickstart)
     registry.validate(cfg)
     check_dataset_inputs(cfg.dataset)
     check_batch(cfg)
     return cfg
+
+
+def check_word(q) -> None:
+    """quickstart.word_*: colours of the shapes dataset, the word's colour on none of its backgrounds."""
+    if not q.word_dataset:
+        return
+    bad = [c for c in [q.word_colour, *q.word_backgrounds] if c not in COLOURS]
+    if bad or not q.word_backgrounds or q.word_colour in q.word_backgrounds or not q.word.isalpha():
+        raise ConfigError(f"'quickstart.word_*': need a word of letters ({q.word!r}), a word_colour and "
+                          f"word_backgrounds of {', '.join(COLOURS)}, the colour not among the backgrounds; got "
+                          f"{q.word_colour!r} on {list(q.word_backgrounds)}")
 
 
 def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
@@ -75,7 +88,8 @@ def output_paths(cfg: TrainConfig) -> list[tuple[str, str]]:
     generated inputs when they are to be made."""
     out = [("experiment.log_dir", os.path.join(cfg.experiment.log_dir, cfg.experiment.name))]
     q, ev = cfg.quickstart, cfg.evaluation
-    for key, path in (("quickstart.tiny_pipeline", q.tiny_pipeline), ("quickstart.shapes_dataset", q.shapes_dataset)):
+    for key, path in (("quickstart.tiny_pipeline", q.tiny_pipeline), ("quickstart.shapes_dataset", q.shapes_dataset),
+                      ("quickstart.word_dataset", q.word_dataset)):
         if path and not os.path.exists(path):
             out.append((key, path))
     if ev.ref_stats and ev.ref_images and not os.path.exists(ev.ref_stats):

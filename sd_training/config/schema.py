@@ -249,6 +249,14 @@ class QuickstartConfig:
     shapes_size: int = f(64, "pixels (square) of the generated images", ge=1)
     shapes_radius: List[float] = f([0.25, 0.4], "range of a shape's half-size, as a fraction of the image side")
     shapes_offset: float = f(0.1, "largest shift of a shape's centre from the image centre, as a fraction of the side")
+    word_dataset: Optional[str] = f(None, "folder: write images of a made-up word here when absent (quickstart.word_*: "
+                                    "'a dax on a red background'; configs/quickstart_lora.yaml teaches it with a LoRA)")
+    word: str = f("dax", "the made-up word (one CLIP token is best: it starts untrained in the quickstart's text encoder)")
+    word_shape: str = f("triangle", "the shape the word names", choices=("circle", "square", "triangle", "diamond"))
+    word_colour: str = f("purple", "the colour the word names (one of the shapes' 8 colours, none of word_backgrounds)")
+    word_backgrounds: List[str] = f(["red", "blue", "yellow", "orange", "black"], "backgrounds of the word's images "
+                                    "(the other colours stay held out: prompts a test can check)")
+    word_samples: int = f(500, "images of the word (in word_dataset, 2 shards)", ge=2)
 
 
 @dataclass
