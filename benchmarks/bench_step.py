@@ -2,6 +2,16 @@
 
     python benchmarks/bench_step.py                       # CPU: tiny pipeline, batch 8, fp32
     python benchmarks/bench_step.py --device cuda         # + SD 1.x UNet at 256 and 512 px in bf16
+    python benchmarks/bench_step.py --device cuda --sd-only --sd-resolutions 512 --sd-batch 32 \
+        --compile --channels-last on --sd-baseline --profile  # compiled + channels-last vs eager, by kernel kind
+
+Speed levers (issue 24), for our Trainer in every section: ``--compile [blocks|whole]`` (model.compile and
+model.compile_scope; the first step's seconds are the compile warm-up), ``--compile-cache DIR``
+(model.compile_cache: run twice with the same DIR and a fresh TORCHINDUCTOR_CACHE_DIR each time, the
+second is a requeue's warm-up), ``--channels-last auto|on|off`` (model.channels_last), ``--sd-baseline``
+(the SD rows first eager in the default NCHW layout, each later row's speed-up against it), ``--profile``
+(device time by kernel kind of the last SD row, or of the tiny step without the SD section: see
+benchmarks/kernel_kinds.py).
 
 Ours: ``sd_training.loop.Trainer`` after ``_setup()`` (tiny config from ``sd_training.config.checks.load``),
 one ``_micro_step(batch, sync=True)`` then ``_optimizer_step()``. Baseline: what diffusers'
@@ -31,6 +41,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from kernel_kinds import profile_steps  # noqa: E402  (benchmarks/ is not a package)
+
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SD1_UNET = dict(  # Stable Diffusion 1.x: the diffusers defaults with CLIP ViT-L/14's 768-wide text states
     sample_size=64, block_out_channels=[320, 640, 1280, 1280], cross_attention_dim=768, attention_head_dim=8,
@@ -55,6 +68,17 @@ def parse(argv):
     p.add_argument("--sd-batch", default="64,16", help="images per step at each SD resolution")
     p.add_argument("--sd-steps", type=int, default=10, help="timed steps per SD resolution (after 3 warm-up)")
     p.add_argument("--sd-unet", default=None, help="JSON UNet params replacing SD 1.x's (smoke tests on CPU)")
+    p.add_argument("--sd-text-encoder", default=None,
+                   help="JSON CLIP text config entries over SD 1.x's (smoke tests on CPU: a small hidden_size)")
+    p.add_argument("--sd-only", action="store_true", help="only the SD 1.x section (no tiny comparison, syncs, stall)")
+    p.add_argument("--sd-baseline", action="store_true",
+                   help="SD section: first the eager NCHW row (no compile, channels-last off), then the chosen levers")
+    p.add_argument("--compile", nargs="?", const="blocks", default="none", choices=("none", "blocks", "whole"),
+                   help="model.compile for our step (blocks: model.compile_scope=blocks; whole: one graph)")
+    p.add_argument("--compile-cache", default=None, help="model.compile_cache: folder of the compiler's cache artifacts")
+    p.add_argument("--channels-last", default="auto", choices=("auto", "on", "off"), help="model.channels_last")
+    p.add_argument("--profile", action="store_true", help="device time by kernel kind (torch.profiler)")
+    p.add_argument("--profile-steps", type=int, default=3, help="profiled steps (after the timed ones)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense peak TFLOP/s per device (default: table)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's). On a shared machine 1 keeps other jobs' load from "
@@ -68,9 +92,22 @@ def parse(argv):
 # ----------------------------------------------------------------------------------------------
 
 
+def levers(args, baseline: bool = False) -> dict:
+    """Config keys of the speed levers chosen on the command line (``baseline``: eager, NCHW)."""
+    if baseline:
+        return {"model.compile": "false", "model.channels_last": "off"}
+    out = {"model.channels_last": args.channels_last, "model.compile": str(args.compile != "none").lower()}
+    if args.compile != "none":
+        out["model.compile_scope"] = args.compile
+        if args.compile_cache:
+            out["model.compile_cache"] = args.compile_cache
+    return out
+
+
 def make_trainer(root: Path, pipeline: Path, shards: str, device: str, precision: str, batch: int, resolution: int,
-                 yaml_text: str | None = None, name: str | None = None):
-    """A real Trainer after ``_setup()`` on a tiny config (as tests/conftest.py's train_args)."""
+                 yaml_text: str | None = None, name: str | None = None, extra: dict | None = None):
+    """A real Trainer after ``_setup()`` on a tiny config (as tests/conftest.py's train_args); ``extra``:
+    more key=value settings (the speed levers)."""
     from sd_training import distributed
     from sd_training.config.checks import load
     from sd_training.loop import Trainer
@@ -83,7 +120,7 @@ def make_trainer(root: Path, pipeline: Path, shards: str, device: str, precision
         # Quoted: YAML 1.1 reads a bare `no` as False, which the schema then rejects.
         "model.mixed_precision": f"'{precision}'",
         "dataset.params.path": shards, "dataset.params.resolution": resolution, "dataset.params.resampled": True,
-        "wandb.mode": "disabled", "lr_scheduler.params.warmup_length": 0,
+        "wandb.mode": "disabled", "lr_scheduler.params.warmup_length": 0, **(extra or {}),
     }
     cfg = load([f"{k}={v}" for k, v in args.items()], yaml_text=yaml_text)
     trainer = Trainer(cfg, distributed.setup(device))
@@ -202,7 +239,8 @@ def interleaved(ours, baseline, device, warmup: int, trials: int, steps: int) ->
 
 def bench_overhead(root: Path, pipeline: Path, shards: str, args) -> dict:
     device = torch.device(args.device)
-    trainer = make_trainer(root, pipeline, shards, args.device, args.precision, args.batch, args.resolution)
+    trainer = make_trainer(root, pipeline, shards, args.device, args.precision, args.batch, args.resolution,
+                           extra=levers(args))
     p = trainer.cfg.optimizer.params
     base = Baseline(pipeline, device, args.precision, p.learning_rate, p.weight_decay, p.max_grad_norm)
     batch = make_batch(trainer.models.tokenizer, args.batch, args.resolution, device)
@@ -277,7 +315,7 @@ def bench_checkpoint_stall(trainer, step_s: float, saves: int = 3) -> dict:
     return out
 
 
-def write_sd_pipeline(tiny: Path, out: Path) -> Path:
+def write_sd_pipeline(tiny: Path, out: Path, text_encoder: dict | None = None) -> Path:
     """The tiny pipeline with an SD 1.x-sized (random) text encoder, so the UNet cross-attends to 768-wide
     states of the real cost; the UNet itself is built from ``model.unet.params``."""
     import shutil
@@ -287,50 +325,79 @@ def write_sd_pipeline(tiny: Path, out: Path) -> Path:
     if not out.exists():
         shutil.copytree(tiny, out)
         shutil.rmtree(out / "text_encoder")
-        CLIPTextModel(CLIPTextConfig(**SD1_TEXT_ENCODER)).save_pretrained(out / "text_encoder")
+        CLIPTextModel(CLIPTextConfig(**{**SD1_TEXT_ENCODER, **(text_encoder or {})})).save_pretrained(out / "text_encoder")
     return out
 
 
 def bench_sd(root: Path, tiny: Path, shards: str, args) -> list[dict]:
-    """Our step on the SD 1.x UNet (from scratch, latents and token ids in memory): images/s, MFU, HFU."""
-    from sd_training import flops
-
+    """Our step on the SD 1.x UNet (from scratch, latents and token ids in memory): images/s, MFU, HFU; with
+    ``--sd-baseline`` first eager in NCHW, then with the chosen levers (speed-up against the first)."""
     device = torch.device(args.device)
     unet = json.loads(args.sd_unet) if args.sd_unet else SD1_UNET
-    pipeline = write_sd_pipeline(tiny, root / "sd1_pipeline")
-    override = args.peak_tflops * 1e12 if args.peak_tflops else None
-    peak = flops.peak_flops(device, args.precision if args.precision != "no" else torch.float32, override)
+    pipeline = write_sd_pipeline(tiny, root / "sd1_pipeline", json.loads(args.sd_text_encoder or "{}"))
     rows = []
     resolutions = [int(r) for r in args.sd_resolutions.split(",")]
     batches = [int(b) for b in args.sd_batch.split(",")]
+    variants = ([("eager_nchw", True)] if args.sd_baseline else []) + [("levers", False)]
     for res, batch in zip(resolutions, batches):
         yaml_text = json.dumps({"model": {"unet": {"params": {**unet, "sample_size": res // 8}}}})
-        trainer = make_trainer(root, pipeline, shards, args.device, args.precision, batch, res, yaml_text)
-        # The trainer counts them at start-up (for its own MFU metric); counted here when it does not.
-        step_flops = trainer.metrics.step_flops or flops.count_step_flops(trainer.models, res, encode_images=False)
-        if step_flops.vae_encode:  # the trainer counted the VAE, which this in-memory-latents step does not run
-            step_flops = flops.StepFlops(step_flops.unet_forward, step_flops.unet_train, 0, step_flops.text_encode)
-        data = make_batch(trainer.models.tokenizer, batch, res, device, latents=res // 8)
-        timed_steps(lambda t=trainer, d=data: ours_step(t, d), 3, device)
-        times = timed_steps(lambda t=trainer, d=data: ours_step(t, d), args.sd_steps, device)
-        ips = batch / statistics.median(times)
-        row = {
-            "resolution": res, "batch": batch, "median_step_s": statistics.median(times), "images_per_sec": ips,
-            "model_tflops_per_image": step_flops.model / 1e12, "hardware_tflops_per_image": step_flops.hardware / 1e12,
-            "unet_forward_tflops_per_image": step_flops.unet_forward / 1e12,
-            "peak_tflops": peak / 1e12 if peak else None,
-            "mfu": flops.mfu(ips, step_flops.model, peak), "hfu": flops.mfu(ips, step_flops.hardware, peak),
-        }
-        if device.type == "cuda":
-            row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-            torch.cuda.reset_peak_memory_stats(device)
-        print(json.dumps(row), file=sys.stderr)
-        rows.append(row)
-        trainer.trackers.close()
-        del trainer, data
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        base = None
+        for label, baseline in variants:
+            trainer = make_trainer(root, pipeline, shards, args.device, args.precision, batch, res, yaml_text,
+                                   name=f"sd_{res}_{label}", extra=levers(args, baseline))
+            row = sd_row(trainer, args, device, res, batch)
+            row["variant"] = label
+            if base is None:
+                base = row
+            else:
+                row["speedup_vs_first"] = row["images_per_sec"] / base["images_per_sec"]
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), file=sys.stderr)
+            rows.append(row)
+            trainer.trackers.close()
+            del trainer
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
+
+
+def sd_row(trainer, args, device: torch.device, res: int, batch: int) -> dict:
+    """One trainer's SD 1.x row: the first step (the compile warm-up) timed apart, 2 more warm-up steps,
+    ``--sd-steps`` timed ones; then, with ``--profile``, device time by kernel kind."""
+    from sd_training import flops
+    from sd_training.families.unet_components import uses_channels_last
+
+    override = args.peak_tflops * 1e12 if args.peak_tflops else None
+    peak = flops.peak_flops(device, args.precision if args.precision != "no" else torch.float32, override)
+    # The trainer counts them at start-up (for its own MFU metric); counted here when it does not.
+    step_flops = trainer.metrics.step_flops or flops.count_step_flops(trainer.models, res, encode_images=False)
+    if step_flops.vae_encode:  # the trainer counted the VAE, which this in-memory-latents step does not run
+        step_flops = flops.StepFlops(step_flops.unet_forward, step_flops.unet_train, 0, step_flops.text_encode)
+    data = make_batch(trainer.models.tokenizer, batch, res, device, latents=res // 8)
+    first = timed_steps(lambda: ours_step(trainer, data), 1, device)[0]
+    warm = timed_steps(lambda: ours_step(trainer, data), 2, device)
+    times = timed_steps(lambda: ours_step(trainer, data), args.sd_steps, device)
+    ips = batch / statistics.median(times)
+    m = trainer.cfg.model
+    row = {
+        "resolution": res, "batch": batch, "median_step_s": statistics.median(times), "images_per_sec": ips,
+        "compile": m.compile_scope if m.compile else "none", "channels_last": uses_channels_last(m, device),
+        "first_step_s": first, "warmup_s": first + sum(warm),
+        "compile_warmup_s": first - statistics.median(times) if m.compile else None,
+        "model_tflops_per_image": step_flops.model / 1e12, "hardware_tflops_per_image": step_flops.hardware / 1e12,
+        "unet_forward_tflops_per_image": step_flops.unet_forward / 1e12,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "mfu": flops.mfu(ips, step_flops.model, peak), "hfu": flops.mfu(ips, step_flops.hardware, peak),
+    }
+    cache = trainer.family.compile_cache
+    if cache is not None:
+        row["compile_cache"] = {"path": str(cache.path), "loaded": cache.loaded, "load_s": cache.load_s,
+                                "saved_bytes": cache.saved_bytes}
+    if device.type == "cuda":
+        row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    if args.profile:
+        row["profile"] = profile_steps(lambda: ours_step(trainer, data), args.profile_steps, device)
+    return row
 
 
 def main(argv=None) -> dict:
@@ -358,13 +425,19 @@ def main(argv=None) -> dict:
             "batch": args.batch, "resolution": args.resolution, "precision": args.precision,
             "warmup": args.warmup, "trials": args.trials, "steps_per_trial": args.steps,
         }
-        result["overhead"], trainer, batch = bench_overhead(root, pipeline, shards, args)
-        result["host_syncs"] = bench_host_syncs(root, pipeline, shards, args, trainer, batch)
-        result["checkpoint_stall"] = bench_checkpoint_stall(trainer, result["overhead"]["ours_median_step_s"])
-        for key in ("overhead", "host_syncs", "checkpoint_stall"):
-            print(json.dumps({key: result[key]}, indent=1), file=sys.stderr)
-        if args.sd or args.device == "cuda":
+        result["levers"] = {"compile": args.compile, "compile_cache": args.compile_cache,
+                            "channels_last": args.channels_last, "sd_baseline": args.sd_baseline}
+        if not args.sd_only:
+            result["overhead"], trainer, batch = bench_overhead(root, pipeline, shards, args)
+            result["host_syncs"] = bench_host_syncs(root, pipeline, shards, args, trainer, batch)
+            result["checkpoint_stall"] = bench_checkpoint_stall(trainer, result["overhead"]["ours_median_step_s"])
+            for key in ("overhead", "host_syncs", "checkpoint_stall"):
+                print(json.dumps({key: result[key]}, indent=1), file=sys.stderr)
+        if args.sd or args.sd_only or args.device == "cuda":
             result["sd1_unet"] = bench_sd(root, pipeline, shards, args)
+        elif args.profile:  # the tiny step's kinds (the CPU's ops when no GPU)
+            result["profile"] = profile_steps(lambda: ours_step(trainer, batch), args.profile_steps,
+                                              torch.device(args.device))
     # 1-minute load averages: well above the core count means other jobs shared the CPU (noisy numbers).
     result["load_average"] = {"start": load_start, "end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                               "cpus": os.cpu_count()}

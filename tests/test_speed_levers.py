@@ -290,3 +290,60 @@ def test_the_trainer_loads_the_cache_before_compiling_and_saves_after_its_first_
     hooks = list(t.optimizer._optimizer_step_post_hooks.values())
     assert any(getattr(h, "__qualname__", "").startswith("CompileCache") for h in hooks)
     t.trackers.close()
+
+
+# ---------------------------------------------------------------- bench_step's flags
+
+TINY_SD_UNET = ('{"block_out_channels": [8, 16], "layers_per_block": 1, "norm_num_groups": 8, '
+                '"cross_attention_dim": 32, "attention_head_dim": 2, "sample_size": 8, '
+                '"down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"]}')
+
+
+def run_bench_step(tmp_path, *flags) -> dict:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step.py"
+    spec = importlib.util.spec_from_file_location("bench_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.main(["--out", str(tmp_path / "bench.json"), "--threads", "1", *flags])
+
+
+TINY_TEXT = '{"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4, "projection_dim": 32}'
+
+
+@pytest.mark.slow  # a minute on the shared CPU (two trainers, 4 steps and a profile each)
+def test_bench_step_sd_rows_with_levers_baseline_and_profile(tmp_path):
+    """--sd-only --sd-baseline --channels-last on --profile on the CPU: an eager NCHW row, then one with
+    channels-last and its speed-up, each with its warm-up and a profile whose kinds add up to the whole."""
+    out = run_bench_step(tmp_path, "--sd-only", "--sd-unet", TINY_SD_UNET, "--sd-text-encoder", TINY_TEXT, "--sd-resolutions", "64", "--sd-batch", "2",
+                         "--sd-steps", "2", "--channels-last", "on", "--sd-baseline", "--profile", "--profile-steps", "1")
+    assert "overhead" not in out and out["levers"]["channels_last"] == "on"
+    first, levers = out["sd1_unet"]
+    assert first["variant"] == "eager_nchw" and first["channels_last"] is False and first["compile"] == "none"
+    assert levers["channels_last"] is True and levers["speedup_vs_first"] > 0
+    for row in (first, levers):
+        assert row["first_step_s"] > 0 and row["warmup_s"] >= row["first_step_s"] and row["compile_warmup_s"] is None
+        kinds = row["profile"]["kinds"]
+        assert abs(sum(k["share"] for k in kinds.values()) - 1) < 1e-6
+        assert {"convolutions", "GEMMs", "norms", "optimizer"} <= set(kinds), kinds
+        assert kinds["convolutions"]["share"] > 0.02
+
+
+def test_kernel_kinds_classify_the_h100_profiles_kernel_names():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from kernel_kinds import kind_of
+
+    assert kind_of("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16>") == "layout transposes"
+    assert kind_of("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc") == "convolutions"
+    assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert kind_of("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "GEMMs"
+    assert kind_of("void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>") == "norms"
+    assert kind_of("void at::native::multi_tensor_apply_kernel<FusedAdamWMathFunctor>") == "optimizer"
+    assert kind_of("triton_poi_fused_add_silu_3") == "element-wise"
+    assert kind_of("aten::mkldnn_convolution") == "convolutions" and kind_of("aten::addmm") == "GEMMs"
+    assert kind_of("Optimizer.step: aten::mul_") == "optimizer"
