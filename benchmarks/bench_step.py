@@ -5,8 +5,8 @@
     python benchmarks/bench_step.py --device cuda --sd-only --sd-resolutions 512 --sd-batch 32 \
         --compile --channels-last on --sd-baseline --profile  # compiled + channels-last vs eager, by kernel kind
 
-Speed levers (issue 24), for our Trainer in every section: ``--compile [blocks|whole]`` (model.compile and
-model.compile_scope; the first step's seconds are the compile warm-up), ``--compile-cache DIR``
+Speed levers (issue 24), for our Trainer in every section: ``--compile [auto|blocks|whole]`` (model.compile
+and model.compile_scope; the first step's seconds are the compile warm-up), ``--compile-cache DIR``
 (model.compile_cache: run twice with the same DIR and a fresh TORCHINDUCTOR_CACHE_DIR each time, the
 second is a requeue's warm-up), ``--channels-last auto|on|off`` (model.channels_last), ``--sd-baseline``
 (the SD rows first eager in the default NCHW layout, each later row's speed-up against it), ``--profile``
@@ -73,8 +73,8 @@ def parse(argv):
     p.add_argument("--sd-only", action="store_true", help="only the SD 1.x section (no tiny comparison, syncs, stall)")
     p.add_argument("--sd-baseline", action="store_true",
                    help="SD section: first the eager NCHW row (no compile, channels-last off), then the chosen levers")
-    p.add_argument("--compile", nargs="?", const="blocks", default="none", choices=("none", "blocks", "whole"),
-                   help="model.compile for our step (blocks: model.compile_scope=blocks; whole: one graph)")
+    p.add_argument("--compile", nargs="?", const="auto", default="none", choices=("none", "auto", "blocks", "whole"),
+                   help="model.compile for our step, with this model.compile_scope (auto: the family's; blocks; whole)")
     p.add_argument("--compile-cache", default=None, help="model.compile_cache: folder of the compiler's cache artifacts")
     p.add_argument("--channels-last", default="auto", choices=("auto", "on", "off"), help="model.channels_last")
     p.add_argument("--profile", action="store_true", help="device time by kernel kind (torch.profiler)")
@@ -360,6 +360,12 @@ def bench_sd(root: Path, tiny: Path, shards: str, args) -> list[dict]:
     return rows
 
 
+def compile_scope(trainer) -> str:
+    """model.compile_scope as it was applied (auto: the family's choice)."""
+    scope = trainer.cfg.model.compile_scope
+    return trainer.family.compile_scope_auto if scope == "auto" else scope
+
+
 def sd_row(trainer, args, device: torch.device, res: int, batch: int) -> dict:
     """One trainer's SD 1.x row: the first step (the compile warm-up) timed apart, 2 more warm-up steps,
     ``--sd-steps`` timed ones; then, with ``--profile``, device time by kernel kind."""
@@ -380,7 +386,7 @@ def sd_row(trainer, args, device: torch.device, res: int, batch: int) -> dict:
     m = trainer.cfg.model
     row = {
         "resolution": res, "batch": batch, "median_step_s": statistics.median(times), "images_per_sec": ips,
-        "compile": m.compile_scope if m.compile else "none", "channels_last": uses_channels_last(m, device),
+        "compile": compile_scope(trainer) if m.compile else "none", "channels_last": uses_channels_last(m, device),
         "first_step_s": first, "warmup_s": first + sum(warm),
         "compile_warmup_s": first - statistics.median(times) if m.compile else None,
         "model_tflops_per_image": step_flops.model / 1e12, "hardware_tflops_per_image": step_flops.hardware / 1e12,

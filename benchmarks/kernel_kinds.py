@@ -22,7 +22,7 @@ KINDS = (
     ("GEMMs", r"gemm|\bmm\b|aten::mm|aten::addmm|aten::bmm|aten::linear|matmul|cutlass|nvjet|sm\d+_xmma|ampere_|cublas"),
     ("norms", r"group_norm|layer_norm|groupnorm|layernorm|rms_norm|batch_norm|native_norm|rowwisemoments|"
               r"computefusedparams|gammabeta|welford"),
-    ("copies and casts", r"copy|memcpy|memset|cast|to_copy|contiguous|clone|cat\b|aten::cat|fill"),
+    ("copies and casts", r"copy|memcpy|memset|(?<!no)cast|to_copy|contiguous|clone|cat\b|aten::cat|fill"),
     ("element-wise", r"triton|elementwise|vectorized|unrolled|reduce|aten::(add|mul|sub|div|silu|gelu|sigmoid|exp|"
                      r"neg|pow|sum|mean|rsqrt|where|tanh|sqrt|square|mse)"),
 )

@@ -88,9 +88,13 @@ def compile_model(model: torch.nn.Module, family: Family, net: torch.nn.Module, 
     (``Family.compile_units``: each block its own small graph, reused by the blocks of its shape: a shorter
     warm-up than one graph of the whole net); else (scope whole, or a family without units) the whole
     wrapped ``model`` (``torch.compile``; the compiled wrapper is only called: weights are always read from
-    the bare net, no _orig_mod keys). ``options``: ``torch.compile``'s (a test's backend)."""
+    the bare net, no _orig_mod keys); auto: the family's ``compile_scope_auto``. ``options``:
+    ``torch.compile``'s (a test's backend)."""
+    if scope == "auto":
+        scope = getattr(family, "compile_scope_auto", "blocks")
     units = family.compile_units(net) if scope == "blocks" else None
     if units is None:
+        log.info("model.compile: the whole %s compiled as one graph", family.net_name)
         return torch.compile(model, **options)
     # Dynamo keeps at most recompile_limit graphs per function (then runs it eager): a UNet's ResNet blocks
     # are one function with a graph per shape, up to one per unit.

@@ -106,13 +106,16 @@ class CompileCache:
         return True
 
     def save_after_first_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Save once the first optimizer step has run (a step post-hook that removes itself)."""
+        """Save once the first optimizer step has run (a step post-hook, idle after its first call: removing
+        itself while the optimizer iterates over its hooks would break that iteration when others follow)."""
         if not self.may_save:
             return
+        done = []
 
         def hook(*_):
-            self._hook.remove()
-            self.save()
+            if not done:
+                done.append(True)
+                self.save()
 
         self._hook = optimizer.register_step_post_hook(hook)
 

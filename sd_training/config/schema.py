@@ -223,10 +223,11 @@ class CommonModelFields:
                            "convolutions then need no NCHW<->NHWC transposes (auto: on for the UNet families on CUDA; "
                            "true/false mean on/off)", choices=("auto", "on", "off"))
     compile: bool = f(False, "torch.compile the UNet (minutes of compilation; saved weights never carry its prefix)")
-    compile_scope: str = f("blocks", "model.compile: blocks: the family's repeated blocks one by one (UNets: each ResNet "
+    compile_scope: str = f("auto", "model.compile: blocks: the family's repeated blocks one by one (UNets: each ResNet "
                            "and attention block; transformers: each transformer block; a shorter warm-up, graphs "
-                           "reused by blocks of one shape); whole: the whole loss module as one graph",
-                           choices=("blocks", "whole"))
+                           "reused by blocks of one shape); whole: the whole loss module as one graph (fewest graph "
+                           "breaks); auto: the family's choice (UNets: whole; transformers: blocks)",
+                           choices=("auto", "blocks", "whole"))
     compile_cache: Optional[str] = f(None, "model.compile: folder of the compiler's cache artifacts (torch >= 2.7 "
                                      "mega-cache), loaded before compiling and saved once the first step compiled, so "
                                      "a requeued job skips most of the warm-up (None: <run folder>/compile_cache)")

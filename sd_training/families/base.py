@@ -181,6 +181,9 @@ class Family(abc.ABC):
         """Where each component came from, for the run folder's sources.json."""
         return {}
 
+    # model.compile_scope=auto: "blocks" (compile_units one by one) or "whole" (the wrapped loss module).
+    compile_scope_auto = "blocks"
+
     def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module] | None:
         """``model.compile``: the submodules of ``net`` compiled one by one, in place (``module.compile()``:
         small graphs, one reused by every block of the same shape; FSDP2 units stay what they are); None:
