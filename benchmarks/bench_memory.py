@@ -20,7 +20,10 @@ checkpointing on, bf16 mixed precision, AdamW, no EMA (``--ema`` to add it), bat
 
 Modes (``MODES``; each a set of config overrides): ``full`` (every weight of the net trains: fp32 master
 weights, gradients and AdamW state) and ``lora`` (``model.adapter``: a LoRA of the model's rank on its
-preset; the base frozen in bf16). Issue 24 adds its single-GPU memory modes here.
+preset; the base frozen in bf16), and the full fine-tunes for one GPU: ``offload`` (FSDP2 on one rank with
+``distributed.fsdp_cpu_offload``: the weights, gradients and AdamW state in CPU memory, the optimizer
+stepping there), ``opt_in_backward`` (``optimizer.in_backward``: no full set of gradients), ``adam8bit``
+(``optimizer.name=adamw8bit``, bitsandbytes) and ``adam8bit+opt_in_backward``. ``--mode all`` runs every one.
 
 Measured per mode: on CUDA ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the steps
 (peak stats reset after set-up, synchronised before reading), on the CPU the process's peak RSS; images/s
@@ -57,12 +60,26 @@ def lora_overrides(spec: dict) -> dict:
             "model.adapter.targets": lora.get("targets", "attention")}
 
 
-# name -> (what it is, config overrides for a model spec). Issue 24: offload, opt_in_backward, adam8bit.
+OFFLOAD = {"distributed.strategy": "fsdp", "distributed.fsdp_cpu_offload": True}
+IN_BACKWARD = {"optimizer.in_backward": True, "optimizer.params.max_grad_norm": "null"}  # (no clipping: refused)
+ADAM8BIT = {"optimizer.name": "adamw8bit"}
+
+# name -> (what it is, config overrides for a model spec). The full fine-tunes on one GPU (issue 24): offload,
+# opt_in_backward, adam8bit and adam8bit+opt_in_backward.
 MODES = {
     "full": ("full fine-tune: every weight of the net trains (fp32 master weights, gradients, AdamW state)",
              lambda spec: {}),
     "lora": ("LoRA (model.adapter): the adapter trains in fp32, the base is frozen in the training precision",
              lora_overrides),
+    "offload": ("full fine-tune, FSDP2 on one rank with CPU offload: fp32 weights, gradients and AdamW state in "
+                "pinned CPU memory, each unit copied in for its compute, the optimizer steps on the CPU",
+                lambda spec: dict(OFFLOAD)),
+    "opt_in_backward": ("full fine-tune, optimizer.in_backward: each parameter updated as its gradient completes, "
+                        "then the gradient freed (no clipping)", lambda spec: dict(IN_BACKWARD)),
+    "adam8bit": ("full fine-tune with 8-bit AdamW (bitsandbytes): 2 bytes of optimizer state per parameter",
+                 lambda spec: dict(ADAM8BIT)),
+    "adam8bit+opt_in_backward": ("full fine-tune, 8-bit AdamW updated in the backward: fp32 weights, 8-bit state, "
+                                 "no full set of gradients", lambda spec: {**ADAM8BIT, **IN_BACKWARD}),
 }
 
 
@@ -70,7 +87,7 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--mode", action="append", default=None,
-                   help=f"a mode or a comma-separated list; repeatable ({', '.join(MODES)}; default: lora and full)")
+                   help=f"a mode or a comma-separated list; repeatable ({', '.join(MODES)}, all; default: lora and full)")
     p.add_argument("--model", default=None, help="a model of --models (default: its defaults for the device)")
     p.add_argument("--models", default=str(MODELS), help="the YAML file of models (default: %(default)s)")
     p.add_argument("--resolution", type=int, default=None, help="pixels (default: the model's)")
@@ -88,6 +105,7 @@ def parse(argv):
 
 def modes_of(args) -> list[str]:
     names = [m.strip() for entry in (args.mode or ["lora,full"]) for m in entry.split(",") if m.strip()]
+    names = [n for m in names for n in (MODES if m == "all" else [m])]
     unknown = [m for m in names if m not in MODES]
     if unknown:
         raise SystemExit(f"bench_memory: unknown mode {unknown[0]!r} (known: {', '.join(MODES)})")
@@ -197,6 +215,17 @@ def main(argv=None) -> dict:
         for mode in modes:
             results[mode] = run_mode(mode, args, work, pipeline, shards)
             print(json.dumps({mode: summary_row(results[mode])}), file=sys.stderr)
+            # Written after every mode: a command cut short by its own timeout keeps the modes it finished.
+            result = write_result(args, spec, modes, results, prepare_s, load_start, t0)
+    print(table(result))
+    print(args.out)
+    if any("error" in r for r in results.values()) and argv is None:
+        sys.exit(1)  # a mode that failed (out of memory, a timeout) fails the command; its log tail is in the JSON
+    return result
+
+
+def write_result(args, spec: dict, modes: list[str], results: dict, prepare_s: float, load_start, t0: float) -> dict:
+    """The JSON of the modes run so far (``--out``), with each mode's summary and goal."""
     result = {
         "what": "peak memory of training modes through our Trainer, beside the start-up memory plan",
         "model": args.model, "model_what": " ".join(str(spec.get("what", "")).split()), "family": spec["family"],
@@ -216,10 +245,6 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(result))
-    print(out)
-    if any("error" in r for r in results.values()) and argv is None:
-        sys.exit(1)  # a mode that failed (out of memory, a timeout) fails the command; its log tail is in the JSON
     return result
 
 
@@ -237,15 +262,15 @@ def summary_row(r: dict) -> dict:
 def table(result: dict) -> str:
     lines = [f"bench_memory: {result['model']} on {result['device']}, {result['resolution']} px, batch {result['batch']}, "
              f"{result['precision']}, gradient checkpointing",
-             f"  {'mode':<8}{'peak GiB':>10}{'reserved':>10}{'plan GiB':>10}{'plan/peak':>10}{'img/s':>8}"
+             f"  {'mode':<26}{'peak GiB':>10}{'reserved':>10}{'plan GiB':>10}{'plan/peak':>10}{'img/s':>8}"
              f"{'trained':>14}  goal"]
     for mode, s in result["summary"].items():
         if "error" in s:
-            lines.append(f"  {mode:<8}FAILED: {s['error']} (see results.{mode}.log_tail)")
+            lines.append(f"  {mode:<26}FAILED: {s['error']} (see results.{mode}.log_tail)")
             continue
         goal = "" if "goal_gib" not in s else f"<= {s['goal_gib']:g}: {'yes' if s['within_goal'] else 'NO'}"
         reserved = f"{s['reserved_gib']:10.2f}" if s["reserved_gib"] is not None else f"{'-':>10}"
-        lines.append(f"  {mode:<8}{s['peak_gib']:10.2f}{reserved}{s['plan_total_gib']:10.2f}{s['plan_over_peak']:10.2f}"
+        lines.append(f"  {mode:<26}{s['peak_gib']:10.2f}{reserved}{s['plan_total_gib']:10.2f}{s['plan_over_peak']:10.2f}"
                      f"{s['images_per_sec']:8.2f}{s['trained_params']:14,}  {goal}")
     lines.append("  (peak: CUDA max_memory_allocated over the steps; on the CPU the process's peak RSS, libraries included)")
     return "\n".join(lines)
@@ -291,7 +316,8 @@ def make_trainer(args, spec: dict, mode: str):
     if spec.get("net"):  # the trainer builds the net from scratch (random weights) from its config
         yaml_text = json.dumps({"model": {FAMILIES[spec["family"]].net_name: {"params": spec["net"]}}})
     cfg = load([f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()], yaml_text=yaml_text)
-    trainer = Trainer(cfg, distributed.setup(args.device))
+    # distributed.strategy=fsdp in one process: FSDP2 in a process group of one (as train.py starts it).
+    trainer = Trainer(cfg, distributed.setup(args.device, one_rank_group=cfg.distributed.strategy == "fsdp"))
     trainer.setup()
     return trainer
 
@@ -303,6 +329,8 @@ def tensor_bytes(tensors) -> int:
 def held(trainer) -> dict:
     """What the trainer holds, counted from its tensors (the plan's rows, measured)."""
     import torch
+
+    from sd_training.parallel import local
 
     params = list(trainer.net.parameters())
     trained = [p for p in params if p.requires_grad]
@@ -316,6 +344,9 @@ def held(trainer) -> dict:
     return {
         "trained_params": sum(p.numel() for p in trained), "trained_bytes": tensor_bytes(trained),
         "trained_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in trained}),
+        "trained_on": sorted({local(p).device.type for p in trained}),  # cpu: offloaded (FSDP2's CPU shards)
+        "optimizer_state_on": sorted({local(t).device.type for t in state if t.dim() > 0}),
+        "optimizer_state_dtypes": sorted({str(t.dtype).replace("torch.", "") for t in state if t.dim() > 0}),
         "base_params": sum(p.numel() for p in frozen), "base_bytes": tensor_bytes(frozen), "base_params_by_dtype": by_dtype,
         "optimizer_state_bytes": tensor_bytes(state),
         "encoder_trained_params": sum(p.numel() for p in enc_params if p.requires_grad),
@@ -390,6 +421,9 @@ def child(args) -> dict:
     }
     trainer.trackers.close()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    from sd_training import distributed
+
+    distributed.teardown()  # the one-rank group of fsdp modes
     return result
 
 

@@ -1,9 +1,12 @@
 """benchmarks/bench_memory.py on the CPU: the tiny SDXL-shaped pipeline trains two steps through the Trainer
 in a LoRA and a full fine-tune (one process each), and its JSON holds the measured peaks, images/s and the
-start-up memory plan's rows, which equal the tensors the trainer held."""
+start-up memory plan's rows, which equal the tensors the trainer held. The single-GPU full fine-tunes run
+too: FSDP2 with CPU offload on one rank, the optimizer in the backward, and (where bitsandbytes is
+installed) 8-bit AdamW in the backward."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,22 +41,27 @@ def test_the_full_size_model_has_sdxl_shapes():
     assert te["hidden_size"] + te2["hidden_size"] == n["cross_attention_dim"] == 2048
     assert te2["projection_dim"] + 6 * n["addition_time_embed_dim"] == n["projection_class_embeddings_input_dim"]
     assert bench_memory.modes_of(bench_memory.parse(["--mode", "lora", "--mode", "full,lora"])) == ["lora", "full"]
+    assert bench_memory.modes_of(bench_memory.parse(["--mode", "all"])) == list(bench_memory.MODES)
+    assert {"offload", "opt_in_backward", "adam8bit", "adam8bit+opt_in_backward"} <= set(bench_memory.MODES)
     with pytest.raises(SystemExit, match="unknown mode"):
         bench_memory.modes_of(bench_memory.parse(["--mode", "offload_everything"]))
 
 
 @pytest.mark.slow
-def test_bench_memory_runs_both_modes_on_the_cpu_and_the_plan_matches_the_trainer(tmp_path, sdxl_pipeline):
+def test_bench_memory_runs_its_modes_on_the_cpu_and_the_plan_matches_the_trainer(tmp_path, sdxl_pipeline):
     out, work = tmp_path / "bench_memory.json", tmp_path / "work"
     work.mkdir()
     (work / "pipeline_sdxl-tiny").symlink_to(sdxl_pipeline)  # the session's tiny SDXL pipeline, not a second one
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "benchmarks/bench_memory.py", "--device", "cpu", "--mode", "lora",
-                           "--mode", "full", "--steps", "2", "--resolution", "32", "--work", str(work), "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    modes = ["lora", "full", "offload", "opt_in_backward"]
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        modes.append("adam8bit+opt_in_backward")
+    proc = subprocess.run([sys.executable, "benchmarks/bench_memory.py", "--device", "cpu", "--mode", ",".join(modes),
+                           "--steps", "2", "--resolution", "32", "--work", str(work), "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["model"] == "sdxl-tiny" and result["device"] == "cpu" and set(result["results"]) == {"lora", "full"}
+    assert result["model"] == "sdxl-tiny" and result["device"] == "cpu" and set(result["results"]) == set(modes)
     lora, full = result["results"]["lora"], result["results"]["full"]
     for r in (lora, full):
         assert "error" not in r, r.get("log_tail")
@@ -73,3 +81,23 @@ def test_bench_memory_runs_both_modes_on_the_cpu_and_the_plan_matches_the_traine
     summary = result["summary"]
     assert summary["lora"]["plan_total_gib"] < summary["full"]["plan_total_gib"]
     assert "lora" in proc.stdout and "plan/peak" in proc.stdout
+    # The single-GPU full fine-tunes: every weight trains in each.
+    res = result["results"]
+    for mode in modes[2:]:
+        r = res[mode]
+        assert "error" not in r, r.get("log_tail")
+        assert r["measured"]["trained_params"] == full["measured"]["trained_params"] and len(r["losses"]) == 2
+        assert r["losses"][0] == pytest.approx(full["losses"][0], rel=2e-2)  # the same first batch and weights
+    # FSDP2 with CPU offload on one rank: the plan's fsdp_offload row (nothing trained on the GPU).
+    offload = res["offload"]
+    assert offload["plan"]["strategy"] == "fsdp_offload" and offload["plan"]["row"]["weights"] == 0
+    assert offload["measured"]["trained_on"] == ["cpu"] and offload["measured"]["optimizer_state_on"] == ["cpu"]
+    # The optimizer in the backward: the step's gradients are gone when the backward returns.
+    for mode in modes[3:]:
+        assert res[mode]["measured"]["gradient_bytes"] == 0, mode
+    assert full["measured"]["gradient_bytes"] == full["measured"]["trained_bytes"]
+    assert res["opt_in_backward"]["losses"][0] == full["losses"][0]
+    if "adam8bit+opt_in_backward" in res:  # 8-bit moments: about a quarter of AdamW's 8 bytes per parameter
+        m8 = res["adam8bit+opt_in_backward"]["measured"]
+        assert "uint8" in m8["optimizer_state_dtypes"]
+        assert m8["optimizer_state_bytes"] < full["measured"]["optimizer_state_bytes"] / 2.5
