@@ -67,7 +67,8 @@ class StepMetrics:
         self.cfg, self.family, self.plan, self.info, self.trackers = cfg, family, plan, info, trackers
         self.device = info.device
         self.peak = None
-        self.step_flops = family.step_flops()
+        # Counted on the meta device (~1-3 CPU-seconds for a small net): only rank 0 logs MFU, so only it counts.
+        self.step_flops = family.step_flops() if info.is_main else None
         if self.step_flops is not None:
             dtype = autocast_dtype or torch.float32
             given = cfg.experiment.peak_tflops * 1e12 if cfg.experiment.peak_tflops else None
