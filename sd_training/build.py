@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import adapters, compile_cache
+from . import adapters, compile_cache, fp8
 from .checkpoint import init_weights_from, load_weights_checked
 from .config.schema import TrainConfig
 from .distributed import DistInfo
@@ -64,6 +64,9 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     if cfg.model.init_from:
         init_weights_from(cfg.model.init_from, net, family.net_name, want_ema=cfg.model.init_weights == "ema")
     dtype = autocast_dtype(cfg.model.mixed_precision)
+    if cfg.model.fp8:  # before the wrapping and the EMA: both see the float8 layers
+        fp8.check(adapters.enabled(cfg))
+        fp8.convert(family.compile_units(net) or [net], device)
     if adapters.enabled(cfg):
         # The frozen base in the training precision (FSDP2 shards a unit's parameters in one dtype: fp32 there).
         family.adapters = adapters.apply(cfg, family, dtype if cfg.distributed.strategy != "fsdp" else None)

@@ -353,3 +353,56 @@ def test_kernel_kinds_classify_the_h100_profiles_kernel_names():
     assert kind_of("triton_poi_fused_add_silu_3") == "element-wise"
     assert kind_of("aten::mkldnn_convolution") == "convolutions" and kind_of("aten::addmm") == "GEMMs"
     assert kind_of("Optimizer.step: aten::mul_") == "optimizer"
+
+
+# ---------------------------------------------------------------- model.fp8 (torchao float8 training)
+
+
+@pytest.mark.slow  # 45 s wall on the shared CPU (imports torchao and diffusers models; 14 s CPU)
+def test_fp8_converts_the_transformer_blocks_linear_layers():
+    """model.fp8: the Linear layers inside the transformer blocks become torchao's Float8Linear (the same
+    parameters, names and values: checkpoints and exports unchanged); embeddings and the final projection
+    stay; the converted net trains (emulated on the CPU) close to the fp32 one (e4m3 has 3 mantissa bits)."""
+    pytest.importorskip("torchao")
+    from diffusers import SD3Transformer2DModel
+    from torchao.float8.float8_linear import Float8Linear
+
+    from sd_training import fp8
+    from sd_training.families.transformer_components import transformer_blocks
+
+    def build():
+        torch.manual_seed(0)
+        return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                                     attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                     caption_projection_dim=32, pooled_projection_dim=16, pos_embed_max_size=8)
+
+    def step(net):
+        g = torch.Generator().manual_seed(1)
+        out = net(hidden_states=torch.randn(2, 4, 8, 8, generator=g), encoder_hidden_states=torch.randn(2, 5, 32, generator=g),
+                  pooled_projections=torch.randn(2, 16, generator=g), timestep=torch.tensor([10.0, 500.0]),
+                  return_dict=False)[0]
+        out.square().mean().backward()
+        return out.detach()
+
+    ref, net = build(), build()
+    names = {n: p.clone() for n, p in net.named_parameters()}
+    n = fp8.convert(transformer_blocks(net), torch.device("cpu"))
+    converted = [m for m in net.modules() if isinstance(m, Float8Linear)]
+    assert n == len(converted) > 0
+    assert all(any(m is c for b in transformer_blocks(net) for m in b.modules()) for c in converted)
+    assert not isinstance(net.proj_out, Float8Linear) and not isinstance(net.context_embedder, Float8Linear)
+    assert {k: v for k, v in net.named_parameters()}.keys() == names.keys()
+    assert all(torch.equal(p, names[k]) for k, p in net.named_parameters())
+    want, got = step(ref), step(net)
+    assert ((got - want).norm() / want.norm()).item() < 0.15
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for m in converted for p in m.parameters())
+
+
+def test_fp8_is_refused_with_an_adapter_or_without_torchao(monkeypatch):
+    from sd_training import fp8
+
+    with pytest.raises(ConfigError, match="model.adapter"):
+        fp8.check(adapter=True) if fp8.importlib.util.find_spec("torchao") else pytest.skip("no torchao")
+    monkeypatch.setattr(fp8.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="needs torchao"):
+        fp8.check(adapter=False)

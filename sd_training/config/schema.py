@@ -228,6 +228,8 @@ class CommonModelFields:
                            "reused by blocks of one shape); whole: the whole loss module as one graph (fewest graph "
                            "breaks); auto: the family's choice (UNets: whole; transformers: blocks)",
                            choices=("auto", "blocks", "whole"))
+    fp8: bool = f(False, "train the Linear layers of the net's repeated blocks (the transformer blocks) in float8 with "
+                  "torchao (sd_training.fp8; FP8 GPUs: H100, L40S, RTX 4090; pays with model.compile)")
     compile_cache: Optional[str] = f(None, "model.compile: folder of the compiler's cache artifacts (torch >= 2.7 "
                                      "mega-cache), loaded before compiling and saved once the first step compiled, so "
                                      "a requeued job skips most of the warm-up (None: <run folder>/compile_cache)")
