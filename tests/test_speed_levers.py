@@ -48,7 +48,7 @@ def loss_and_grads(family, batch, fixed, dtype):
     return out.loss.detach(), {n: p.grad.clone() for n, p in family.net.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("which", ["sd", "sdxl"])
+@pytest.mark.parametrize("which", ["sd", pytest.param("sdxl", marks=pytest.mark.slow)])  # SDXL: 35 s under load
 def test_channels_last_gives_the_default_layouts_loss_and_gradients(tmp_path, request, shapes_shards, which):
     """The UNet (and the VAE) in channels-last, latents and noisy latents too: the loss and every gradient
     equal the default (NCHW) layout's, in fp32 (to float rounding) and under bf16 autocast (to bf16's)."""
@@ -147,7 +147,7 @@ def unet_step(net, seed=1):
     return out.detach(), grads
 
 
-@pytest.mark.parametrize("which", ["sd", "sdxl"])
+@pytest.mark.parametrize("which", ["sd", pytest.param("sdxl", marks=pytest.mark.slow)])  # SDXL: 35 s under load
 def test_unet_blocks_compile_one_by_one_in_place_and_equal_eager(request, which):
     """compile_scope=blocks: each ResNet and attention block of the UNet is compiled on its own, in place; the blocks of one shape share a graph; outputs and gradients equal eager. (A counting
     backend: what dynamo hands the compiler, no code generation.)"""
