@@ -61,7 +61,9 @@ class CheckpointManager:
             self._reserve_hook = model.optimizer.register_step_post_hook(self._reserve_buffers)
 
     def _reserve_buffers(self, *_) -> None:
-        self._reserve_hook.remove()
+        if self._reserve_hook is None:  # once; not removed here: the optimizer is iterating over its hooks
+            return
+        self._reserve_hook = None
         self.store.reserve({name: obj.state_dict() for name, obj in self.plain_objects().items()}, {})
 
     def check_disk(self) -> None:
