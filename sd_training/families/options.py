@@ -76,7 +76,7 @@ class AdapterConfig:
     """``model.adapter``: train a peft adapter on the family's net instead of all its weights (sd_training.adapters).
     The base weights stay frozen; exports are diffusers LoRA folders (``pipe.load_lora_weights(folder)``)."""
 
-    type: Optional[str] = f(None, "None: full fine-tune; lora: a LoRA (DoRA with use_dora) on the targets", choices=("lora",))
+    type: Optional[str] = f(None, "unset: a full fine-tune; set: a LoRA (DoRA with use_dora) on the targets", choices=("lora",))
     rank: int = f(16, "LoRA rank r (the low-rank update B A has r columns)", ge=1)
     alpha: Optional[float] = f(None, "LoRA alpha: the update is scaled by alpha / rank (None: rank, a scale of 1)", gt=0)
     dropout: float = f(0.0, "dropout probability on the LoRA branch's input", ge=0, le=1)
