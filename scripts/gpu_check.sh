@@ -46,8 +46,8 @@ check ddp_nccl_${NGPU}gpu "$PY" -m torch.distributed.run --standalone --nproc_pe
   experiment.name=ddp distributed.strategy=ddp distributed.dist_backend=nccl
 check fsdp2_nccl_${NGPU}gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py "${COMMON[@]}" \
   experiment.name=fsdp distributed.strategy=fsdp distributed.dist_backend=nccl
-if [ "$NGPU" -lt 2 ]; then  # one rank: no process group, so the strategy is "single" (parallel.Strategy)
-  ROWS+=("  (1 GPU: the two torchrun rows ran one rank without DDP/FSDP2/NCCL; those need 2+ GPUs)")
+if [ "$NGPU" -lt 2 ]; then  # one rank: ddp runs "single"; fsdp starts a process group of one (parallel.Strategy)
+  ROWS+=("  (1 GPU: the ddp row ran one rank without DDP; the fsdp row ran FSDP2 in a process group of one)")
 fi
 check compile "$PY" train.py "${COMMON[@]}" experiment.name=compile model.compile=true
 if "$PY" -c "import xformers" 2>/dev/null; then
