@@ -216,3 +216,14 @@ def flux_pipeline(tmp_path_factory):
     from sd_training.families.registry import make_tiny_pipeline
 
     return make_tiny_pipeline(tmp_path_factory.mktemp("tiny_flux") / "pipeline", family="flux")
+
+
+def counting_backend():
+    """A torch.compile backend that runs each graph eagerly and records it: (backend, graphs)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, graphs

@@ -7,19 +7,10 @@ took 36 s on the shared 2-core test machine, so the suite leaves it out)."""
 import types
 
 import torch
+from conftest import counting_backend
 
 from sd_training.build import compile_model
 from sd_training.families.base import Family
-
-
-def counting_backend():
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    return backend, graphs
 
 
 def tiny_sd3():

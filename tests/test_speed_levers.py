@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import train_args
+from conftest import counting_backend, train_args
 
 from sd_training.config import ConfigError
 from sd_training.config.checks import load
@@ -119,16 +119,6 @@ def test_resuming_with_another_layout_or_compile_scope_is_not_a_change():
 
 
 # ---------------------------------------------------------------- regional compilation (model.compile_scope)
-
-
-def counting_backend():
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    return backend, graphs
 
 
 def unet_step(net, seed=1):
