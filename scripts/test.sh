@@ -8,6 +8,10 @@ bash scripts/setup.sh
 if [ "$(id -u)" = "0" ] && [ -f scripts/ci_install_slurm.sh ]; then
   bash scripts/ci_install_slurm.sh
 fi
+# ... and Chromium from Debian for the run report's headless-browser test (tests/test_report.py).
+if [ "$(id -u)" = "0" ] && [ -f scripts/ci_install_browser.sh ]; then
+  bash scripts/ci_install_browser.sh
+fi
 # One pytest worker per core (at most 3: a worker's heaviest tests take several GB); most tests are
 # one-thread processes (measured on 2 cores: 63 min with 2 workers for 729 tests). Serial:
 # bash scripts/test.sh -n 0
