@@ -17,7 +17,8 @@ from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
 from .families import registry
 from .families.base import Family
-from .memory_plan import as_dicts, check_plan, format_plan, memory_plan, micro_batch_activations, module_bytes
+from .memory_fit import check_plan, micro_batch_activations
+from .memory_plan import as_dicts, format_plan, memory_plan, module_bytes
 from .optim import build_lr_scheduler, build_optimizer, check_in_backward, lr_scale, param_groups
 from .parallel import Strategy
 from .precision import autocast_dtype

@@ -1,4 +1,4 @@
-"""The memory plan at config load (``memory_plan.check_batch`` uses it), before anything is built: the
+"""The memory plan at config load (``memory_fit.check_batch`` uses it), before anything is built: the
 trained module's parameters counted from its weight files' headers or built on the meta device (no
 memory), and with ``model.adapter`` the adapter's parameters: its layers resolved
 as ``sd_training.adapters`` resolves them (the family's preset, ``target_modules`` or ``target_regex``),
@@ -23,13 +23,22 @@ import torch
 
 from .adapters import _layer_size, resolve_targets
 from .config import ConfigError
-from .memory_plan import _json
+
+
+def json_file(path: str) -> dict | None:
+    """A JSON object file's contents; None when it cannot be read or is not an object."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            out = json.load(fh)
+        return out if isinstance(out, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def safetensors_params(folder: str) -> int | None:
     """Parameters in a component folder's safetensors weights, from the files' headers (nothing loaded);
     None when there are none."""
-    index = _json(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"))
+    index = json_file(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"))
     files = sorted(set(index["weight_map"].values())) if index and isinstance(index.get("weight_map"), dict) else [
         "diffusion_pytorch_model.safetensors"]
     total = 0

@@ -10,10 +10,8 @@ diffusers' UNet2DConditionModel and AutoencoderKL save (tiny, SD 1.x and 2.x wid
 temporaries and the backward's gradients not counted, so it is a lower bound of the peak
 (``peak_memory_gb`` in the logs is the measured total).
 
-``check_batch`` runs the plan at config load, before anything is built (the trained module's
-parameters counted from its weight files' headers or built on the meta device): a batch whose plan does
-not fit the device (a CUDA device's memory; on the CPU the machine's RAM shared by its ranks) is a
-``ConfigError`` with the numbers.
+At config load, before anything is built, ``memory_fit`` runs the same arithmetic on the trained module
+counted from its weight files (refusing a batch that cannot fit, and saying which settings would).
 
 - ``ddp``: every GPU holds the fp32 weights, their fp32 gradients, the optimizer state and the EMA.
 - ``fsdp``: each of the ``world_size`` GPUs holds 1/world_size of each, plus the largest shard unit
@@ -36,8 +34,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 GIB = 2**30
-# Optimizer state bytes per trained parameter.
-OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4, "adafactor": 0}
+# Optimizer state bytes per trained parameter (fp32 state tensors shaped like the parameter): AdamW's two
+# moments; Prodigy's two moments, its s and its copy of the initial weights p0; Lion's one momentum;
+# schedule-free AdamW's z and second moment; CAME's momentum (its second moment and residual are factored
+# into rows and columns for matrices: counted as 0, as Adafactor's). SGD: its momentum buffer.
+OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4, "adafactor": 0, "prodigy": 16, "lion": 4,
+                   "adamw_schedulefree": 8, "came": 4}
 STRATEGIES = ("ddp", "fsdp", "fsdp_offload")
 GPU_SIZES_GB = (24, 40, 80)
 
@@ -243,269 +245,21 @@ def activation_bytes(config: dict, kind: str, resolution: int, compute_bytes: in
     return elements * compute_bytes * (CHECKPOINTED if checkpointing else 1.0)
 
 
-def trained_state_bytes(n_params: int, optimizer: str, ema: bool, strategy: str, world_size: int) -> float:
+def per_trained_param(optimizer: str, ema: bool, in_backward: bool = False) -> int:
+    """Bytes per trained parameter: fp32 weight, fp32 gradient (none with ``optimizer.in_backward``: each is
+    freed once its parameter is updated, so only the largest tensor's exists at a time), optimizer state,
+    and the fp32 EMA when it is on the device."""
+    return 4 + (0 if in_backward else 4) + OPTIMIZER_BYTES.get(optimizer, 8) + (4 if ema else 0)
+
+
+def trained_state_bytes(n_params: int, optimizer: str, ema: bool, strategy: str, world_size: int,
+                        in_backward: bool = False) -> float:
     """Per device: the trained module's fp32 weights and gradients, its optimizer state and the EMA (on
     the device), under ``strategy`` (fsdp: 1/world_size of each; fsdp_offload: none on the device)."""
-    per_param = 4 + 4 + OPTIMIZER_BYTES.get(optimizer, 8) + (4 if ema else 0)
+    per_param = per_trained_param(optimizer, ema, in_backward)
     if strategy == "fsdp_offload":
         return 0.0
     return n_params * per_param / (world_size if strategy == "fsdp" else 1)
-
-
-# ----------------------------------------------------------------------------------------------
-# The plan at config load: a batch that cannot fit is refused before anything is built.
-# ----------------------------------------------------------------------------------------------
-
-LOAD_WARN_FRACTION = 0.8  # a plan above this share of the device's memory is logged as a warning
-
-
-def micro_batch_activations(cfg, net: torch.nn.Module | None = None, config: dict | None = None,
-                            text_tokens: int | None = None) -> float:
-    """Bytes of one micro-batch's activations for the run ``cfg`` (``system.batch_size`` samples at
-    ``dataset.params.resolution``), from the trained module's config (``net.config`` or ``config``); 0
-    when its architecture is not one the estimate knows (a UNet2DConditionModel, an AutoencoderKL, or a
-    diffusion transformer: ``text_tokens`` per sample through its joint attention, None: the family's
-    ``Family.text_tokens``)."""
-    conf = dict(config if config is not None else getattr(net, "config", None) or {})
-    kind = _kind(cfg, conf)
-    if kind is None:
-        return 0.0
-    compute = 2 if cfg.model.mixed_precision in ("bf16", "fp16") else 4
-    if kind == "transformer":
-        from .memory_transformer import activation_elements, image_tokens
-
-        latent = cfg.dataset.params.resolution / _vae_factor(cfg)
-        channels = int(_vae_config(cfg).get("latent_channels") or 16)
-        text = text_tokens if text_tokens is not None else _family_of(cfg)[2]
-        per_sample = activation_elements(conf, image_tokens(conf, latent, latent, channels), text,
-                                         cfg.model.gradient_checkpointing) * compute
-        return cfg.system.batch_size * per_sample
-    return cfg.system.batch_size * activation_bytes(conf, kind, cfg.dataset.params.resolution, compute,
-                                                    cfg.model.gradient_checkpointing, _vae_factor(cfg))
-
-
-def _family_class(cfg):
-    """The run's family class; None when it cannot be told yet."""
-    from .families import registry
-
-    try:
-        name = registry.detect(cfg.model, must=False)
-    except Exception:  # noqa: BLE001 -- a pipeline the config checks already reported
-        name = None
-    return registry.FAMILIES.get(name or "")
-
-
-def _family_of(cfg) -> tuple[str, str | None, int]:
-    """(the trained module's component name, its class name when the family names one, text tokens per
-    sample) of the run's family; ("unet", None, 77) when the family cannot be told yet."""
-    fam = _family_class(cfg)
-    if fam is None:
-        return "unet", None, 77
-    return fam.net_name, getattr(fam, "net_class", None), int(fam.text_tokens(cfg) or 77)
-
-
-def _kind(cfg, conf: dict) -> str | None:
-    from .memory_transformer import is_transformer
-
-    name = str(conf.get("_class_name") or "")
-    if cfg.model.train_target != "vae" and is_transformer(conf):
-        return "transformer"
-    if cfg.model.train_target == "vae":
-        return "vae" if name in ("", "AutoencoderKL") else None
-    target = str(cfg.model.unet.target).rsplit(".", 1)[-1]
-    return "unet" if name in ("", "UNet2DConditionModel") and target == "UNet2DConditionModel" else None
-
-
-def _json(path: str) -> dict | None:
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            out = json.load(fh)
-        return out if isinstance(out, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def _component_folder(src: str | None, sub: str, revision: str | None) -> tuple[str | None, dict | None]:
-    """(folder, config.json) of component ``sub`` of a pipeline root, a component folder, or a hub id in
-    the local cache; (None, None) when it cannot be read without building anything."""
-    import os
-
-    if not src:
-        return None, None
-    for folder in (os.path.join(src, sub), src):
-        conf = _json(os.path.join(folder, "config.json")) if os.path.isfile(os.path.join(folder, "config.json")) else None
-        if conf is not None:
-            return folder, conf
-    if os.path.exists(src) or src.startswith((".", "/", "~")):
-        return None, None
-    try:  # a hub id: its cached config, if any (nothing is downloaded)
-        from huggingface_hub import try_to_load_from_cache
-
-        path = try_to_load_from_cache(src, f"{sub}/config.json", revision=revision)
-        if isinstance(path, str):
-            return os.path.dirname(path), _json(path)
-    except Exception:  # noqa: BLE001 -- no cache, an odd id: no estimate at load (the start-up plan has one)
-        pass
-    return None, None
-
-
-def _vae_config(cfg) -> dict:
-    m = cfg.model
-    return _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)[1] or {}
-
-
-def _vae_factor(cfg) -> int:
-    """Pixels per latent pixel: 2^(VAE levels - 1) from the VAE's config.json, else Stable Diffusion's 8."""
-    levels = len(_vae_config(cfg).get("block_out_channels") or (0,) * 4)
-    return 2 ** (levels - 1)
-
-
-def device_memory(device: str) -> tuple[int, str] | None:
-    """(bytes, description) of the memory one rank may use: the CUDA device's (``LOCAL_RANK``'s), or on
-    the CPU the machine's RAM (or its cgroup limit) divided among the ranks on the machine. None for
-    ``cuda`` where no GPU is visible (a config checked on another machine than the one it runs on)."""
-    import os
-
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not n:
-            return None
-        idx = int(os.environ.get("LOCAL_RANK", "0") or 0) % n
-        props = torch.cuda.get_device_properties(idx)
-        return props.total_memory, f"cuda:{idx} ({props.name}) has {props.total_memory / GIB:.1f} GiB"
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(limit_file) as fh:
-                text = fh.read().strip()
-            if text.isdigit() and 0 < int(text) < ram:
-                ram = int(text)
-                break
-        except OSError:
-            continue
-    local = 1
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        digits = "".join(c for c in os.environ.get(var, "").split("(")[0].split(",")[0] if c.isdigit())
-        if digits and int(digits) > 0:
-            local = int(digits)
-            break
-    shared = f", shared by {local} ranks: {ram / local / GIB:.1f} GiB each" if local > 1 else ""
-    return ram // local, f"the CPU's RAM is {ram / GIB:.1f} GiB{shared}"
-
-
-def _world_size() -> int:
-    import os
-
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
-
-
-def check_batch(cfg) -> None:
-    """The memory plan of ``cfg`` at load: the trained module's weights, gradients, optimizer state and
-    EMA under the run's strategy, plus one micro-batch's activations (``system.batch_size`` x the
-    per-sample estimate). A plan above the device's memory is a ``ConfigError`` with the numbers; above
-    80% of it, a warning. Skipped when the trained module's config cannot be read yet (a hub id not in
-    the cache, a pipeline the quickstart builds at start-up) or the device is not on this machine
-    (``system.device=cuda`` and no GPU visible: the run stops on that itself)."""
-    import logging
-
-    from .config import ConfigError
-
-    m = cfg.model
-    folder, conf = _trained_config(cfg)
-    if conf is None or _kind(cfg, conf) is None:
-        return
-    kind = _kind(cfg, conf)
-    per_batch = micro_batch_activations(cfg, config=conf)
-    from .memory_load import meta_params, safetensors_params
-
-    n_params = (safetensors_params(folder) if folder else None) or meta_params(kind, conf)
-    strategy = cfg.distributed.strategy
-    if strategy == "fsdp" and cfg.distributed.fsdp_cpu_offload:
-        strategy = "fsdp_offload"
-    world = _world_size()
-    ema = m.use_ema and m.ema.device != "cpu"
-    state = trained_state_bytes(n_params, cfg.optimizer.name, ema, strategy, world)
-    what = f"{n_params / 1e6:,.1f}M parameters"
-    if m.adapter.enabled:  # only the adapter trains; the base is frozen in the training precision
-        from .memory_load import adapter_state_bytes, plan_adapter
-
-        fam = _family_class(cfg)
-        planned = plan_adapter(cfg, kind, conf, getattr(fam, "adapter_presets", {}), _family_of(cfg)[0])
-        if planned is None:  # targets that resolve to nothing: the run says so when it builds the net
-            return
-        per_trained = 4 + 4 + OPTIMIZER_BYTES.get(cfg.optimizer.name, 8) + (4 if ema else 0)
-        state = adapter_state_bytes(planned, per_trained, strategy, world)
-        what = (f"a LoRA of {planned.trained / 1e6:,.2f}M parameters on {planned.layers:,} layers; the frozen base's "
-                f"{planned.base / 1e6:,.1f}M parameters at {planned.base_bytes} bytes")
-    device = device_memory(cfg.system.device)
-    if device is None:
-        return
-    memory, where = device
-    need = state + per_batch
-    batch = cfg.system.batch_size
-    per_sample = per_batch / batch
-    numbers = (f"about {need / GIB:,.1f} GiB per device: activations {per_sample / 2**20:,.1f} MiB per sample "
-               f"(a rough lower estimate) x system.batch_size={batch:,} = {per_batch / GIB:,.1f} GiB, plus "
-               f"{state / GIB:,.2f} GiB of the {kind}'s weights, gradients, optimizer state"
-               f"{' and EMA' if ema else ''} ({what}, {strategy}"
-               f"{f' over {world} ranks' if strategy == 'fsdp' else ''})")
-    if need > memory:
-        fits = int((memory - state) // per_sample) if memory > state else 0
-        hint = (f"At most about {fits:,} samples fit: lower system.batch_size and raise system.gradient_accumulation "
-                "(or set system.global_batch_size) to keep the images per step" if fits >= 1 else
-                "Not even one sample fits: use a smaller dataset.params.resolution, distributed.strategy=fsdp or "
-                "distributed.fsdp_cpu_offload")
-        ckpt = "" if m.gradient_checkpointing else "; model.gradient_checkpointing=true keeps a tenth to a quarter of the activations"
-        raise ConfigError(f"system.batch_size={batch:,} at dataset.params.resolution={cfg.dataset.params.resolution} "
-                          f"does not fit: the memory plan needs {numbers}, and {where}. {hint}{ckpt}")
-    if need > LOAD_WARN_FRACTION * memory:
-        logging.getLogger(__name__).warning("the memory plan needs %s: over %d%% of what %s; the run may run out "
-                                            "of memory", numbers, int(100 * LOAD_WARN_FRACTION), where)
-
-
-def _trained_config(cfg) -> tuple[str | None, dict | None]:
-    """(weights folder, config) of the trained module as the config names it: the VAE (train_target vae),
-    else the family's trained component (``model.<net_name>``: its params, or its folder's config.json)."""
-    m = cfg.model
-    if m.train_target == "vae":
-        return _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)
-    net_name, net_class, _text = _family_of(cfg)
-    comp = getattr(m, net_name, None)
-    if comp is None:
-        return None, None
-    if getattr(comp, "params", None):
-        conf = dict(comp.params)
-        if net_class or net_name != "unet":  # a family that names no class: not read as a UNet's params
-            conf.setdefault("_class_name", net_class or f"<{net_name}>")
-        return None, conf
-    return _component_folder(comp.pretrained or m.pretrained, net_name, m.revision)
-
-
-def check_plan(rows: list[MemoryRow], chosen: str, device: str, cfg) -> None:
-    """The start-up plan (modules as built, ``chosen`` strategy) against the device's memory: the same
-    refusal as ``check_batch`` for runs whose modules could not be read at load (a hub id, the
-    quickstart's pipeline)."""
-    from .config import ConfigError
-
-    row = next((r for r in rows if r.strategy == chosen), None)
-    found = device_memory(device)
-    if row is None or found is None or not row.activations:
-        return
-    memory, where = found
-    if row.total * GIB > memory:
-        batch = cfg.system.batch_size
-        raise ConfigError(
-            f"system.batch_size={batch:,} at dataset.params.resolution={cfg.dataset.params.resolution} does not fit: "
-            f"the memory plan needs about {row.total:,.1f} GiB per device ({row.activations:,.1f} GiB of activations, a "
-            f"rough lower estimate, {row.activations / batch * 1024:,.1f} MiB per sample; the rest weights, gradients, "
-            f"optimizer state, EMA and frozen components), and {where}. Lower system.batch_size and raise "
-            "system.gradient_accumulation (or set system.global_batch_size), or set model.gradient_checkpointing=true")
 
 
 if __name__ == "__main__":  # python -m sd_training.memory_plan --table [--world-size 8] [--resolution 1024]

@@ -58,25 +58,28 @@ def test_a_batch_beyond_the_memory_plan_is_refused_at_load(tiny_pipeline, tmp_pa
         load(tiny(tmp_path, tiny_pipeline, "system.batch_size=100000000"))
     text = str(err.value)
     assert "system.batch_size=100,000,000" in text and "does not fit" in text and "MiB per sample" in text
-    assert "RAM" in text and "At most about" in text and "system.gradient_accumulation" in text
-    # The suggested batch loads; from-scratch UNets (model.unet.params) are planned too.
-    fits = int(text.split("At most about ")[1].split(" ")[0].replace(",", ""))
-    load(tiny(tmp_path, tiny_pipeline, f"system.batch_size={fits // 2}"))
+    assert "RAM" in text and "Settings that would fit in 90% of it" in text and "system.gradient_accumulation" in text
+    # The advised batch loads; from-scratch UNets (model.unet.params) are planned too.
+    fits = int(text.split("system.batch_size=")[-1].split(" ")[0].replace(",", ""))
+    assert 1 < fits < 100_000_000
+    load(tiny(tmp_path, tiny_pipeline, f"system.batch_size={fits}"))
     with pytest.raises(ConfigError, match="does not fit"):
         load(tiny(tmp_path, tiny_pipeline, "system.batch_size=100000000", "model.unet.pretrained=null",
                   "model.unet.params={block_out_channels: [32, 64], layers_per_block: 1, cross_attention_dim: 64, "
                   "down_block_types: [CrossAttnDownBlock2D, DownBlock2D], up_block_types: [UpBlock2D, CrossAttnUpBlock2D]}"))
-    with pytest.raises(ConfigError, match=r"resolution=2048 does not fit.*Not even one sample fits"):
-        load(tiny(tmp_path, tiny_pipeline, "system.batch_size=1", "dataset.params.resolution=2048",
-                  "model.unet.pretrained=null", "model.unet.params={block_out_channels: [4096, 4096], "
-                  "cross_attention_dim: 64, norm_num_groups: 32}"))
+    wide = ["system.batch_size=1", "dataset.params.resolution=2048", "model.unet.pretrained=null",
+            "model.unet.params={block_out_channels: [4096, 4096], cross_attention_dim: 64, norm_num_groups: 32}"]
+    with pytest.raises(ConfigError, match=r"resolution=2048 does not fit.*would fit.*model.gradient_checkpointing=true"):
+        load(tiny(tmp_path, tiny_pipeline, *wide))
+    load(tiny(tmp_path, tiny_pipeline, *wide, "model.gradient_checkpointing=true"))  # as advised
 
 
 def test_the_start_up_plan_counts_activations_and_refuses_a_batch_that_cannot_fit():
     """Modules that cannot be read at load (a hub id, the quickstart's pipeline) are planned once built."""
     from diffusers import UNet2DConditionModel
 
-    from sd_training.memory_plan import check_plan, format_plan, memory_plan, micro_batch_activations
+    from sd_training.memory_fit import check_plan, micro_batch_activations
+    from sd_training.memory_plan import format_plan, memory_plan
 
     net = UNet2DConditionModel(**TINY_UNET)
     cfg = load([*BASE, "system.device=cpu", "dataset.params.resolution=64"])  # /models/sd: nothing to read at load

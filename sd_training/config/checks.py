@@ -5,7 +5,7 @@ The owners check what needs their code: the objective its loss, the text-encoder
 the models module the UNet's constructor arguments, the model family its components, the data package
 what needs its readers (filters parse, ``idx_to_prompt`` loads). The machine: every folder the run will
 write can be made, the loader's worker count suits the CPUs, and the memory plan of one micro-batch fits
-the device (``memory_plan.check_batch``). ``load`` is what the training entry point, scripts and tests
+the device (``memory_fit.check_batch``). ``load`` is what the training entry point, scripts and tests
 call. Unlike the rest of the package, this module imports torch (through the owners).
 """
 
@@ -20,7 +20,7 @@ from ..data.synthetic import COLOURS
 from ..distributed import usable_cpus
 from ..families import options, registry
 from ..families.unet_components import check_unet_params
-from ..memory_plan import check_batch
+from ..memory_fit import check_batch
 from ..objective import validate_objective_config
 from ..text_encoders import validate_text_encoder_config
 from .fields import ConfigError

@@ -1,0 +1,431 @@
+"""Will the run fit? The memory plan at config load, before anything is built, and what to change when
+it will not fit.
+
+``check_batch`` (called by the config check) counts the trained module's parameters from its weight
+files' headers or on the meta device (``memory_load``), adds one micro-batch's activations (the rough
+lower estimate of ``memory_plan.activation_bytes`` / ``memory_transformer``) and compares the total with
+the device's memory: above it the config is refused, above 80% of it a warning is logged. Either way,
+when the run does not fit, :func:`advise` says which settings would: it tries the memory levers a user of
+one GPU reaches for, alone and together, and names the cheapest sets that fit with 10% to spare (the
+plan is a lower bound):
+
+- ``model.gradient_checkpointing=true``: keeps a tenth to a quarter of the activations (slower);
+- ``optimizer.name=adamw8bit``: 2 bytes of optimizer state per parameter instead of 8;
+- ``optimizer.in_backward=true`` (with ``optimizer.params.max_grad_norm=null``): no gradients of the whole net;
+- ``model.ema.device=cpu``: the EMA leaves the GPU;
+- ``distributed.strategy=fsdp``: the state sharded over the ranks (several ranks);
+- ``distributed.fsdp_cpu_offload=true``: the state in CPU memory, on one rank too;
+- a smaller ``system.batch_size`` with accumulation to keep the images per step.
+
+``scripts/plan_memory.py config=... --gpu-gb 24`` prints the same for a GPU this machine does not have.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from .config import ConfigError
+from .families import registry
+from .memory_load import adapter_state_bytes, json_file, meta_params, plan_adapter, safetensors_params
+from .memory_plan import GIB, MemoryRow, activation_bytes, per_trained_param
+from .memory_transformer import activation_elements, image_tokens, is_transformer
+
+log = logging.getLogger(__name__)
+LOAD_WARN_FRACTION = 0.8  # a plan above this share of the device's memory is logged as a warning
+ADVICE_FRACTION = 0.9  # advised settings leave this share of the memory for what the plan does not count
+
+
+# ----------------------------------------------------------------------------------------------
+# What the config says about the trained module, read without building it
+# ----------------------------------------------------------------------------------------------
+
+def _family_class(cfg):
+    """The run's family class; None when it cannot be told yet."""
+    try:
+        name = registry.detect(cfg.model, must=False)
+    except Exception:  # noqa: BLE001 -- a pipeline the config checks already reported
+        name = None
+    return registry.FAMILIES.get(name or "")
+
+
+def _family_of(cfg) -> tuple[str, str | None, int]:
+    """(the trained module's component name, its class name when the family names one, text tokens per
+    sample) of the run's family; ("unet", None, 77) when the family cannot be told yet."""
+    fam = _family_class(cfg)
+    if fam is None:
+        return "unet", None, 77
+    return fam.net_name, getattr(fam, "net_class", None), int(fam.text_tokens(cfg) or 77)
+
+
+def _kind(cfg, conf: dict) -> str | None:
+    name = str(conf.get("_class_name") or "")
+    if cfg.model.train_target != "vae" and is_transformer(conf):
+        return "transformer"
+    if cfg.model.train_target == "vae":
+        return "vae" if name in ("", "AutoencoderKL") else None
+    target = str(cfg.model.unet.target).rsplit(".", 1)[-1]
+    return "unet" if name in ("", "UNet2DConditionModel") and target == "UNet2DConditionModel" else None
+
+
+def _component_folder(src: str | None, sub: str, revision: str | None) -> tuple[str | None, dict | None]:
+    """(folder, config.json) of component ``sub`` of a pipeline root, a component folder, or a hub id in
+    the local cache; (None, None) when it cannot be read without building anything."""
+    if not src:
+        return None, None
+    for folder in (os.path.join(src, sub), src):
+        conf = json_file(os.path.join(folder, "config.json")) if os.path.isfile(os.path.join(folder, "config.json")) else None
+        if conf is not None:
+            return folder, conf
+    if os.path.exists(src) or src.startswith((".", "/", "~")):
+        return None, None
+    try:  # a hub id: its cached config, if any (nothing is downloaded)
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(src, f"{sub}/config.json", revision=revision)
+        if isinstance(path, str):
+            return os.path.dirname(path), json_file(path)
+    except Exception:  # noqa: BLE001 -- no cache, an odd id: no estimate at load (the start-up plan has one)
+        pass
+    return None, None
+
+
+def _vae_config(cfg) -> dict:
+    m = cfg.model
+    return _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)[1] or {}
+
+
+def _vae_factor(cfg) -> int:
+    """Pixels per latent pixel: 2^(VAE levels - 1) from the VAE's config.json, else Stable Diffusion's 8."""
+    levels = len(_vae_config(cfg).get("block_out_channels") or (0,) * 4)
+    return 2 ** (levels - 1)
+
+
+def _trained_config(cfg) -> tuple[str | None, dict | None]:
+    """(weights folder, config) of the trained module as the config names it: the VAE (train_target vae),
+    else the family's trained component (``model.<net_name>``: its params, or its folder's config.json)."""
+    m = cfg.model
+    if m.train_target == "vae":
+        return _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)
+    net_name, net_class, _text = _family_of(cfg)
+    comp = getattr(m, net_name, None)
+    if comp is None:
+        return None, None
+    if getattr(comp, "params", None):
+        conf = dict(comp.params)
+        if net_class or net_name != "unet":  # a family that names no class: not read as a UNet's params
+            conf.setdefault("_class_name", net_class or f"<{net_name}>")
+        return None, conf
+    return _component_folder(comp.pretrained or m.pretrained, net_name, m.revision)
+
+
+def sample_activations(cfg, conf: dict, checkpointing: bool, text_tokens: int | None = None) -> float:
+    """Bytes one sample's activations take in the trained module ``conf`` (its config) at the run's
+    resolution and precision; 0 when its architecture is not one the estimate knows (a
+    UNet2DConditionModel, an AutoencoderKL, or a diffusion transformer: ``text_tokens`` per sample through
+    its joint attention, None: the family's ``Family.text_tokens``)."""
+    kind = _kind(cfg, conf)
+    if kind is None:
+        return 0.0
+    compute = 2 if cfg.model.mixed_precision in ("bf16", "fp16") else 4
+    resolution = cfg.dataset.params.resolution
+    if kind == "transformer":
+        latent = resolution / _vae_factor(cfg)
+        channels = int(_vae_config(cfg).get("latent_channels") or 16)
+        text = text_tokens if text_tokens is not None else _family_of(cfg)[2]
+        return activation_elements(conf, image_tokens(conf, latent, latent, channels), text, checkpointing) * compute
+    return activation_bytes(conf, kind, resolution, compute, checkpointing, _vae_factor(cfg))
+
+
+def micro_batch_activations(cfg, net: torch.nn.Module | None = None, config: dict | None = None,
+                            text_tokens: int | None = None) -> float:
+    """Bytes of one micro-batch's activations for the run ``cfg`` (``system.batch_size`` samples at
+    ``dataset.params.resolution``, as ``model.gradient_checkpointing`` says), from the trained module's
+    config (``net.config`` or ``config``)."""
+    conf = dict(config if config is not None else getattr(net, "config", None) or {})
+    per_sample = sample_activations(cfg, conf, cfg.model.gradient_checkpointing, text_tokens)
+    return cfg.system.batch_size * per_sample
+
+
+# ----------------------------------------------------------------------------------------------
+# The estimate under a setting, and the settings that would fit
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setting:
+    """What the load-time plan depends on besides the model: one micro-batch and the memory levers."""
+
+    batch: int
+    checkpointing: bool
+    optimizer: str
+    in_backward: bool
+    ema_on_device: bool
+    strategy: str  # ddp | fsdp | fsdp_offload
+    world: int
+
+
+@dataclass
+class LoadPlan:
+    """The trained module as read at load: bytes per device for any :class:`Setting`."""
+
+    kind: str
+    params: int  # trained parameters (the adapter's with model.adapter)
+    what: str  # how they were counted, for messages
+    per_sample: tuple[float, float]  # one sample's activations (without, with gradient checkpointing)
+    planned_adapter: object | None  # memory_load.PlannedAdapter
+
+    def activations(self, s: Setting) -> float:
+        return s.batch * self.per_sample[s.checkpointing]
+
+    def state(self, s: Setting) -> float:
+        per = per_trained_param(s.optimizer, s.ema_on_device, s.in_backward)
+        if self.planned_adapter is not None:
+            return adapter_state_bytes(self.planned_adapter, per, s.strategy, s.world)
+        if s.strategy == "fsdp_offload":
+            return 0.0
+        return self.params * per / (s.world if s.strategy == "fsdp" else 1)
+
+    def need(self, s: Setting) -> float:
+        return self.state(s) + self.activations(s)
+
+
+def current_setting(cfg) -> Setting:
+    m, d = cfg.model, cfg.distributed
+    strategy = "fsdp_offload" if d.strategy == "fsdp" and d.fsdp_cpu_offload else d.strategy
+    return Setting(cfg.system.batch_size, bool(m.gradient_checkpointing), cfg.optimizer.name,
+                   bool(cfg.optimizer.in_backward), bool(m.use_ema and m.ema.device != "cpu"), strategy,
+                   _world_size())
+
+
+def load_plan(cfg) -> LoadPlan | None:
+    """The trained module of ``cfg`` counted without building it; None when its config cannot be read
+    yet (a hub id not in the cache, a pipeline the quickstart builds at start-up), its architecture is
+    unknown to the estimate, or an adapter's targets resolve to nothing (the build reports that)."""
+    folder, conf = _trained_config(cfg)
+    if conf is None or _kind(cfg, conf) is None:
+        return None
+    kind = _kind(cfg, conf)
+    per_sample = (sample_activations(cfg, conf, False), sample_activations(cfg, conf, True))
+    n_params = (safetensors_params(folder) if folder else None) or meta_params(kind, conf)
+    if not cfg.model.adapter.enabled:
+        return LoadPlan(kind, n_params, f"{n_params / 1e6:,.1f}M parameters", per_sample, None)
+    fam = _family_class(cfg)
+    planned = plan_adapter(cfg, kind, conf, getattr(fam, "adapter_presets", {}), _family_of(cfg)[0])
+    if planned is None:
+        return None
+    what = (f"a LoRA of {planned.trained / 1e6:,.2f}M parameters on {planned.layers:,} layers; the frozen base's "
+            f"{planned.base / 1e6:,.1f}M parameters at {planned.base_bytes} bytes")
+    return LoadPlan(kind, planned.trained, what, per_sample, planned)
+
+
+# (keys to set, how it changes the setting, what it costs: lower is tried first)
+def _levers(cfg, s: Setting) -> list[tuple[str, dict, int]]:
+    out = []
+    if not s.checkpointing:
+        out.append(("model.gradient_checkpointing=true", dict(checkpointing=True), 3))
+    if s.optimizer == "adamw":
+        out.append(("optimizer.name=adamw8bit", dict(optimizer="adamw8bit"), 1))
+    accumulation = cfg.system.gradient_accumulation
+    if cfg.system.global_batch_size:
+        accumulation = max(1, cfg.system.global_batch_size // max(1, s.batch * s.world))
+    in_backward_ok = (not s.in_backward and accumulation == 1 and cfg.model.mixed_precision != "fp16"
+                      and s.optimizer in ("adamw", "adamw8bit", "adafactor"))
+    if in_backward_ok and not (s.strategy == "ddp" and s.world > 1):
+        keys = "optimizer.in_backward=true" + (" optimizer.params.max_grad_norm=null" if cfg.optimizer.params.max_grad_norm else "")
+        out.append((keys, dict(in_backward=True), 1))
+    if s.ema_on_device:
+        out.append(("model.ema.device=cpu", dict(ema_on_device=False), 1))
+    if s.strategy == "ddp" and s.world > 1:
+        out.append(("distributed.strategy=fsdp", dict(strategy="fsdp"), 1))
+    if s.strategy != "fsdp_offload":
+        keys = ("distributed.strategy=fsdp " if s.strategy == "ddp" else "") + "distributed.fsdp_cpu_offload=true"
+        out.append((keys, dict(strategy="fsdp_offload"), 5))
+    return out
+
+
+@dataclass
+class Advice:
+    changes: list[str]  # key=value overrides
+    need: float  # bytes per device with them
+    batch: int  # system.batch_size with them (the run's, or lower)
+
+
+def advise(plan: LoadPlan, cfg, memory: float, limit: int = 3, fraction: float = ADVICE_FRACTION) -> list[Advice]:
+    """Up to ``limit`` sets of changes with which ``plan`` needs at most ``fraction`` of ``memory``: the
+    smallest sets first (no set contains a smaller one that fits), cheapest in speed among equals. When no
+    set fits the run's micro-batch, the largest micro-batch that fits with all of them, if any."""
+    s = current_setting(cfg)
+    budget = fraction * memory
+    if plan.need(s) <= budget:
+        return []
+    levers = _levers(cfg, s)
+    found: list[tuple[int, int, Advice, frozenset]] = []
+    for k in range(1, len(levers) + 1):
+        for combo in itertools.combinations(range(len(levers)), k):
+            if any(fits <= set(combo) for *_, fits in found):
+                continue  # a smaller set already fits
+            setting = s
+            for i in combo:
+                setting = replace(setting, **levers[i][1])
+            if setting.strategy == "fsdp_offload" and any(levers[i][0] == "distributed.strategy=fsdp" for i in combo):
+                continue  # offload already shards
+            need = plan.need(setting)
+            if need <= budget:
+                cost = sum(levers[i][2] for i in combo)
+                found.append((k, cost, Advice([levers[i][0] for i in combo], need, s.batch), frozenset(combo)))
+    found.sort(key=lambda x: (x[0], x[1]))
+    out = [a for *_, a, _f in found[:limit]]
+    smaller = _largest_batch(plan, s, budget)
+    if smaller and smaller < s.batch:
+        out.append(Advice([f"system.batch_size={smaller}"], plan.need(replace(s, batch=smaller)), smaller))
+    elif not out:
+        every, keys = s, []
+        for key, change, _cost in levers:
+            if key != "distributed.strategy=fsdp":  # the offload lever shards too
+                every, keys = replace(every, **change), [*keys, key]
+        best = _largest_batch(plan, every, budget)
+        if best:
+            out.append(Advice([*keys, f"system.batch_size={best}"], plan.need(replace(every, batch=best)), best))
+    return out
+
+
+def _largest_batch(plan: LoadPlan, s: Setting, budget: float) -> int:
+    per = plan.activations(replace(s, batch=1))
+    room = budget - plan.state(s)
+    return int(room // per) if per > 0 and room >= per else 0
+
+
+def format_advice(advice: list[Advice], cfg, fraction: float = ADVICE_FRACTION) -> str:
+    if not advice:
+        return ("No setting this plan knows fits: train a LoRA (model.adapter.type=lora), lower "
+                "dataset.params.resolution, or use more GPUs with distributed.strategy=fsdp")
+    lines = []
+    for a in advice:
+        keep = ""
+        if a.batch < cfg.system.batch_size:
+            keep = " (raise system.gradient_accumulation, or set system.global_batch_size, to keep the images per step)"
+        lines.append(f"{' '.join(a.changes)} -> about {a.need / GIB:,.1f} GiB{keep}")
+    return f"Settings that would fit in {100 * fraction:.0f}% of it: " + "; or ".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# The device, and the check at config load
+# ----------------------------------------------------------------------------------------------
+
+def device_memory(device: str) -> tuple[int, str] | None:
+    """(bytes, description) of the memory one rank may use: the CUDA device's (``LOCAL_RANK``'s), or on
+    the CPU the machine's RAM (or its cgroup limit) divided among the ranks on the machine. None for
+    ``cuda`` where no GPU is visible (a config checked on another machine than the one it runs on)."""
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not n:
+            return None
+        idx = int(os.environ.get("LOCAL_RANK", "0") or 0) % n
+        props = torch.cuda.get_device_properties(idx)
+        return props.total_memory, f"cuda:{idx} ({props.name}) has {props.total_memory / GIB:.1f} GiB"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as fh:
+                text = fh.read().strip()
+            if text.isdigit() and 0 < int(text) < ram:
+                ram = int(text)
+                break
+        except OSError:
+            continue
+    local = 1
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        digits = "".join(c for c in os.environ.get(var, "").split("(")[0].split(",")[0] if c.isdigit())
+        if digits and int(digits) > 0:
+            local = int(digits)
+            break
+    shared = f", shared by {local} ranks: {ram / local / GIB:.1f} GiB each" if local > 1 else ""
+    return ram // local, f"the CPU's RAM is {ram / GIB:.1f} GiB{shared}"
+
+
+def _world_size() -> int:
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def describe(plan: LoadPlan, cfg) -> str:
+    s = current_setting(cfg)
+    per_batch, state = plan.activations(s), plan.state(s)
+    ema = " and EMA" if s.ema_on_device else ""
+    over = f" over {s.world} ranks" if s.strategy == "fsdp" else ""
+    return (f"about {(state + per_batch) / GIB:,.1f} GiB per device: activations {plan.per_sample[s.checkpointing] / 2**20:,.1f} "
+            f"MiB per sample (a rough lower estimate) x system.batch_size={s.batch:,} = {per_batch / GIB:,.1f} GiB, plus "
+            f"{state / GIB:,.2f} GiB of the {plan.kind}'s weights, gradients, optimizer state{ema} ({plan.what}, "
+            f"{s.strategy}{over})")
+
+
+def need_bytes(plan: LoadPlan, cfg) -> float:
+    """Bytes per device the plan needs under the run's own settings."""
+    return plan.need(current_setting(cfg))
+
+
+def check_batch(cfg) -> None:
+    """The memory plan of ``cfg`` at load: the trained module's weights, gradients, optimizer state and
+    EMA under the run's strategy, plus one micro-batch's activations. A plan above the device's memory is
+    a ``ConfigError`` with the numbers and the settings that would fit; above 80% of it, a warning with
+    them. Skipped when the trained module cannot be read yet (``load_plan``) or the device is not on this
+    machine (``system.device=cuda`` and no GPU visible: the run stops on that itself)."""
+    plan = load_plan(cfg)
+    device = device_memory(cfg.system.device) if plan is not None else None
+    if plan is None or device is None:
+        return
+    memory, where = device
+    need = need_bytes(plan, cfg)
+    if need > memory:
+        raise ConfigError(f"system.batch_size={cfg.system.batch_size:,} at dataset.params.resolution="
+                          f"{cfg.dataset.params.resolution} does not fit: the memory plan needs {describe(plan, cfg)}, "
+                          f"and {where}. {format_advice(advise(plan, cfg, memory), cfg)}")
+    if need > LOAD_WARN_FRACTION * memory:  # the advice: what would leave room
+        log.warning("the memory plan needs %s: over %d%% of what %s; the run may run out of memory. %s",
+                    describe(plan, cfg), int(100 * LOAD_WARN_FRACTION), where,
+                    format_advice(advise(plan, cfg, memory, fraction=LOAD_WARN_FRACTION), cfg, LOAD_WARN_FRACTION))
+
+
+def check_plan(rows: list[MemoryRow], chosen: str, device: str, cfg) -> None:
+    """The start-up plan (modules as built, ``chosen`` strategy) against the device's memory: the same
+    refusal as ``check_batch`` for runs whose modules could not be read at load (a hub id, the
+    quickstart's pipeline)."""
+    row = next((r for r in rows if r.strategy == chosen), None)
+    found = device_memory(device)
+    if row is None or found is None or not row.activations:
+        return
+    memory, where = found
+    if row.total * GIB > memory:
+        batch = cfg.system.batch_size
+        raise ConfigError(
+            f"system.batch_size={batch:,} at dataset.params.resolution={cfg.dataset.params.resolution} does not fit: "
+            f"the memory plan needs about {row.total:,.1f} GiB per device ({row.activations:,.1f} GiB of activations, a "
+            f"rough lower estimate, {row.activations / batch * 1024:,.1f} MiB per sample; the rest weights, gradients, "
+            f"optimizer state, EMA and frozen components), and {where}. Lower system.batch_size and raise "
+            "system.gradient_accumulation (or set system.global_batch_size), set model.gradient_checkpointing=true, "
+            "optimizer.name=adamw8bit, optimizer.in_backward=true or distributed.fsdp_cpu_offload=true")
+
+
+def report(cfg, memory: float, where: str) -> str:
+    """The load-time plan of ``cfg`` against ``memory`` bytes (``where`` names them), with the settings that
+    would fit when it does not (``scripts/plan_memory.py``)."""
+    plan = load_plan(cfg)
+    if plan is None:
+        return ("The trained module cannot be read without building it: point model.pretrained (or the net's "
+                "own pretrained) at a local folder or a hub id in the local cache, or give model.<net>.params")
+    need = need_bytes(plan, cfg)
+    lines = [f"The memory plan needs {describe(plan, cfg)}; {where}."]
+    if need > LOAD_WARN_FRACTION * memory:
+        verdict = "does not fit" if need > memory else f"is over {100 * LOAD_WARN_FRACTION:.0f}% of it"
+        fraction = ADVICE_FRACTION if need > memory else LOAD_WARN_FRACTION
+        lines.append(f"It {verdict}. {format_advice(advise(plan, cfg, memory, fraction=fraction), cfg, fraction)}")
+    else:
+        lines.append(f"It fits ({100 * need / memory:.0f}% of it).")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Will it fit, and what would? The load-time plan's advice (sd_training.memory_fit) for a full-size SDXL
+fine-tune on a 24 GiB GPU, checked by applying each advised set of keys to the config: it parses (the
+schema's refusals pass: in_backward without clipping, no accumulation), its plan is the number the advice
+gave, within 90% of the GPU, and dropping any one of its keys no longer fits (the sets are minimal).
+Nothing is built but the UNet on the meta device; no GPU is needed."""
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sd_training.config.loading import parse
+from sd_training.memory_fit import ADVICE_FRACTION, advise, load_plan, need_bytes
+from sd_training.memory_plan import GIB
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[1]
+SDXL = yaml.safe_load((ROOT / "benchmarks" / "memory_models.yaml").read_text())["sdxl"]
+ARGS = ["experiment.name=x", "experiment.num_examples_to_see=64", "dataset.params.path=/data/{0..3}.tar",
+        "model.family=sdxl", "model.pretrained=/models/sdxl", f"model.unet.params={json.dumps(SDXL['net'])}",
+        "model.mixed_precision=bf16", "dataset.params.resolution=1024", "system.batch_size=1", "model.use_ema=true"]
+
+
+def _plan(changes):
+    cfg = parse([*ARGS, *changes])
+    return cfg, load_plan(cfg)
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    return _plan([])
+
+
+def test_a_full_sdxl_fine_tune_is_advised_settings_that_fit_24_gib(sdxl):
+    cfg, plan = sdxl
+    memory = 24 * GIB
+    n = SDXL["net_params"]
+    assert plan.params == n
+    # AdamW, fp32 weights and gradients, the EMA on the GPU: 4 + 4 + 8 + 4 bytes per parameter
+    assert need_bytes(plan, cfg) == pytest.approx(n * 20 + plan.per_sample[False])
+    advice = advise(plan, cfg, memory)
+    assert advice, "a 24 GiB GPU has settings that fit"
+    sets = [a.changes for a in advice]
+    for a in advice:
+        keys = [kv for change in a.changes for kv in change.split()]
+        cfg2, plan2 = _plan(keys)  # the advised keys parse: no schema rule refuses them together
+        assert need_bytes(plan2, cfg2) == pytest.approx(a.need) and a.need <= ADVICE_FRACTION * memory
+        for fewer in itertools.combinations(a.changes, len(a.changes) - 1):  # minimal: one change fewer does not fit
+            cfg3, plan3 = _plan([kv for change in fewer for kv in change.split()])
+            assert need_bytes(plan3, cfg3) > ADVICE_FRACTION * memory, (a.changes, fewer)
+    # kohya's recipe without offloading: checkpointing, 8-bit AdamW, updates in the backward, EMA off the GPU
+    single = [s for s in sets if not any("offload" in c for c in s)]
+    assert single and all("model.gradient_checkpointing=true" in s and "optimizer.name=adamw8bit" in s for s in single)
+    assert any("optimizer.in_backward=true optimizer.params.max_grad_norm=null" in s for s in single)
+    # one rank: FSDP2 in a process group of one, its state in CPU memory
+    assert ["distributed.strategy=fsdp distributed.fsdp_cpu_offload=true"] in sets
+
+
+def test_a_run_that_fits_gets_no_advice_and_a_bigger_batch_is_advised_smaller(sdxl):
+    cfg, plan = sdxl
+    assert need_bytes(plan, cfg) < ADVICE_FRACTION * 200 * GIB and advise(plan, cfg, 200 * GIB) == []
+    big, plan_big = _plan(["system.batch_size=256", "model.gradient_checkpointing=true", "optimizer.name=adamw8bit",
+                           "model.ema.device=cpu"])
+    advice = advise(plan_big, big, 80 * GIB)
+    batch = [a for a in advice if a.changes[0].startswith("system.batch_size=")]
+    assert batch and 1 <= batch[0].batch < 256
+    smaller, plan_small = _plan(["system.batch_size=" + str(batch[0].batch), "model.gradient_checkpointing=true",
+                                 "optimizer.name=adamw8bit", "model.ema.device=cpu"])
+    assert need_bytes(plan_small, smaller) <= ADVICE_FRACTION * 80 * GIB
+    one_more, plan_more = _plan(["system.batch_size=" + str(batch[0].batch + 1), "model.gradient_checkpointing=true",
+                                 "optimizer.name=adamw8bit", "model.ema.device=cpu"])
+    assert need_bytes(plan_more, one_more) > ADVICE_FRACTION * 80 * GIB  # the largest that fits
+
+
+def test_plan_memory_script_says_what_fits_which_gpu():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_memory.py"), *ARGS, "--gpu-gb", "24",
+                          "--gpu-gb", "80"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    text = out.stdout
+    assert "the GPU has 24 GiB" in text and "It does not fit. Settings that would fit in 90% of it" in text
+    assert "optimizer.name=adamw8bit" in text and "the GPU has 80 GiB" in text and "It fits" in text
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_memory.py"), *ARGS, "optimizer.nmae=adamw"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 2 and "optimizer.nmae" in bad.stderr
