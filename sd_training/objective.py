@@ -402,10 +402,27 @@ def sample_timesteps(noise_scheduler, batch_size: int, device: torch.device, cfg
 _DEFAULTS = ObjectiveConfig()
 
 
+def weight_elements(errors: torch.Tensor, loss_weight: torch.Tensor | None) -> torch.Tensor:
+    """The per-element losses ``errors`` [B, C, h, w] (float32) times the batch's masked-loss weight
+    ``loss_weight`` [B, 1, h', w'] (``data.masks``; None: unweighted), broadcast over the channels and
+    resampled by area to the latents' grid when the data's 8 px cells are not the VAE's. Applied before the
+    per-sample mean, so the mean stays over all elements (kohya's masked loss)."""
+    if loss_weight is None:
+        return errors
+    weight = loss_weight.to(errors.device, torch.float32, non_blocking=True)
+    if weight.ndim != 4 or weight.shape[0] != errors.shape[0] or weight.shape[1] != 1 or errors.ndim != 4:
+        raise ValueError(f"loss_weight {tuple(weight.shape)} does not fit latents {tuple(errors.shape)}: "
+                         "expected [B, 1, h, w] for [B, C, h, w]")
+    if weight.shape[-2:] != errors.shape[-2:]:
+        weight = F.interpolate(weight, size=errors.shape[-2:], mode="area")
+    return errors * weight
+
+
 def diffusion_loss(
     unet, noise_scheduler, latents: torch.Tensor, encoder_hidden_states: torch.Tensor,
     cfg: ObjectiveConfig | None = None, noise: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
     added_cond_kwargs: dict | None = None, sample_seeds: SampleSeeds | None = None,
+    loss_weight: torch.Tensor | None = None,
 ):
     """Mean-squared error of the UNet's prediction; also returns the per-sample losses and timesteps.
 
@@ -417,7 +434,8 @@ def diffusion_loss(
     which the checkpoint saves and restores, so a resumed run draws the same ones. Fixed ones give a
     loss that is comparable across steps (validation): a given ``noise`` is used as is (no offset,
     pyramid or input perturbation); the loss weighting still applies. The per-sample losses are the
-    weighted ones, so the loss is their mean.
+    weighted ones, so the loss is their mean. ``loss_weight`` (the batch's masked-loss weight, [B, 1, h, w])
+    multiplies the per-element error before the per-sample mean (:func:`weight_elements`).
     """
     cfg = cfg or _DEFAULTS
     kind = noise_scheduler.config.prediction_type
@@ -447,7 +465,8 @@ def diffusion_loss(
     extra = {"added_cond_kwargs": added_cond_kwargs} if added_cond_kwargs is not None else {}
     pred = unet(noisy, timesteps, encoder_hidden_states, return_dict=False, **extra)[0]
     # The loss in fp32 even under autocast: a bf16 mean over millions of elements loses precision.
-    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+    errors = weight_elements(F.mse_loss(pred.float(), target.float(), reduction="none"), loss_weight)
+    per_sample = errors.mean(dim=tuple(range(1, pred.ndim)))
     if cfg.loss_weighting == "min_snr":
         per_sample = per_sample * min_snr_weights(noise_scheduler, timesteps, cfg.snr_gamma)
     return per_sample.mean(), per_sample.detach(), timesteps
@@ -456,5 +475,5 @@ def diffusion_loss(
 __all__ = [
     "ObjectiveConfig", "validate_objective_config", "configure_schedulers", "encode_images", "encode_text",
     "training_target", "snr", "min_snr_weights", "pyramid_noise", "sample_noise", "sample_timesteps",
-    "diffusion_loss", "STREAMS", "stream_seed", "host_seeds", "sample_generators",
+    "diffusion_loss", "STREAMS", "stream_seed", "host_seeds", "sample_generators", "weight_elements",
 ]

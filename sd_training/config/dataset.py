@@ -19,7 +19,7 @@ from .fields import ConfigError, check_fields, f
 # What an entry of dataset.params.sources may set: the mixture's own keys, and the per-source reading keys.
 SOURCE_OWN_KEYS = ("path", "weight", "name", "exhausted")
 SOURCE_PARAM_KEYS = ("filters", "caption_key", "image_keys", "metadata_key", "image_column", "caption_column",
-                     "image_root", "cls_key")
+                     "image_root", "cls_key", "mask_key", "mask_column")
 EXHAUSTED = ("restart", "drop")
 
 
@@ -90,6 +90,13 @@ class DatasetParams:
     layout: str = f("auto", "folder: flat: images/ + captions/; metadata: metadata/**.json; auto: whichever is there", choices=("auto", "flat", "metadata"))
     consider_every_nth: int = f(1, "folder: use only every n-th sample in sorted order (1: all)", ge=1)
     samples_per_shard: int = f(0, "folder/CSV: samples per unit of work split across workers (0: automatic)")
+    # --- masked loss (sd_training/data/masks.py) ---------------------------------------------------
+    masked_loss: bool = f(False, "weight the loss by a per-sample mask (WebDataset: member mask_key; parquet/CSV: column mask_column; folder: the sidecar NAME.<mask_key> beside NAME.jpg; or the alpha channel: mask_from_alpha), cropped, resized and flipped with the image: white trains fully, black not at all; samples without a mask train everywhere. Image data only (latent shards store no mask)")
+    mask_key: str = f("mask.png", "masked_loss, WebDataset: the member holding the mask (KEY.mask.png); folder: the sidecar's suffix (NAME.mask.png beside NAME.jpg)")
+    mask_column: str = f("mask", "masked_loss, parquet/CSV: the column holding the mask: image bytes, or a path resolved as image paths are (empty: no mask)")
+    mask_from_alpha: bool = f(False, "masked_loss: the image's own alpha channel is its mask (opaque trains) instead of a member/column/sidecar; images without alpha train everywhere")
+    unmasked_weight: float = f(0.0, "masked_loss: the least loss weight, weight = clamp(mask, unmasked_weight, 1) as OneTrainer (whose default is 0.1); 0: masked-out pixels train nothing (kohya)", le=1)
+    mask_normalize: bool = f(False, "masked_loss: divide each sample's weights by their mean, so a small mask trains as strongly as a whole image (OneTrainer's normalize_masked_area_loss); false: the mean over all latent elements (kohya)")
     # --- order and distribution --------------------------------------------------------------------
     shuffle_buffer: int = f(1000, "samples held for shuffling per canonical reader (by default one per worker; 1: no shuffling)", ge=1)
     canonical_readers: int = f(0, "independent sample streams the run's batches are drawn from, fixed for the run: resuming on any rank count that divides them continues the same batches (0: ranks x workers of the first start)")
@@ -145,7 +152,11 @@ ONLY_FOR = {
     "max_aspect_ratio": _IMAGE_TYPES,
     "latent_sampling": {"latents"},
     "text_embeddings": {"latents"},
+    "mask_key": {"WebDataset", "folder"},
+    "mask_column": {"parquet", "CSV"},
 }
+# The masked-loss keys that mean something only with masked_loss on (latent shards refuse masked_loss itself).
+MASK_KEYS = ("mask_key", "mask_column", "mask_from_alpha", "unmasked_weight", "mask_normalize")
 
 
 class DatasetConfigError(ConfigError):
@@ -205,6 +216,7 @@ def check_dataset(cfg) -> DatasetConfig:
     kind = canonical_type(cfg.type)
     p = cfg.params
     defaults = _defaults(DatasetParams)
+    check_mask_keys(kind, p, defaults)
     for key, types in ONLY_FOR.items():
         value = plain_value(getattr(p, key))
         if kind not in types and value != plain_value(defaults[key]):
@@ -257,6 +269,26 @@ def check_dataset(cfg) -> DatasetConfig:
             "dataset.params.tags.use_tags and dataset.params.idx_to_prompt both choose the caption: keep one"
         )
     return cfg
+
+
+def check_mask_keys(kind: str, p: DatasetParams, defaults: Dict[str, Any]) -> None:
+    """Masked loss: image data only (a latent shard stores no mask, and its crop is fixed); its other keys
+    only with ``masked_loss`` on (never silently ignored)."""
+    if p.masked_loss and kind == "latents":
+        raise DatasetConfigError(
+            "dataset.params.masked_loss=true: latent shards store no mask (scripts/precompute_latents.py writes "
+            "none), so the loss cannot be weighted; train on the images (dataset.type WebDataset, parquet, CSV or "
+            "folder) or turn masked_loss off"
+        )
+    if not p.masked_loss:
+        for key in MASK_KEYS:
+            if plain_value(getattr(p, key)) != plain_value(defaults[key]):
+                raise DatasetConfigError(f"dataset.params.{key}={plain_value(getattr(p, key))!r} only applies "
+                                         "with dataset.params.masked_loss=true: set it, or remove the key")
+        for n, entry in enumerate(p.sources or []):
+            for key in set(MASK_KEYS) & set(entry if isinstance(entry, dict) else ()):
+                raise DatasetConfigError(f"dataset.params.sources[{n}].{key} only applies with "
+                                         "dataset.params.masked_loss=true: set it, or remove the key")
 
 
 def check_sources(sources) -> None:

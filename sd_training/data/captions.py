@@ -147,6 +147,10 @@ class CaptionAugment:
         self.separator = separator
 
     def __call__(self, caption: str, tags: Optional[List[str]], rng: np.random.Generator) -> str:
+        return self.augment(caption, tags, rng)[0]
+
+    def augment(self, caption: str, tags: Optional[List[str]], rng: np.random.Generator) -> Tuple[str, bool]:
+        """(the caption as trained, whether caption dropout replaced it by '')."""
         # Draw both numbers always, so one setting never changes the randomness of another.
         u_drop, u_shuffle = rng.random(), rng.random()
         if tags is not None:
@@ -157,5 +161,5 @@ class CaptionAugment:
             parts = [p.strip() for p in caption.split(",")]
             caption = ", ".join(shuffle_tags([p for p in parts if p], self.keep, rng))
         if u_drop < self.dropout:
-            return ""
-        return caption
+            return "", True
+        return caption, False

@@ -22,6 +22,7 @@ import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..config.dataset import DatasetConfigError
+from .masks import sidecar, source_mask_key
 from .sources import Source, outside_root_error
 from .stats import Stats, describe_error, error_reason
 from .tables import auto_chunk
@@ -29,13 +30,13 @@ from .tables import auto_chunk
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 
-def _walk(folder: str, suffixes) -> List[str]:
-    """Paths relative to ``folder``, sorted, of files ending with ``suffixes``."""
+def _walk(folder: str, suffixes, but: Optional[str] = None) -> List[str]:
+    """Paths relative to ``folder``, sorted, of files ending with ``suffixes`` (and not with ``but``)."""
     out = []
     for d, dirs, files in os.walk(folder):
         dirs.sort()
         for f in files:
-            if f.lower().endswith(suffixes):
+            if f.lower().endswith(suffixes) and not (but and f.lower().endswith(but)):
                 out.append(os.path.relpath(os.path.join(d, f), folder))
     return sorted(out)
 
@@ -50,6 +51,9 @@ class FolderSource(Source):
             layout = "metadata" if os.path.isdir(os.path.join(root, "metadata")) else "flat"
         self.root, self.layout = root, layout
         self.allow_outside = bool(params.allow_paths_outside_root)
+        # masked_loss: NAME.<mask_key> beside NAME.jpg is the image's mask, not an image of the set
+        self.mask_key = source_mask_key(params)
+        masks = "." + self.mask_key if self.mask_key else None
         if layout == "metadata":
             meta_dir = os.path.join(root, "metadata")
             if not os.path.isdir(meta_dir):
@@ -61,12 +65,13 @@ class FolderSource(Source):
                 cap_dir = os.path.join(root, "captions")
                 items = [
                     (os.path.join("images", p), os.path.join("captions", os.path.splitext(p)[0] + ".txt"), os.path.splitext(p)[0])
-                    for p in _walk(img_dir, IMAGE_SUFFIXES)
+                    for p in _walk(img_dir, IMAGE_SUFFIXES, masks)
                 ]
                 if not os.path.isdir(cap_dir):
                     raise DatasetConfigError(f"dataset.params.path: {root} has images/ but no captions/ folder")
             else:
-                items = [(p, os.path.splitext(p)[0] + ".txt", os.path.splitext(p)[0]) for p in _walk(root, IMAGE_SUFFIXES)]
+                items = [(p, os.path.splitext(p)[0] + ".txt", os.path.splitext(p)[0])
+                         for p in _walk(root, IMAGE_SUFFIXES, masks)]
         n_every = int(params.consider_every_nth)
         items = items[::n_every]
         if not items:
@@ -101,6 +106,7 @@ class FolderSource(Source):
             "caption": caption,
             "meta": None,
             "cls": None,
+            "mask_path": sidecar(os.path.join(self.root, image_rel), self.mask_key),
         }
 
     def _metadata_sample(self, json_rel: str) -> Dict[str, Any]:
@@ -127,4 +133,5 @@ class FolderSource(Source):
             "meta": meta,
             "cls": None,
             "tags_mode": True,
+            "mask_path": sidecar(image_path, self.mask_key),
         }

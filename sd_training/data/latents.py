@@ -378,7 +378,7 @@ class LatentSampleProcessor(SampleProcessor):
         if isinstance(caption, int):  # a class index
             prompts = self.idx_to_prompt[caption]
             caption = prompts[int(caption_rng.integers(len(prompts)))] if len(prompts) > 1 else prompts[0]
-        caption = self.captions(caption, s["tags"], caption_rng)
+        caption, dropped = self.captions.augment(caption, s["tags"], caption_rng)
         text = pooled = None
         if self.text_embeddings:
             text = self._text(s, caption, src, where, stats)
@@ -396,6 +396,7 @@ class LatentSampleProcessor(SampleProcessor):
             "pooled": pooled,
             "sizes": s.get("sizes") or {},
             "caption": caption,
+            "caption_dropped": dropped,
             "key": s["key"],
             "bucket": (w * down, h * down),  # pixels, (width, height) as image buckets
         }
@@ -441,6 +442,8 @@ class LatentSampleProcessor(SampleProcessor):
             "keys": [s["key"] for s in samples],
             "epochs": [s["epoch"] for s in samples],
         }
+        if self.preview:
+            batch["caption_dropped"] = [bool(s["caption_dropped"]) for s in samples]
         for k in range(1, len(self.tokenizers)):
             batch[f"input_ids_{k + 1}"] = self.tokenize(captions, k)
         for name in SIZE_FIELDS:  # only when every sample's json has them (shards of older precomputes do not)

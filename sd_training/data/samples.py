@@ -28,9 +28,10 @@ import numpy as np
 from .buckets import assign_bucket, make_buckets
 from .captions import CaptionAugment, TagRules, decode_caption, load_idx_to_prompt, parse_cls
 from .filters import parse_filters
+from .masks import MaskSettings, collate_weights, open_mask
 from .sources import read_image_path
 from .stats import Stats
-from .transforms import ImageError, decode_cropped, open_image, shown_size, to_pixel_values
+from .transforms import ImageError, crop_like, decode_cropped, open_image, shown_size, to_pixel_values
 
 
 class SampleProcessor:
@@ -47,6 +48,10 @@ class SampleProcessor:
         self.center_crop = bool(params.center_crop)
         self.flip_p = float(params.random_flip)
         self.fast_decode = bool(params.fast_decode)
+        self.masks = MaskSettings(params)
+        # scripts/preview_data.py: batches also carry each sample's source name (``sources``), whether its
+        # caption was dropped (``caption_dropped``) and its cropped mask or None (``masks``).
+        self.preview = False
         self.timeout = float(params.io_timeout)
         self.buckets = (
             make_buckets(self.resolution, int(params.bucket_step), float(params.max_aspect_ratio))
@@ -145,7 +150,8 @@ class SampleProcessor:
     def payload(self, raw: Dict[str, Any], meta: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
         if raw.get("image") is None and not raw.get("image_path"):
             return None
-        return {"image": raw.get("image"), "image_path": raw.get("image_path")}
+        return {"image": raw.get("image"), "image_path": raw.get("image_path"), "mask": raw.get("mask"),
+                "mask_path": raw.get("mask_path")}
 
     # -- stage 2: image work ------------------------------------------------------------------------
     def process(self, s: Dict[str, Any], rng: np.random.Generator, stats: Stats) -> Optional[Dict[str, Any]]:
@@ -167,6 +173,7 @@ class SampleProcessor:
                 stats.add("skipped/too_small")  # a size filter doing its job: counted, not logged
                 return None
             # The bucket of the picture as shown: a phone photo stored landscape with an EXIF turn is portrait.
+            mask = self._open_mask(s, shown_size(img))  # before the decode: a bad mask costs no decode
             bucket = self.buckets[0] if len(self.buckets) == 1 else assign_bucket(*shown_size(img), self.buckets)
             decoded = decode_cropped(
                 img,
@@ -176,18 +183,24 @@ class SampleProcessor:
                 flip=flip,
                 rng=crop_rng,
                 fast_decode=self.fast_decode,
+                keep_alpha=self.masks.from_alpha,
             )
         except ImageError as exn:
             stats.skip(exn.reason, f"{where}: {exn}")
             return None
+        mask = crop_like(mask, decoded) if mask is not None else decoded.alpha
+        if mask is not None:
+            stats.add("samples_masked")
         caption = s["caption"]
         if isinstance(caption, int):  # a class index
             prompts = self.idx_to_prompt[caption]
             caption = prompts[int(caption_rng.integers(len(prompts)))] if len(prompts) > 1 else prompts[0]
-        caption = self.captions(caption, s["tags"], caption_rng)
+        caption, dropped = self.captions.augment(caption, s["tags"], caption_rng)
         return {
             "pixels": decoded.pixels,
+            "mask": mask,  # uint8 [H, W] cropped like the pixels, or None (masked_loss: see masks.py)
             "caption": caption,
+            "caption_dropped": dropped,
             "key": s["key"],
             "bucket": bucket,  # (width, height), as buckets.py has them
             # SDXL's micro-conditioning, (height, width) and (y, x): plain int tuples (picklable).
@@ -195,6 +208,16 @@ class SampleProcessor:
             "crop_top_left": decoded.crop_top_left,
             "target_size": (int(bucket[1]), int(bucket[0])),
         }
+
+    def _open_mask(self, s: Dict[str, Any], shown: Tuple[int, int]):
+        """The sample's mask member/column/sidecar ("L", checked against the image's shown size), or None."""
+        data = s.get("mask")
+        if data is None and s.get("mask_path"):
+            try:
+                data = read_image_path(s["mask_path"], self.timeout)
+            except Exception as exn:  # a missing file, an HTTP error, a timeout: skip the sample
+                raise ImageError("mask_unreadable", f"cannot read the mask {s['mask_path']} ({exn})") from exn
+        return open_mask(data, shown) if data is not None else None
 
     # -- stage 3: batch ---------------------------------------------------------------------------------
     def collate(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -210,6 +233,12 @@ class SampleProcessor:
         for name in SIZE_FIELDS:
             batch[name] = torch.tensor([s[name] for s in samples], dtype=torch.int64).reshape(len(samples), 2)
         batch.update(captions=captions, keys=[s["key"] for s in samples], epochs=[s["epoch"] for s in samples])
+        weights = collate_weights(samples, self.masks)
+        if weights is not None:
+            batch["loss_weight"] = weights
+        if self.preview:
+            batch.update(caption_dropped=[bool(s["caption_dropped"]) for s in samples],
+                         masks=[s["mask"] for s in samples])
         return batch
 
     def tokenize(self, captions: List[str], which: int = 0):

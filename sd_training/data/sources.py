@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..config.dataset import DatasetConfigError
+from .masks import source_mask_key
 from .stats import Stats, describe_error, error_reason
 
 REMOTE = re.compile(r"^(https?|pipe|s3|gs|ais|hf|scp|sftp|ftps)[:]")
@@ -330,6 +331,7 @@ class WebDatasetSource(Source):
         self.timeout = float(params.io_timeout)
         self.max_member_bytes = int(params.max_member_bytes)
         self.num_samples = _sizes_json_total(spec, self.units)
+        self.mask_key = source_mask_key(params)  # masked_loss: the member holding the mask (None: not read)
 
     def read(self, unit: str, stats: Stats) -> Iterator[Dict[str, Any]]:
         for members in iter_tar_samples(unit, self.timeout, stats, self.max_member_bytes):
@@ -346,6 +348,7 @@ class WebDatasetSource(Source):
                 "caption": members.get(self.caption_key),
                 "meta_raw": members.get(self.metadata_key),
                 "cls": members.get(self.cls_key),
+                "mask": members.get(self.mask_key) if self.mask_key else None,
             }
 
 

@@ -351,6 +351,8 @@ class SlotStream:
                             f"does not collate: {describe_error(exn)}", n=len(samples))
             return None
         batch["sample_seeds"] = torch.tensor([s["sample_seed"] for s in samples], dtype=torch.int64)
+        if getattr(self.proc, "preview", False):  # scripts/preview_data.py: each sample's source
+            batch["sources"] = [self.plan.sources[s["src"]].name for s in samples]
         self.batches += 1
         self.stats.add("samples_seen", len(samples))
         self.stats.add(f"bucket/{samples[0]['bucket'][0]}x{samples[0]['bucket'][1]}", len(samples))

@@ -202,3 +202,48 @@ def read_shape_image(image) -> Dict[str, object]:
     out["shape"] = max(ious, key=ious.get)
     out["iou"] = ious[out["shape"]]
     return out
+
+
+def masked_square_sample(index: int, size, seed: int = 0, alpha: bool = False):
+    """(key, PNG bytes, caption, metadata, mask PNG bytes) of a red square on a plain background, placed off
+    centre, and its exact mask (255 on the square, 0 elsewhere): what masked-loss tests check alignment on.
+    ``size``: an int or (width, height). ``alpha``: the image is RGBA with the mask as its alpha channel."""
+    rng = np.random.default_rng([seed, index, 0x3A5C])
+    width, height = (size, size) if isinstance(size, int) else size
+    names = [n for n in COLOURS if n != "red"]
+    background = names[int(rng.integers(len(names)))]
+    side = int(min(width, height) * float(rng.uniform(0.25, 0.4)))
+    x0 = int(rng.integers(0, width - side + 1))
+    y0 = int(rng.integers(0, height - side + 1))
+    mask = Image.new("L", (width, height), 0)
+    ImageDraw.Draw(mask).rectangle([x0, y0, x0 + side - 1, y0 + side - 1], fill=255)
+    img = Image.new("RGB", (width, height), COLOURS[background])
+    img.paste(COLOURS["red"], (x0, y0, x0 + side, y0 + side))
+    if alpha:
+        img.putalpha(mask)
+    buf, mbuf = io.BytesIO(), io.BytesIO()
+    img.save(buf, format="PNG")
+    mask.save(mbuf, format="PNG")
+    meta = {"width": width, "height": height, "square": [x0, y0, side], "background": background, "index": index}
+    return f"{index:08d}", buf.getvalue(), f"a red square on a {background} background", meta, mbuf.getvalue()
+
+
+def write_masked_shards(out_dir: str, n_samples: int, n_shards: int, sizes=(64,), seed: int = 0, *,
+                        prefix: str = "masked") -> str:
+    """:func:`masked_square_sample` images in shards with their masks as ``KEY.mask.png`` members (the
+    masked-loss default), cycling through ``sizes`` (ints or (width, height)); returns the brace pattern."""
+    import webdataset as wds
+
+    os.makedirs(out_dir, exist_ok=True)
+    counts = {}
+    for k in range(n_shards):
+        lo, hi = k * n_samples // n_shards, (k + 1) * n_samples // n_shards
+        name = f"{prefix}-{k:06d}.tar"
+        with wds.TarWriter(os.path.join(out_dir, name)) as sink:
+            for index in range(lo, hi):
+                key, data, caption, meta, mask = masked_square_sample(index, sizes[index % len(sizes)], seed)
+                sink.write({"__key__": key, "png": data, "txt": caption, "json": meta, "mask.png": mask})
+        counts[name] = hi - lo
+    with open(os.path.join(out_dir, "sizes.json"), "w") as fh:
+        json.dump(counts, fh, indent=1)
+    return os.path.join(out_dir, f"{prefix}-{{{0:06d}..{n_shards - 1:06d}}}.tar")

@@ -92,9 +92,12 @@ class _TableSource(Source):
         self.key_col = next((c for c in KEY_COLUMNS if c in columns), None)
         self.timeout = float(params.io_timeout)
         self.allow_outside = bool(params.allow_paths_outside_root)
+        # masked_loss: the column holding each row's mask (not read with mask_from_alpha)
+        self.mask_col = (_pick(columns, str(params.mask_column), (), "mask_column", where)
+                         if params.masked_loss and not params.mask_from_alpha else None)
 
-    def _row_sample(self, row: Dict[str, Any], default_key: str, unit_name: str, folder: str) -> Dict[str, Any]:
-        value = row.get(self.image_col)
+    def _cell_image(self, value: Any, folder: str):
+        """(bytes, path, error) of an image or mask cell: bytes, HF's {"bytes", "path"} struct, a path or URL."""
         image = path = None
         if isinstance(value, dict):  # Hugging Face datasets' Image feature: {"bytes": ..., "path": ...}
             image, path = value.get("bytes"), value.get("path")
@@ -111,17 +114,26 @@ class _TableSource(Source):
             if not os.path.isabs(path):
                 path = os.path.join(self.root or folder, path)
             error = outside_root_error(path, self.root or folder, self.allow_outside)
-        # Metadata: every column but the image bytes (a path or URL is kept: filters may use it).
-        meta = {k: v for k, v in row.items() if k != self.image_col or isinstance(v, str)}
+        return (bytes(image) if image else None), (path if image is None else None), error
+
+    def _row_sample(self, row: Dict[str, Any], default_key: str, unit_name: str, folder: str) -> Dict[str, Any]:
+        image, path, error = self._cell_image(row.get(self.image_col), folder)
+        mask = mask_path = None
+        if self.mask_col is not None and error is None:
+            mask, mask_path, error = self._cell_image(row.get(self.mask_col), folder)
+        # Metadata: every column but the image and mask bytes (a path or URL is kept: filters may use it).
+        meta = {k: v for k, v in row.items() if k not in (self.image_col, self.mask_col) or isinstance(v, str)}
         key = row.get(self.key_col) if self.key_col else None
         return {
             "key": str(key) if key not in (None, "") else default_key,
             "url": unit_name,
-            "image": image or None,
-            "image_path": path if image is None else None,
+            "image": image,
+            "image_path": path,
             "caption": row.get(self.caption_col) if self.caption_col else None,
             "meta": meta,
             "cls": row.get(self.cls_col) if self.cls_col else None,
+            "mask": mask,
+            "mask_path": mask_path,
             **({"error": error} if error else {}),
         }
 

@@ -94,6 +94,11 @@ class Decoded(NamedTuple):
     pixels: np.ndarray
     original_size: Tuple[int, int]
     crop_top_left: Tuple[int, int]
+    # The crop as fractions (x0, y0, x1, y1) of the picture as shown, before the flip, and the flip: what
+    # :func:`crop_like` repeats on a mask of the picture's size.
+    box: Tuple[float, float, float, float] = (0.0, 0.0, 1.0, 1.0)
+    flipped: bool = False
+    alpha: Optional[np.ndarray] = None  # ``keep_alpha``: uint8 [out_h, out_w], the alpha channel cropped alike
 
 
 def shown_size(img: Image.Image) -> Tuple[int, int]:
@@ -122,6 +127,7 @@ def decode_cropped(
     flip: bool,
     rng: Optional[np.random.Generator],
     fast_decode: bool = True,
+    keep_alpha: bool = False,
 ) -> Decoded:
     """Decode ``img`` (from :func:`open_image`), resize to cover ``out_w x out_h``, crop, maybe flip.
 
@@ -129,9 +135,10 @@ def decode_cropped(
     ``rng`` picks the random crop offset (``center_crop=False``): two draws, whatever is reported. The
     crop is taken in source coordinates and resized in one step (PIL ``resize(box=...)``): the same
     pixels as resizing the whole image and cropping, without computing the pixels that would be cropped
-    away.
+    away. ``keep_alpha``: the image's alpha channel (None without one) goes through the same geometry.
     """
     width, height = img.size
+    alpha = None
     try:
         orientation = _orientation(img)
         turned = orientation in (5, 6, 7, 8)  # stored rotated by 90 degrees: width and height swap when shown
@@ -142,9 +149,11 @@ def decode_cropped(
                 need_w, need_h = need_h, need_w
             if need_w * 2 <= width:  # at least a 2x reduction is possible: let libjpeg do it (DCT scaling)
                 img.draft("RGB", (need_w, need_h))  # picks the smallest 1/2^k scale still >= the request
+        alpha = alpha_channel(img) if keep_alpha else None
         img = _to_rgb(img)
         if orientation != 1:  # the camera's EXIF orientation: train on the picture as it is shown
             img = _orient(img, orientation)
+            alpha = _orient(alpha, orientation) if alpha is not None else None
     except ImageError:
         raise
     except Exception as exn:  # truncated or corrupt data shows up at decode time
@@ -157,6 +166,7 @@ def decode_cropped(
         top = int(rng.integers(0, rh - out_h + 1))
     sx, sy = img.width / rw, img.height / rh  # source pixels per output pixel
     box = (left * sx, top * sy, (left + out_w) * sx, (top + out_h) * sy)
+    fractions = (left / rw, top / rh, (left + out_w) / rw, (top + out_h) / rh)
     if img.size != (out_w, out_h) or box != (0, 0, out_w, out_h):
         img = img.resize((out_w, out_h), Image.BICUBIC, box=box, reducing_gap=None)
     if flip:
@@ -165,7 +175,27 @@ def decode_cropped(
     arr = np.asarray(img, dtype=np.uint8)
     if arr.shape != (out_h, out_w, 3):  # defensive: PIL modes we did not foresee
         raise ImageError("corrupt_image", f"unexpected decoded shape {arr.shape}")
-    return Decoded(arr, (int(shown_h), int(shown_w)), (int(top), int(left)))
+    out = Decoded(arr, (int(shown_h), int(shown_w)), (int(top), int(left)), fractions, bool(flip))
+    return out._replace(alpha=crop_like(alpha, out)) if alpha is not None else out
+
+
+def alpha_channel(img: Image.Image) -> Optional[Image.Image]:
+    """The alpha channel ("L") of an image that has one (RGBA, LA, PA, a palette with transparency), else None."""
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (img.mode == "P" and "transparency" in img.info):
+        return img.convert("RGBA").getchannel("A")
+    return None
+
+
+def crop_like(mask: Image.Image, decoded: Decoded) -> np.ndarray:
+    """uint8 [out_h, out_w] of a one-channel picture (a mask) of the source's shown size (any scale: the
+    crop is in fractions), cropped, resized (the same bicubic filter) and flipped as ``decoded``'s pixels."""
+    w, h = mask.size
+    x0, y0, x1, y1 = decoded.box
+    out_h, out_w = decoded.pixels.shape[:2]
+    mask = mask.resize((out_w, out_h), Image.BICUBIC, box=(x0 * w, y0 * h, x1 * w, y1 * h), reducing_gap=None)
+    if decoded.flipped:
+        mask = mask.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(mask, dtype=np.uint8)
 
 
 def to_pixel_values(images: np.ndarray):

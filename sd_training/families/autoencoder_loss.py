@@ -360,6 +360,9 @@ def validate_vae_stage(cfg) -> None:
     validate_vae_objective_config(cfg.vae_training)
     if is_latent_type(cfg.dataset.type):
         raise ConfigError("model.train_target=vae needs images: dataset.type=latents holds no pixels")
+    if cfg.dataset.params.masked_loss:
+        raise ConfigError("dataset.params.masked_loss weights the denoiser's loss on the latent grid; the autoencoder "
+                          "stage (model.train_target=vae) has no masked loss: turn it off")
     if cfg.objective != ObjectiveConfig():
         raise ConfigError("the 'objective' section applies to UNet training; remove it for model.train_target=vae")
     try:

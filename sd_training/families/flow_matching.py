@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..objective import host_seeds, sample_generators
+from ..objective import host_seeds, sample_generators, weight_elements
 from .options import FlowMatchingConfig
 
 SAMPLINGS = ("uniform", "logit_normal", "mode")
@@ -131,13 +131,16 @@ def loss_weights(cfg: FlowMatchingConfig, sigmas: torch.Tensor) -> torch.Tensor:
 
 
 def flow_loss(predict, latents: torch.Tensor, cfg: FlowMatchingConfig, scheduler, sample_seeds=None,
-              noise: torch.Tensor | None = None, sigmas: torch.Tensor | None = None, image_seq_len: int | None = None):
+              noise: torch.Tensor | None = None, sigmas: torch.Tensor | None = None, image_seq_len: int | None = None,
+              loss_weight: torch.Tensor | None = None):
     """(mean loss, per-sample losses detached, timesteps int64 for the per-quartile logs).
 
     ``predict(noisy_latents, timesteps)`` (timesteps: [B] float32 ``sigma * 1000``, what the transformer is
     given) returns the velocity prediction shaped like ``latents``. Given ``noise`` / ``sigmas`` (validation)
     are used as they are; the others are drawn (:func:`sample_sigmas`, :func:`sample_noise`). The
-    interpolation and the loss are computed in float32, also under autocast."""
+    interpolation and the loss are computed in float32, also under autocast. ``loss_weight`` (masked loss,
+    [B, 1, h, w] on the latent grid) multiplies the per-element error before the mean; Flux's ``predict``
+    unpacks its 2x2 patches, so the error is on the same [B, C, h, w] grid as the mask."""
     if sample_seeds is not None:
         sample_seeds = host_seeds(sample_seeds)  # read once
     latents = latents.float()
@@ -155,7 +158,8 @@ def flow_loss(predict, latents: torch.Tensor, cfg: FlowMatchingConfig, scheduler
     target = noise - latents
     weighting = loss_weights(cfg, s)
     # diffusers' examples: mean((weighting * (pred - target) ** 2).reshape(B, -1), 1), in float32.
-    per_sample = torch.mean((weighting * (pred.float() - target) ** 2).reshape(b, -1), 1)
+    errors = weight_elements(weighting * (pred.float() - target) ** 2, loss_weight)
+    per_sample = torch.mean(errors.reshape(b, -1), 1)
     return per_sample.mean(), per_sample.detach(), timesteps.detach().long()
 
 

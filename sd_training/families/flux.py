@@ -199,6 +199,7 @@ class Flux(Family):
     name = "flux"
     net_name = "transformer"
     pipeline_classes = ("FluxPipeline",)
+    card_tags = ("flux", "flux-diffusers")
     net_class = "FluxTransformer2DModel"
     shard_units = staticmethod(transformer_components.shard_units)
     adapter_presets = transformer_components.ADAPTER_PRESETS
@@ -288,7 +289,7 @@ class Flux(Family):
             loss, per_sample, timesteps = flow_matching.flow_loss(
                 predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
                 sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
-                image_seq_len=image_seq_len(latents))
+                image_seq_len=image_seq_len(latents), loss_weight=batch.get("loss_weight"))
         return LossOut(loss, per_sample, timesteps, None)
 
     def validation_batch(self, batch, generator, index) -> dict:

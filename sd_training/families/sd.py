@@ -152,6 +152,7 @@ UNET_ADAPTER_PRESETS = {
 class StableDiffusion(Family):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline",)
+    card_tags = ("stable-diffusion", "stable-diffusion-diffusers")
     adapter_presets = UNET_ADAPTER_PRESETS
     kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_"}
 
@@ -239,7 +240,8 @@ class StableDiffusion(Family):
             hidden, added = self.condition(batch, validation)
             loss, per_sample, timesteps = diffusion_loss(
                 model, self.models.noise_scheduler, latents, hidden, self.cfg.objective,
-                added_cond_kwargs=added, sample_seeds=batch.get("sample_seeds"), **(fixed or {}),
+                added_cond_kwargs=added, sample_seeds=batch.get("sample_seeds"), loss_weight=batch.get("loss_weight"),
+                **(fixed or {}),
             )
         return LossOut(loss, per_sample, timesteps, None)
 

@@ -136,6 +136,7 @@ class StableDiffusion3(StableDiffusion):
     name = "sd3"
     net_name = "transformer"
     pipeline_classes = ("StableDiffusion3Pipeline",)
+    card_tags = ("sd3", "sd3-diffusers")
     shard_units = staticmethod(shard_units)
     adapter_presets = ADAPTER_PRESETS
     kohya_lora_prefixes = {}  # diffusers' kohya converter names UNets and CLIPs only
@@ -292,7 +293,8 @@ class StableDiffusion3(StableDiffusion):
 
         loss, per_sample, timesteps = flow_matching.flow_loss(
             predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
-            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas)
+            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
+            loss_weight=batch.get("loss_weight"))
         return LossOut(loss, per_sample, timesteps, None)
 
     def validation_batch(self, batch, generator, index) -> dict:
