@@ -58,6 +58,14 @@ class LogWindow:
         self.q_count.index_add_(0, q, torch.ones_like(per_sample, dtype=torch.float))
 
 
+def quartile_losses(q_sum: torch.Tensor, q_count: torch.Tensor) -> dict:
+    """``loss_q0..q3``: the mean loss of the interval's samples by timestep quartile, over all ranks
+    (collective). Sums and counts are reduced, not per-rank means, so a rank without a sample in a quartile
+    does not pull its mean to 0; a quartile no sample fell in is left out."""
+    q = distributed.all_reduce_mean(torch.cat([q_sum, q_count])).tolist()  # the rank count cancels in the ratio
+    return {f"loss_q{i}": q[i] / q[4 + i] for i in range(4) if q[4 + i] > 0}
+
+
 class StepMetrics:
     """Turns a :class:`LogWindow` into a metrics row (all ranks: the loss is averaged over them) that rank 0
     logs to the trackers and as one line."""
@@ -84,8 +92,7 @@ class StepMetrics:
         n_images = w.steps * self.plan.global_batch
         metrics = {"loss": loss, **extra}
         if self.family.num_timesteps is not None:
-            q = distributed.all_reduce_mean(w.q_sum / w.q_count.clamp(min=1)).tolist()
-            metrics.update({f"loss_q{i}": q[i] for i in range(4)})
+            metrics.update(quartile_losses(w.q_sum, w.q_count))
         for k, v in w.parts.items():  # this rank's mean (the total loss above is the all-rank one)
             metrics[f"{self.family.metric_prefix}{k}"] = float(v) / max(w.parts_count, 1)
         per_sec = n_images / max(w.step_time, 1e-9)
