@@ -10,6 +10,9 @@ on top of an old one, every step logged once after a resume).
       current_pipeline_ema/     the same with EMA weights (model.use_ema=True)
       pipelines/step_<N>[_ema]/ every export, when experiment.save_only_most_recent=False
       samples/step_<N>.png      sample grid of each export
+      report.html               the run report (experiment.report): summary, plots, sample grids over time;
+                                one self-contained file, refreshed at every export
+      report/                   the report's plots as PNGs (report/<panel>.png)
       eval/step_<N>/            eval images of each export; eval/results/ their FID / CLIP scores
       tensorboard/              event files (experiment.tensorboard)
       wandb/                    wandb's files (offline runs sync from here)
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 STEP_RE = re.compile(r"^step_(\d{8,})$")
+GRID_RE = re.compile(r"^step_(\d{8,})(.*)\.png$")  # samples/step_<N><suffix>.png
 
 
 def step_name(step: int) -> str:
@@ -106,6 +110,14 @@ class RunDir:
         return self.root / "tensorboard"
 
     @property
+    def report_html(self) -> Path:
+        return self.root / "report.html"
+
+    @property
+    def report_assets(self) -> Path:
+        return self.root / "report"
+
+    @property
     def eval_results(self) -> Path:
         return self.root / "eval" / "results"
 
@@ -127,6 +139,14 @@ class RunDir:
 
     def sample_grid(self, step: int, suffix: str = "") -> Path:
         return self.samples / f"{step_name(step)}{suffix}.png"
+
+    def sample_grids(self) -> list[tuple[int, str, Path]]:
+        """The sample grids written so far as (step, suffix, path), by step (suffix: '' for the main weights,
+        '_raw' / '_ema' for the second of experiment.sample_from=both)."""
+        if not self.samples.is_dir():
+            return []
+        found = [(int(m.group(1)), m.group(2), p) for p in self.samples.iterdir() if (m := GRID_RE.match(p.name))]
+        return sorted(found, key=lambda t: (t[0], t[1]))
 
     def eval_images(self, step: int) -> Path:
         return self.root / "eval" / step_name(step)

@@ -124,6 +124,7 @@ class ExperimentConfig:
     record_sample_keys: bool = f(False, "write the keys of every step's samples to sample_keys/rank_<N>.jsonl (which data each step trained on; compare runs and layouts)")
     progress_bar: str = f("auto", "live progress bar (auto: on an interactive terminal, not under SLURM batch; yes/no/true/false mean on/off)", choices=("auto", "on", "off"))
     tensorboard: bool = f(False, "also write tensorboard event files to <run>/tensorboard")
+    report: bool = f(True, "rank 0 rewrites <run>/report.html at every export: a self-contained page (summary, loss by timestep quartile, validation loss, lr, images/s per device, MFU, data wait, mixture shares, gradient norm, skipped steps; the sample grids over time), its plots also as PNGs in <run>/report/. Needs matplotlib (pip install 'sd-training[plots]'; without it: one warning, no report); a failure to draw is a warning, training goes on")
     peak_tflops: Optional[float] = f(None, "peak dense TFLOP/s of one device for MFU (None: the A100/H100/H200 table; CPU: no MFU)", gt=0)
     sample_prompts: List[str] = f(
         ["a photo of a cat", "a red circle on a blue background", "a painting of a lighthouse at sunset"],
