@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import adapters, distributed
+from . import adapters, distributed, report
 from .config.schema import TrainConfig
 from .data import build_train_loader
 from .distributed import DistInfo
@@ -96,6 +96,7 @@ class RunOutputs:
                 log.info("exported pipeline %s", out)
             for w in samples_from:
                 self._write_samples(step, plain[w], suffix="" if w == samples_from[0] else f"_{w}")
+            report.refresh_after_export(self.cfg, self.run_dir.root, self.family, self.info.world_size)
         distributed.barrier()
         if self.family.makes_eval_images:
             self._write_eval_images(step, plain[samples_from[0]])
