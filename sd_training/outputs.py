@@ -1,7 +1,7 @@
-"""What a run leaves behind besides checkpoints: the held-out validation loss, exported pipelines,
-sample grids, eval images and their FID / CLIP scores. :class:`RunOutputs` is built by the ``Trainer``
-with everything it reads passed in: the config, the family, the strategy, the run folder, the trackers
-and the ranks."""
+"""What a run leaves behind besides checkpoints: the held-out validation loss, exported pipelines (each
+with its model card, :mod:`.model_card`), sample grids, eval images and their FID / CLIP scores.
+:class:`RunOutputs` is built by the ``Trainer`` with everything it reads passed in: the config, the family,
+the strategy, the run folder, the trackers and the ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import adapters, distributed, report
+from . import adapters, distributed, model_card, report
 from .config.schema import TrainConfig
 from .data import build_train_loader
 from .distributed import DistInfo
@@ -21,10 +21,12 @@ from .evaluation.evaluate import EvalSettings, evaluate_images
 from .evaluation.fid import image_files
 from .export import read_prompts
 from .families.base import Family, SampleSettings
+from .optim import lr_scale
 from .parallel import Strategy
 from .precision import autocast
 from .run_dir import RunDir, copy_dir_atomically
 from .trackers import Trackers
+from .train_state import Plan, TrainState
 
 log = logging.getLogger("sd_training.loop")
 
@@ -46,13 +48,17 @@ class RunOutputs:
     """Validation, exports, samples and evaluation of a run."""
 
     def __init__(self, cfg: TrainConfig, family: Family, strategy: Strategy, run_dir: RunDir, info: DistInfo,
-                 trackers: Trackers | None, autocast_dtype: torch.dtype | None, val_batches: list[dict] | None):
+                 trackers: Trackers | None, autocast_dtype: torch.dtype | None, val_batches: list[dict] | None,
+                 state: TrainState | None = None):
         """``trackers``: rank 0's (None elsewhere); ``val_batches``: :func:`validation_batches` (None: no
-        validation)."""
+        validation); ``state``: the run's counters (the model cards' images seen; None: steps x global batch).
+        The model card template is rendered once here: a broken one stops the run before it trains."""
         self.cfg, self.family, self.strategy, self.run_dir, self.info = cfg, family, strategy, run_dir, info
-        self.device = info.device
+        self.device, self.state = info.device, state
         self.trackers, self.autocast_dtype, self.val_batches = trackers, autocast_dtype, val_batches
         self.evaluator = None  # background FID / CLIP scoring (evaluation.asynchronous), started at the first
+        self.card_run = self._card_run()
+        model_card.check_template(self.card_run, run_dir.pipeline(None))
 
     @torch.no_grad()
     def validate(self, step: int, model: torch.nn.Module) -> None:
@@ -86,16 +92,21 @@ class RunOutputs:
         if "ema" in needed:
             plain["ema"] = self._ema_net(net, ema, plain.get("raw"))
         if self.info.is_main:
+            exported = []
             for w in weights:
                 out = self.run_dir.pipeline(None, ema=w == "ema")
                 metrics = self._export(plain[w], out)
                 if metrics:
                     self.trackers.log(metrics, step)
+                exported.append((w, out))
+            grids = {w: self._write_samples(step, plain[w], suffix="" if w == samples_from[0] else f"_{w}")
+                     for w in samples_from}
+            for w, out in exported:
+                self._write_card(step, w, out, grids)  # the card embeds this export's sample grid
                 if not self.cfg.experiment.save_only_most_recent:
                     copy_dir_atomically(out, self.run_dir.pipeline(step, ema=w == "ema"))
+                    self._write_card(step, w, self.run_dir.pipeline(step, ema=w == "ema"), grids)
                 log.info("exported pipeline %s", out)
-            for w in samples_from:
-                self._write_samples(step, plain[w], suffix="" if w == samples_from[0] else f"_{w}")
             report.refresh_after_export(self.cfg, self.run_dir.root, self.family, self.info.world_size)
         distributed.barrier()
         if self.family.makes_eval_images:
@@ -116,6 +127,24 @@ class RunOutputs:
         a = self.cfg.model.adapter
         return adapters.export(self.family.adapters, self.family, net, out, a.export_merged, a.export_kohya)
 
+    # -- model cards ----------------------------------------------------------------------------------
+    def _card_run(self) -> model_card.RunInfo:
+        cfg, fam = self.cfg, self.family
+        global_batch = Plan.make(cfg, self.info.world_size).global_batch
+        scale = lr_scale(cfg.optimizer, global_batch)
+        own = cfg.model.adapter.learning_rate if cfg.model.adapter.enabled else None
+        peak = (own if own is not None else cfg.optimizer.params.learning_rate) * scale
+        source = fam.component_sources().get(fam.net_name, {}).get("source")
+        return model_card.RunInfo(cfg, fam.name, tuple(fam.card_tags), fam.net_name, source, fam.samples_tag,
+                                  global_batch, self.info.world_size, peak, self.run_dir.metrics)
+
+    def _write_card(self, step: int, weights: str, folder: Path, grids: dict) -> None:
+        """The export's README.md with the grid of its own weights (else the main grid)."""
+        shown = weights if grids.get(weights) else next((w for w, g in grids.items() if g), weights)
+        seen = self.state.images_seen if self.state is not None else step * self.card_run.global_batch
+        model_card.write(self.card_run, model_card.ExportInfo(folder, self.family.adapters is not None, weights, step,
+                                                              seen, grids.get(shown), shown))
+
     @staticmethod
     def _weights(choice: str, ema, default_both: bool) -> list[str]:
         """'auto' | 'raw' | 'ema' | 'both' -> the weights to use, first = the main one."""
@@ -131,17 +160,19 @@ class RunOutputs:
         return SampleSettings(list(cfg.sample_prompts or []), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
                               cfg.sample_guidance_scale, resolution, self.family.sample_dtype(self.autocast_dtype))
 
-    def _write_samples(self, step: int, net, suffix: str = "") -> None:
+    def _write_samples(self, step: int, net, suffix: str = "") -> Path | None:
+        """The sample grid of ``net`` (None: the family makes none)."""
         if next(net.parameters()).device != self.device:  # an EMA kept on the CPU (model.ema.device=cpu)
             net = copy.deepcopy(net).to(self.device)
         # Sampling draws from its own generators; the training RNG stream is left untouched.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             grid = self.family.sample_image(net, self._sample_settings())
         if grid is None:
-            return
+            return None
         path = self.run_dir.sample_grid(step, suffix)
         grid.save(path)
         self.trackers.log_image(f"{self.family.samples_tag}{suffix}", path, step)
+        return path
 
     def _write_eval_images(self, step: int, net) -> None:
         """``num_eval_images`` images from the eval prompts, split across ranks (collective)."""

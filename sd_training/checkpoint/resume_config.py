@@ -34,7 +34,7 @@ MAY_CHANGE = (
     "experiment.peak_tflops", "experiment.max_nonfinite_steps", "experiment.export_weights", "experiment.log_dir",
     "evaluation.", "validation.", "wandb.", "quickstart.", "system.workers", "dataset.params.workers",
     "system.device", "system.tf32", "system.stop_timeout_s", "distributed.timeout_minutes", "distributed.dist_url", "distributed.dist_backend",
-    "distributed.flag_sync_every", "experiment.progress_bar", "experiment.record_sample_keys",
+    "distributed.flag_sync_every", "experiment.progress_bar", "experiment.record_sample_keys", "experiment.model_card_",
     # How the same training is laid out over the ranks (elastic resume: checkpoints reshard between them).
     "distributed.strategy", "distributed.bucket_cap_mb", "distributed.static_graph", "distributed.fsdp_unit",
     "distributed.fsdp_cpu_offload", "distributed.reshard_after_forward",

@@ -84,6 +84,10 @@ class Autoencoder(Family):
     def component_sources(self) -> dict:
         return self.base.component_sources()
 
+    @property
+    def card_tags(self) -> tuple[str, ...]:
+        return self.base.card_tags
+
     def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
         pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
         if validation:  # a fixed posterior sample per held-out batch: comparable across steps and restarts

@@ -85,6 +85,7 @@ class Family(abc.ABC):
     samples_tag = "samples"  # wandb key of the sample grid
     makes_eval_images = True  # experiment.num_eval_images applies
     metric_prefix = ""  # prefix of the named loss terms in the logs
+    card_tags: tuple[str, ...] = ()  # Hub tags of the exports' model cards (sd_training.model_card), as diffusers' own
     # FSDP2: (module, distributed.fsdp_unit) -> the submodules sharded separately, innermost first
     shard_units = None
     # The trained module's diffusers class name, for the memory plan at config load of from-scratch

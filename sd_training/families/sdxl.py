@@ -117,6 +117,7 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor, input_
 class StableDiffusionXL(StableDiffusion):
     name = "sdxl"
     pipeline_classes = ("StableDiffusionXLPipeline",)
+    card_tags = ("stable-diffusion-xl", "stable-diffusion-xl-diffusers")
     kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 
     @classmethod
