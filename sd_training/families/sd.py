@@ -153,7 +153,6 @@ class StableDiffusion(Family):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline",)
     card_tags = ("stable-diffusion", "stable-diffusion-diffusers")
-    card_tags = ("stable-diffusion", "stable-diffusion-diffusers")
     adapter_presets = UNET_ADAPTER_PRESETS
     kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_"}
 

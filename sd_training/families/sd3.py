@@ -137,7 +137,6 @@ class StableDiffusion3(StableDiffusion):
     net_name = "transformer"
     pipeline_classes = ("StableDiffusion3Pipeline",)
     card_tags = ("sd3", "sd3-diffusers")
-    card_tags = ("sd3", "sd3-diffusers")
     shard_units = staticmethod(shard_units)
     adapter_presets = ADAPTER_PRESETS
     kohya_lora_prefixes = {}  # diffusers' kohya converter names UNets and CLIPs only
