@@ -195,7 +195,7 @@ def crop_like(mask: Image.Image, decoded: Decoded) -> np.ndarray:
     mask = mask.resize((out_w, out_h), Image.BICUBIC, box=(x0 * w, y0 * h, x1 * w, y1 * h), reducing_gap=None)
     if decoded.flipped:
         mask = mask.transpose(Image.FLIP_LEFT_RIGHT)
-    return np.asarray(mask, dtype=np.uint8)
+    return np.array(mask, dtype=np.uint8)  # writable (torch's worker transfer converts it)
 
 
 def to_pixel_values(images: np.ndarray):
