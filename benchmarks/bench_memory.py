@@ -95,6 +95,15 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=None, help="steps per mode, the first untimed (default: 6 cuda, 3 cpu)")
     p.add_argument("--precision", default="bf16", help="model.mixed_precision: bf16 | fp16 | no")
     p.add_argument("--ema", action="store_true", help="model.use_ema on the device (default: off)")
+    p.add_argument("--compile", default="none", choices=("none", "auto", "blocks", "whole"),
+                   help="model.compile with this model.compile_scope (the first, untimed step compiles)")
+    p.add_argument("--compile-mode", default="default",
+                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                   help="model.compile_mode (reduce-overhead: CUDA graphs)")
+    p.add_argument("--channels-last", default="auto", choices=("auto", "on", "off"), help="model.channels_last")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="after the steps, time two asynchronous resume checkpoints: how long training waits for "
+                        "each (goal for full-size SDXL: under 3 s) and how long the write to disk takes")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one mode may take (set-up included)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on the CPU)")
     p.add_argument("--work", default=None, help="folder for the pipeline, shards and runs (default: a temporary one)")
@@ -173,6 +182,8 @@ def run_mode(mode: str, args, work: Path, pipeline: Path, shards: str) -> dict:
            "--batch", str(args.batch), "--steps", str(args.steps), "--precision", args.precision,
            "--resolution", str(args.resolution), "--work", str(work), "--out", str(out)]
     cmd += ["--model", args.model, "--models", str(Path(args.models).resolve())] + (["--ema"] if args.ema else []) + (["--threads", str(args.threads)] if args.threads else [])
+    cmd += ["--compile", args.compile, "--compile-mode", args.compile_mode, "--channels-last", args.channels_last]
+    cmd += ["--checkpoint"] if args.checkpoint else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                HF_HUB_OFFLINE="1", WANDB_MODE="disabled", BENCH_PIPELINE=str(pipeline), BENCH_SHARDS=shards)
     t0 = time.perf_counter()
@@ -231,6 +242,7 @@ def write_result(args, spec: dict, modes: list[str], results: dict, prepare_s: f
         "model": args.model, "model_what": " ".join(str(spec.get("what", "")).split()), "family": spec["family"],
         "device": args.device, "resolution": args.resolution, "batch": args.batch, "steps": args.steps,
         "precision": args.precision, "gradient_checkpointing": True, "ema": args.ema,
+        "levers": {"compile": args.compile, "compile_mode": args.compile_mode, "channels_last": args.channels_last},
         "modes": {m: MODES[m][0] for m in modes}, "goals_gib_allocated": spec.get("goals") or {},
         "prepare_s": prepare_s, "results": results, "summary": {m: summary_row(r) for m, r in results.items()},
         "load_average": {"start": load_start, "end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -256,7 +268,8 @@ def summary_row(r: dict) -> dict:
     return {"peak_gib": peak, "peak_what": "allocated" if "peak_allocated_gib" in m else "process RSS",
             "reserved_gib": m.get("peak_reserved_gib"), "plan_total_gib": plan["total"],
             "plan_over_peak": plan["total"] / peak if peak else None, "images_per_sec": r["images_per_sec"],
-            "trained_params": m["trained_params"]}
+            "trained_params": m["trained_params"],
+            **({"checkpoint_stall_s": r["checkpoint"]["stall_s"]} if "checkpoint" in r else {})}
 
 
 def table(result: dict) -> str:
@@ -272,6 +285,8 @@ def table(result: dict) -> str:
         reserved = f"{s['reserved_gib']:10.2f}" if s["reserved_gib"] is not None else f"{'-':>10}"
         lines.append(f"  {mode:<26}{s['peak_gib']:10.2f}{reserved}{s['plan_total_gib']:10.2f}{s['plan_over_peak']:10.2f}"
                      f"{s['images_per_sec']:8.2f}{s['trained_params']:14,}  {goal}")
+        if "checkpoint_stall_s" in s:
+            lines.append(f"  {'':<26}checkpoint: training waited {s['checkpoint_stall_s']:.2f} s per save (goal < 3 s)")
     lines.append("  (peak: CUDA max_memory_allocated over the steps; on the CPU the process's peak RSS, libraries included)")
     return "\n".join(lines)
 
@@ -310,8 +325,11 @@ def make_trainer(args, spec: dict, mode: str):
         "model.use_ema": bool(args.ema),
         "dataset.params.path": os.environ["BENCH_SHARDS"], "dataset.params.resolution": args.resolution,
         "dataset.params.resampled": True, "wandb.mode": "disabled", "lr_scheduler.params.warmup_length": 0,
+        "model.channels_last": args.channels_last, "model.compile": args.compile != "none",
         **MODES[mode][1](spec),
     }
+    if args.compile != "none":
+        overrides.update({"model.compile_scope": args.compile, "model.compile_mode": args.compile_mode})
     yaml_text = None
     if spec.get("net"):  # the trainer builds the net from scratch (random weights) from its config
         yaml_text = json.dumps({"model": {FAMILIES[spec["family"]].net_name: {"params": spec["net"]}}})
@@ -320,6 +338,29 @@ def make_trainer(args, spec: dict, mode: str):
     trainer = Trainer(cfg, distributed.setup(args.device, one_rank_group=cfg.distributed.strategy == "fsdp"))
     trainer.setup()
     return trainer
+
+
+def checkpoint_stall(trainer, step_s: float | None, saves: int = 2) -> dict:
+    """Two asynchronous resume checkpoints of the trained state, timed as a run sees them: the staging
+    buffers' background allocation (started after the first optimizer step) is waited for first, as a run
+    saving every few hundred steps never sees it; each save's ``stall_s`` is how long the training thread
+    waited, ``save_s`` until the checkpoint was complete on disk."""
+    store = trainer.checkpoints.store
+    out = {"asynchronous": store.asynchronous, "reserve_wait_s": store.wait_reserved(), "saves": []}
+    for _ in range(saves):
+        t0 = time.perf_counter()
+        trainer.checkpoints.save()
+        stall = store.last_stall_s
+        trainer.checkpoints.wait()
+        folder = store.latest()
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder else 0
+        out["saves"].append({"stall_s": stall, "save_s": time.perf_counter() - t0, "bytes": size})
+        trainer.state.step += 1  # the next save is a new step folder
+    out["stall_s"] = max(s["stall_s"] for s in out["saves"])
+    out["goal_s"] = 3.0
+    out["within_goal"] = out["stall_s"] < out["goal_s"]
+    out["stall_in_steps"] = out["stall_s"] / step_s if step_s else None
+    return out
 
 
 def tensor_bytes(tensors) -> int:
@@ -419,6 +460,8 @@ def child(args) -> dict:
             "ema": [row["ema"], measured["ema_bytes"] / GIB],
         },
     }
+    if args.checkpoint:
+        result["checkpoint"] = checkpoint_stall(trainer, step_s)
     trainer.trackers.close()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     from sd_training import distributed

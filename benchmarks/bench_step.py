@@ -75,6 +75,9 @@ def parse(argv):
                    help="SD section: first the eager NCHW row (no compile, channels-last off), then the chosen levers")
     p.add_argument("--compile", nargs="?", const="auto", default="none", choices=("none", "auto", "blocks", "whole"),
                    help="model.compile for our step, with this model.compile_scope (auto: the family's; blocks; whole)")
+    p.add_argument("--compile-mode", default="default",
+                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                   help="model.compile_mode with --compile (reduce-overhead: CUDA graphs)")
     p.add_argument("--compile-cache", default=None, help="model.compile_cache: folder of the compiler's cache artifacts")
     p.add_argument("--channels-last", default="auto", choices=("auto", "on", "off"), help="model.channels_last")
     p.add_argument("--profile", action="store_true", help="device time by kernel kind (torch.profiler)")
@@ -99,6 +102,7 @@ def levers(args, baseline: bool = False) -> dict:
     out = {"model.channels_last": args.channels_last, "model.compile": str(args.compile != "none").lower()}
     if args.compile != "none":
         out["model.compile_scope"] = args.compile
+        out["model.compile_mode"] = args.compile_mode
         if args.compile_cache:
             out["model.compile_cache"] = args.compile_cache
     return out
@@ -386,7 +390,8 @@ def sd_row(trainer, args, device: torch.device, res: int, batch: int) -> dict:
     m = trainer.cfg.model
     row = {
         "resolution": res, "batch": batch, "median_step_s": statistics.median(times), "images_per_sec": ips,
-        "compile": compile_scope(trainer) if m.compile else "none", "channels_last": uses_channels_last(m, device),
+        "compile": compile_scope(trainer) if m.compile else "none", "compile_mode": m.compile_mode,
+        "channels_last": uses_channels_last(m, device),
         "first_step_s": first, "warmup_s": first + sum(warm),
         "compile_warmup_s": first - statistics.median(times) if m.compile else None,
         "model_tflops_per_image": step_flops.model / 1e12, "hardware_tflops_per_image": step_flops.hardware / 1e12,
@@ -431,7 +436,7 @@ def main(argv=None) -> dict:
             "batch": args.batch, "resolution": args.resolution, "precision": args.precision,
             "warmup": args.warmup, "trials": args.trials, "steps_per_trial": args.steps,
         }
-        result["levers"] = {"compile": args.compile, "compile_cache": args.compile_cache,
+        result["levers"] = {"compile": args.compile, "compile_mode": args.compile_mode, "compile_cache": args.compile_cache,
                             "channels_last": args.channels_last, "sd_baseline": args.sd_baseline}
         if not args.sd_only:
             result["overhead"], trainer, batch = bench_overhead(root, pipeline, shards, args)

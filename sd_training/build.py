@@ -82,8 +82,22 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     if cfg.model.compile:
         family.compile_cache = compile_cache.for_run(cfg.model.compile_cache, run_dir.root, device, info.is_main)
         family.compile_cache.load()  # before anything compiles
-        model = compile_model(model, family, net, cfg.model.compile_scope)
+        mode = cfg.model.compile_mode
+        if mode in ("reduce-overhead", "max-autotune") and device.type != "cuda":
+            log.info("model.compile_mode=%s: CUDA graphs apply on CUDA only; on %s it compiles as %s", mode,
+                     device.type, "max-autotune-no-cudagraphs" if mode == "max-autotune" else "default")
+        options = {} if mode == "default" else {"mode": mode}
+        model = compile_model(model, family, net, cfg.model.compile_scope, **options)
     return ModelParts(family, net, ema, strategy, model, dtype, scaler)
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
+
+
+def new_cuda_graph_step(*_args) -> None:
+    """Each forward of the trained net starts a new CUDA-graph generation: graphs reuse their output
+    buffers, and the last step's outputs (a loss kept for the log) stay valid until the next forward."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def compile_model(model: torch.nn.Module, family: Family, net: torch.nn.Module, scope: str = "blocks",
@@ -99,7 +113,12 @@ def compile_model(model: torch.nn.Module, family: Family, net: torch.nn.Module, 
     units = family.compile_units(net) if scope == "blocks" else None
     if units is None:
         log.info("model.compile: the whole %s compiled as one graph", family.net_name)
-        return torch.compile(model, **options)
+        compiled = torch.compile(model, **options)
+        if options.get("mode") in CUDA_GRAPH_MODES:
+            compiled.register_forward_pre_hook(new_cuda_graph_step)  # outside the graph: on the wrapper
+        return compiled
+    if options.get("mode") in CUDA_GRAPH_MODES:
+        net.register_forward_pre_hook(new_cuda_graph_step)  # the net itself is not compiled, its units are
     # Dynamo keeps at most recompile_limit graphs per function (then runs it eager): a UNet's ResNet blocks
     # are one function with a graph per shape, up to one per unit.
     dynamo = torch._dynamo.config

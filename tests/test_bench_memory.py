@@ -57,7 +57,7 @@ def test_bench_memory_runs_its_modes_on_the_cpu_and_the_plan_matches_the_trainer
     if importlib.util.find_spec("bitsandbytes") is not None:
         modes.append("adam8bit+opt_in_backward")
     proc = subprocess.run([sys.executable, "benchmarks/bench_memory.py", "--device", "cpu", "--mode", ",".join(modes),
-                           "--steps", "2", "--resolution", "32", "--work", str(work), "--out", str(out)],
+                           "--steps", "2", "--resolution", "32", "--work", str(work), "--out", str(out), "--checkpoint"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -81,6 +81,15 @@ def test_bench_memory_runs_its_modes_on_the_cpu_and_the_plan_matches_the_trainer
     summary = result["summary"]
     assert summary["lora"]["plan_total_gib"] < summary["full"]["plan_total_gib"]
     assert "lora" in proc.stdout and "plan/peak" in proc.stdout
+    assert result["levers"] == {"compile": "none", "compile_mode": "default", "channels_last": "auto"}
+    # --checkpoint: two asynchronous resume checkpoints after the steps, each timed (stall and write)
+    for r in (lora, full):
+        ck = r["checkpoint"]
+        assert ck["asynchronous"] and len(ck["saves"]) == 2 and ck["stall_s"] == max(s["stall_s"] for s in ck["saves"])
+        assert all(0 <= s["stall_s"] <= s["save_s"] for s in ck["saves"])
+        assert summary[r["mode"]]["checkpoint_stall_s"] == ck["stall_s"] and "training waited" in proc.stdout
+    # the full fine-tune's checkpoint holds at least its fp32 weights and AdamW's two moments
+    assert min(s["bytes"] for s in full["checkpoint"]["saves"]) >= 3 * full["measured"]["trained_bytes"]
     # The single-GPU full fine-tunes: every weight trains in each.
     res = result["results"]
     for mode in modes[2:]:

@@ -318,6 +318,7 @@ def test_bench_step_sd_rows_with_levers_baseline_and_profile(tmp_path):
     assert "overhead" not in out and out["levers"]["channels_last"] == "on"
     first, levers = out["sd1_unet"]
     assert first["variant"] == "eager_nchw" and first["channels_last"] is False and first["compile"] == "none"
+    assert first["compile_mode"] == "default" and out["levers"]["compile_mode"] == "default"
     assert levers["channels_last"] is True and levers["speedup_vs_first"] > 0
     for row in (first, levers):
         assert row["first_step_s"] > 0 and row["warmup_s"] >= row["first_step_s"] and row["compile_warmup_s"] is None

@@ -39,7 +39,7 @@ MAY_CHANGE = (
     "distributed.strategy", "distributed.bucket_cap_mb", "distributed.static_graph", "distributed.fsdp_unit",
     "distributed.fsdp_cpu_offload", "distributed.reshard_after_forward",
     # How the same computation is laid out and compiled (the memory format, the compiled regions, their cache).
-    "model.channels_last", "model.compile_scope", "model.compile_cache",
+    "model.channels_last", "model.compile_scope", "model.compile_mode", "model.compile_cache",
 )
 # Keys whose new value takes effect on resume, said in the log.
 APPLIED = ("optimizer.params.learning_rate", "lr_scheduler.params.learning_rate")

@@ -21,6 +21,7 @@ from .fields import ComponentConfig, f
 PRECISIONS = ("no", "bf16", "fp16")  # model.mixed_precision: the step's compute precision
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")  # a frozen component's stored weights (besides auto)
 SCHEDULERS = ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup")
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd", "prodigy", "lion", "adamw_schedulefree", "came")
 
 
 @dataclass
@@ -143,18 +144,22 @@ class ExperimentConfig:
 
 @dataclass
 class OptimizerParams:
-    learning_rate: float = f(1e-4, "peak learning rate")
-    beta1: float = f(0.9, "AdamW beta1", le=1)
-    beta2: float = f(0.999, "AdamW beta2", le=1)
-    weight_decay: float = f(0.01, "decoupled weight decay (AdamW)")
-    epsilon: float = f(1e-8, "AdamW epsilon", gt=0)
+    learning_rate: float = f(1e-4, "peak learning rate (prodigy: the multiplier of the step size it estimates, 1.0; below 0.1 is refused)")
+    beta1: float = f(0.9, "first-moment decay (adamw, adamw8bit, prodigy, adamw_schedulefree: its interpolation; lion: the update's; came)", le=1)
+    beta2: float = f(0.999, "second-moment decay (adamw, adamw8bit, prodigy, adamw_schedulefree, came; lion: its momentum's, 0.99 in the paper)", le=1)
+    beta3: Optional[float] = f(None, "came: the residual's decay (None: 0.9999); prodigy: the decay of its step-size estimate (None: sqrt(beta2))", le=1)
+    weight_decay: float = f(0.01, "weight decay, decoupled (adamw, adamw8bit, prodigy, lion, came; adamw_schedulefree: at the interpolated point, as its authors do)")
+    epsilon: float = f(1e-8, "denominator epsilon (adamw, adamw8bit, prodigy, adamw_schedulefree)", gt=0)
     momentum: float = f(0.0, "SGD momentum")
+    d_coef: float = f(1.0, "prodigy: multiplies its estimated step size d (below 1: smaller steps, e.g. 0.5 against overfitting; above 1: larger)", gt=0)
+    use_bias_correction: bool = f(False, "prodigy: Adam's bias correction of the moments (its authors advise it for diffusion fine-tunes)")
+    safeguard_warmup: bool = f(False, "prodigy: keep the LR warmup out of the step-size estimate (its authors advise it with lr_scheduler warmup)")
     max_grad_norm: Optional[float] = f(1.0, "clip the gradient norm to this after accumulation (None: no clipping)")
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = f("adamw", "the optimizer (adamw8bit: bitsandbytes)", choices=("adamw", "adamw8bit", "adafactor", "sgd"))
+    name: str = f("adamw", "the optimizer (adamw8bit: bitsandbytes; prodigy, lion, adamw_schedulefree, came: pytorch-optimizer). prodigy: learning_rate 1.0 (it estimates the step size; ddp or one process); lion: an LR 3-10x below AdamW's, weight decay 3-10x above; adamw_schedulefree: a constant LR after warmup (no decay), exports its averaged weights; came: ddp or one process", choices=OPTIMIZERS)
     params: OptimizerParams = f(OptimizerParams, "optimizer hyper-parameters")
     implementation: str = f("auto", "adamw kernels (auto: fused on CUDA, for_loop on CPU)", choices=("auto", "fused", "foreach", "for_loop"))
     nesterov: bool = f(False, "sgd: Nesterov momentum")
@@ -231,6 +236,11 @@ class CommonModelFields:
                            "reused by blocks of one shape); whole: the whole loss module as one graph (fewest graph "
                            "breaks); auto: the family's choice (UNets: whole; transformers: blocks)",
                            choices=("auto", "blocks", "whole"))
+    compile_mode: str = f("default", "model.compile: torch.compile's mode. reduce-overhead adds CUDA graphs (one launch "
+                          "per graph instead of one per kernel; CUDA only: on the CPU it compiles as default; more "
+                          "memory), max-autotune also searches kernel configurations (a longer warm-up), "
+                          "max-autotune-no-cudagraphs the search alone",
+                          choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     fp8: bool = f(False, "train the Linear layers of the net's repeated blocks (the transformer blocks) in float8 with "
                   "torchao (sd_training.fp8; FP8 GPUs: H100, L40S, RTX 4090; pays with model.compile)")
     compile_cache: Optional[str] = f(None, "model.compile: folder of the compiler's cache artifacts (torch >= 2.7 "

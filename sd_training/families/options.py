@@ -129,6 +129,9 @@ def check(cfg) -> None:
     """Rules of these sections that need no family code (``cfg``: the whole ``TrainConfig``)."""
     if cfg.model.train_target != "vae" and cfg.vae_training != VAEObjectiveConfig():
         raise ConfigError("the 'vae_training' section applies to model.train_target=vae only")
+    if cfg.model.compile_mode != "default" and not cfg.model.compile:
+        raise ConfigError(f"'model.compile_mode' is {cfg.model.compile_mode} but model.compile is false: set "
+                          "model.compile=true to compile, or remove model.compile_mode")
     check_adapter(cfg)
 
 
