@@ -171,6 +171,39 @@ def test_bad_masks_are_skipped_counted_and_named(tmp_path, caplog):
     assert "bad.tar sample 'not_an_image'" in text
 
 
+def test_exif_turned_images_take_masks_as_shown(tmp_path):
+    """A PNG stored turned with EXIF orientation 6 (shown 90 degrees clockwise): its mask is of the picture as
+    shown, and lands where the shown picture is red; a mask of the stored (unturned) size is refused with a hint."""
+    samples = []
+    for i in range(8):
+        key, data, caption, _, mask = masked_square_sample(i, (96, 64), seed=5)
+        shown = Image.open(io.BytesIO(data))
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        buf = io.BytesIO()
+        shown.transpose(Image.Transpose.ROTATE_90).save(buf, format="PNG", exif=exif)  # stored turned back
+        bad = Image.open(io.BytesIO(mask)).transpose(Image.Transpose.ROTATE_90)  # the stored picture's size
+        m = io.BytesIO()
+        bad.save(m, format="PNG")
+        samples.append({"__key__": key, "png": buf.getvalue(), "txt": caption,
+                        "mask.png": mask if i < 6 else m.getvalue()})
+    shard = write_tar(str(tmp_path / "exif.tar"), samples)
+    ld = loader(shard, shuffle_buffer=1, **{**GEOMETRY, "batch_size": 3})
+    assert_aligned(take(ld, 2))
+    assert all(b.shape[2:] == (48, 80) for b in [x["pixel_values"] for x in take(ld, 2)])  # shown landscape
+    ld = loader(shard, shuffle_buffer=1, **{**GEOMETRY, "batch_size": 1})
+    take(ld, 7)  # the 7th batch, of the next epoch, carries the counts of the last two samples' skips
+    assert ld.stats()["skipped/mask_size_mismatch"] == 2
+
+
+def test_the_autoencoder_stage_refuses_masked_loss(tmp_path, tiny_pipeline, shapes_shards):
+    from sd_training.config import ConfigError
+
+    with pytest.raises(ConfigError, match="autoencoder stage .* has no masked loss"):
+        load(train_args(tmp_path, tiny_pipeline, shapes_shards, model__train_target="vae",
+                        dataset__params__masked_loss="true"))
+
+
 @pytest.mark.parametrize("override, message", [
     ({"type": "latents", "masked_loss": True}, "latent shards store no mask"),
     ({"mask_from_alpha": True}, "only applies with dataset.params.masked_loss=true"),
