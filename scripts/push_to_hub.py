@@ -41,10 +41,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("folder", help="an exported pipeline (model_index.json) or LoRA folder "
                     "(pytorch_lora_weights.safetensors), e.g. runs/NAME/current_pipeline")
     ap.add_argument("--repo", required=True, help="the Hub repository, NAME or OWNER/NAME")
-    ap.add_argument("--private", action="store_true", help="create the repository private (an existing one stays as it is)")
+    ap.add_argument("--private", action="store_true",
+                    help="create the repository private (an existing one stays as it is)")
     ap.add_argument("--dry-run", action="store_true", help="list what would be sent; no token, no network")
-    ap.add_argument("--revision", default=None, help="the branch to commit to (created from main when missing; default: main)")
-    ap.add_argument("--commit-message", default=None, help="the commit's message (default: 'Upload <folder> with sd-training')")
+    ap.add_argument("--revision", default=None,
+                    help="the branch to commit to (created from main when missing; default: main)")
+    ap.add_argument("--commit-message", default=None,
+                    help="the commit's message (default: 'Upload <folder> with sd-training')")
     return ap.parse_args(argv)
 
 

@@ -34,6 +34,7 @@ LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # adapters.LORA_FILE (diffuse
 KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"  # adapters.KOHYA_FILE
 PIPELINE_INDEX = "model_index.json"
 LICENSE_KEYS = ("license", "license_name", "license_link")  # "other" licenses name and link themselves
+METRICS_TAIL = 2**20  # bytes of metrics.jsonl read first when looking for the last log line
 HUB_CACHE_DIR = re.compile(r"models--([^/]+)--([^/]+)$")  # huggingface_hub's cache: models--org--name/snapshots/sha
 
 
@@ -117,20 +118,29 @@ def _base_license(card_path: Path | None) -> dict:
 # ------------------------------------------------------------------------------------------ the facts
 
 def last_metrics(path: Path, step: int) -> dict:
-    """The last log line (a row with ``loss``) of ``metrics.jsonl`` at or before ``step`` ({} if none)."""
-    row = {}
+    """The last log line (a row with ``loss``) of ``metrics.jsonl`` at or before ``step`` ({} if none). Read
+    from the end, a growing tail at a time: a long run's file holds hundreds of MB and the row is near its end."""
     try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    r = json.loads(line)
-                except ValueError:  # a line cut by a kill
-                    continue
-                if isinstance(r, dict) and "loss" in r and isinstance(r.get("step"), int) and r["step"] <= step:
-                    row = r
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            tail = METRICS_TAIL
+            while True:
+                fh.seek(max(0, size - tail))
+                lines = fh.read().splitlines()
+                if size > tail:
+                    lines = lines[1:]  # the first line of the tail may be cut
+                for line in reversed(lines):
+                    try:
+                        r = json.loads(line)
+                    except ValueError:  # a line cut by a kill
+                        continue
+                    if isinstance(r, dict) and "loss" in r and isinstance(r.get("step"), int) and r["step"] <= step:
+                        return r
+                if tail >= size:
+                    return {}
+                tail *= 4
     except OSError:
         return {}
-    return row
 
 
 def _pct(x) -> str | None:
@@ -197,7 +207,8 @@ def training_rows(run: RunInfo, export: ExportInfo, row: dict) -> list[tuple[str
     total = -(-int(cfg.dataset.params.num_examples_to_see) // run.global_batch)
     accum = run.global_batch // max(cfg.system.batch_size * run.world_size, 1)
     trained = f"{run.net_name}: " + (adapter_text(cfg) if export.adapter else "all weights")
-    precision = {"no": "fp32"}.get(m.mixed_precision, f"{m.mixed_precision} mixed precision (autocast; trained weights in fp32)")
+    precision = "fp32" if m.mixed_precision == "no" else (
+        f"{m.mixed_precision} mixed precision (autocast; trained weights in fp32)")
     if m.fp8:
         precision += "; float8 block Linear layers (torchao)"
     schedule = f"{s.scheduler}, {s.params.warmup_length} warmup steps"

@@ -107,7 +107,8 @@ def test_pipeline_cards_parse_carry_the_hub_metadata_and_match_the_run(runs, tin
         card = ModelCard.load(folder / "README.md")
         d = card.data.to_dict()
         assert d["library_name"] == "diffusers" and d["pipeline_tag"] == "text-to-image"
-        assert d["tags"] == ["text-to-image", "diffusers", "stable-diffusion", "stable-diffusion-diffusers", "sd-training"]
+        assert d["tags"] == ["text-to-image", "diffusers", "stable-diffusion", "stable-diffusion-diffusers",
+                             "sd-training"]
         assert d["base_model"] == Path(tiny_pipeline).name and "license" not in d  # the tiny base has no card
         check_numbers(card, run, step, "4 (4 per device x 1 device(s) x 1 accumulation)")
         assert table(card)["trained"] == "unet: all weights"
@@ -140,7 +141,8 @@ def test_lora_card_on_two_ranks_says_the_adapter_the_mixture_and_the_license(run
         line = next(x for x in card.text.splitlines() if x.startswith(f"| {name} |"))
         assert line.endswith(f"| {weight} | {100 * share:.1f}% | {100 * passed:.1f}% |"), line
     assert 0 < row["data/source/a/accepted"] < row["data/source/a/samples_read"]  # the filter rejected some
-    assert (run / "current_pipeline" / "samples.png").read_bytes() == (run / "samples" / "step_00000002.png").read_bytes()
+    grid = run / "samples" / "step_00000002.png"
+    assert (run / "current_pipeline" / "samples.png").read_bytes() == grid.read_bytes()
 
 
 def test_the_how_to_load_snippets_run_offline_and_load_the_exports(runs, tmp_path, monkeypatch):
@@ -199,7 +201,8 @@ def _with_template(cfg, path):
 
 def test_a_broken_template_stops_the_run_before_it_trains(tiny_pipeline, shapes_shards, tmp_path):
     missing = tmp_path / "nowhere.md"
-    cfg = load(run_args(tmp_path, tiny_pipeline, shapes_shards, "t", **{"experiment.model_card_template": str(missing)}))
+    cfg = load(run_args(tmp_path, tiny_pipeline, shapes_shards, "t",
+                        **{"experiment.model_card_template": str(missing)}))
     with pytest.raises(ConfigError, match=f"the model card template {missing} does not exist"):
         t = Trainer(cfg, distributed.setup("cpu"))
         try:
@@ -224,6 +227,19 @@ def test_the_base_license_comes_from_its_card_and_a_cached_snapshot_names_its_hu
     assert model_card.base_model(cfg, "model.unet.params (from scratch)") == {}  # no base_model from scratch
     # The card's names of the LoRA files are the adapters module's.
     assert (model_card.LORA_WEIGHTS, model_card.KOHYA_WEIGHTS) == (adapters.LORA_FILE, adapters.KOHYA_FILE)
+
+
+def test_the_data_figures_come_from_the_last_log_line_read_from_the_end_of_the_file(tmp_path, monkeypatch):
+    """A long run's metrics.jsonl is read from its end, a growing tail at a time (64 bytes here): validation
+    rows and a line cut by a kill are passed over."""
+    monkeypatch.setattr(model_card, "METRICS_TAIL", 64)
+    rows = [{"step": i, "loss": 1.0 / i, "data/samples_read": 10 * i} for i in range(1, 60)]
+    rows.append({"step": 59, "val/loss": 2})
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 60, "lo')
+    assert [model_card.last_metrics(path, s).get("step") for s in (59, 100, 10, 1, 0)] == [59, 59, 10, 1, None]
+    assert model_card.last_metrics(path, 7)["data/samples_read"] == 70
+    assert model_card.last_metrics(tmp_path / "absent.jsonl", 5) == {}
 
 
 # ---------------------------------------------------------------------------------- push_to_hub
