@@ -100,6 +100,7 @@ def check_numbers(card: ModelCard, run: Path, step: int, global_batch: str) -> N
     assert t["precision"].startswith("bf16 mixed precision")
 
 
+@pytest.mark.slow  # the module's two runs (2 ranks + 1) are shared by 4 tests: 90 CPU-s for the 4 with start-up
 def test_pipeline_cards_parse_carry_the_hub_metadata_and_match_the_run(runs, tiny_pipeline):
     run = runs["full"]
     for folder, weights, step in [(run / "current_pipeline", "raw", 2), (run / "current_pipeline_ema", "ema", 2),
@@ -125,6 +126,7 @@ def test_pipeline_cards_parse_carry_the_hub_metadata_and_match_the_run(runs, tin
         assert f"| shape | `{FILTER}` | {100 * rate:.1f}% |" in card.text
 
 
+@pytest.mark.slow
 def test_lora_card_on_two_ranks_says_the_adapter_the_mixture_and_the_license(runs, tiny_pipeline):
     run = runs["lora"]
     card = ModelCard.load(run / "current_pipeline" / "README.md")
@@ -145,6 +147,7 @@ def test_lora_card_on_two_ranks_says_the_adapter_the_mixture_and_the_license(run
     assert (run / "current_pipeline" / "samples.png").read_bytes() == grid.read_bytes()
 
 
+@pytest.mark.slow
 def test_the_how_to_load_snippets_run_offline_and_load_the_exports(runs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     pipe_folder = runs["full"] / "current_pipeline"
@@ -251,6 +254,7 @@ def push(*args, **env_over):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_push_dry_run_lists_the_files_their_sizes_and_the_repo_without_token_or_network(runs, tmp_path):
     folder = runs["lora"] / "current_pipeline"
     out = push(folder, "--repo", "someone/my-lora", "--private", "--dry-run", HF_HOME=tmp_path, HF_HUB_OFFLINE="1")
@@ -267,8 +271,8 @@ def test_push_dry_run_lists_the_files_their_sizes_and_the_repo_without_token_or_
     assert {"README.md", "samples.png", "model_index.json", "unet/diffusion_pytorch_model.safetensors"} <= set(names)
 
 
-def test_push_errors_are_clear_without_token_offline_unreachable_and_for_a_non_export(runs, tmp_path):
-    folder = runs["full"] / "current_pipeline"
+def test_push_errors_are_clear_without_token_offline_unreachable_and_for_a_non_export(tiny_pipeline, tmp_path):
+    folder = Path(tiny_pipeline)  # a real pipeline folder, as an export is
     out = push(folder, "--repo", "me/m", HF_HOME=tmp_path)  # no HF_TOKEN, no stored login
     assert out.returncode == 2 and "no Hugging Face token: set HF_TOKEN" in out.stderr
     assert "huggingface-cli login" in out.stderr and "Traceback" not in out.stderr
@@ -278,7 +282,7 @@ def test_push_errors_are_clear_without_token_offline_unreachable_and_for_a_non_e
                HF_ENDPOINT="http://127.0.0.1:9")
     assert out.returncode == 3 and "cannot reach the Hub at http://127.0.0.1:9" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
-    out = push(runs["full"], "--repo", "me/m", "--dry-run")
-    assert out.returncode == 2 and f"{runs['full']} is not an exported pipeline or LoRA folder" in out.stderr
+    out = push(tmp_path, "--repo", "me/m", "--dry-run")
+    assert out.returncode == 2 and f"{tmp_path} is not an exported pipeline or LoRA folder" in out.stderr
     out = push(folder, "--repo", "not a repo//name", "--dry-run")
     assert out.returncode == 2 and "is not a Hub repository name" in out.stderr
