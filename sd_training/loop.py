@@ -94,7 +94,7 @@ class Trainer:
             self.trackers = build_trackers(cfg, self.run_dir, self.state.wandb_id, public_dict(cfg))
             self.state.wandb_id = self.trackers.wandb_id
         self.outputs = RunOutputs(cfg, self.family, self.strategy, self.run_dir, info, self.trackers,
-                                  self.autocast_dtype, val_batches, self.state)
+                                  self.autocast_dtype, val_batches, self.state, self.optimizer)
         self.metrics = StepMetrics(cfg, self.family, self.plan, info, self.trackers, self.autocast_dtype)
 
     def _prepare_run_folder(self) -> None:

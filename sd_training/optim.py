@@ -1,8 +1,13 @@
 """Optimizer, parameter groups and learning-rate schedule, all counted in optimizer steps; the optimizer
-in the backward pass (``optimizer.in_backward``) and the gradient clipping of the step."""
+in the backward pass (``optimizer.in_backward``), the gradient clipping of the step, and the switch to a
+schedule-free optimizer's evaluation weights around validation, samples and exports (:func:`eval_weights`).
+
+Prodigy, Lion, schedule-free AdamW and CAME come from pytorch-optimizer (``pytorch_optimizer``, imported
+when one of them is chosen). What each reads and refuses: ``config.rules``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -12,6 +17,7 @@ import torch.distributed as dist
 
 from .config import ConfigError
 from .config.schema import LRSchedulerConfig, OptimizerConfig
+from .parallel import local
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +93,83 @@ def _build(groups: list[dict], cfg: OptimizerConfig, device: torch.device, peak_
     if name == "sgd":
         return torch.optim.SGD(groups, lr=peak_lr, momentum=p.momentum, weight_decay=p.weight_decay,
                                nesterov=p.momentum > 0 and cfg.nesterov)
+    if name in PACKAGE_OPTIMIZERS:
+        return _build_package(name, groups, cfg, peak_lr)
     raise ConfigError(f"unknown optimizer.name '{name}'")
+
+
+# optimizer.name -> the class of pytorch-optimizer (``pytorch_optimizer``) it builds.
+PACKAGE_OPTIMIZERS = {"prodigy": "Prodigy", "lion": "Lion", "adamw_schedulefree": "ScheduleFreeAdamW", "came": "CAME"}
+
+
+def _build_package(name: str, groups: list[dict], cfg: OptimizerConfig, peak_lr: float) -> torch.optim.Optimizer:
+    """Prodigy, Lion, schedule-free AdamW or CAME, with the keys ``config.rules`` lets each read."""
+    try:
+        import pytorch_optimizer
+    except ImportError as e:
+        raise ConfigError(f"optimizer.name={name} needs pytorch-optimizer, which cannot be imported here ({e}): "
+                          "pip install 'pytorch_optimizer>=3.5,<5' (a dependency of sd-training: pip install -e .), "
+                          "or use optimizer.name=adamw") from None
+    p = cfg.params
+    kwargs = dict(lr=peak_lr, weight_decay=p.weight_decay)
+    if name == "prodigy":
+        lrs = sorted({g.get("lr", peak_lr) for g in groups})
+        if len(lrs) > 1:  # its one step size d x the first group's LR moves every group
+            raise ConfigError(f"optimizer.name=prodigy steps every parameter group with one learning rate, but "
+                              f"these groups have {len(lrs)} ({', '.join(f'{lr:g}' for lr in lrs)}): unset "
+                              "model.adapter.learning_rate / model.adapter.text_encoders.learning_rate / the text "
+                              "encoder's learning_rate, or use another optimizer")
+        kwargs.update(betas=(p.beta1, p.beta2), beta3=p.beta3, eps=p.epsilon, d_coef=p.d_coef,
+                      bias_correction=p.use_bias_correction, safeguard_warmup=p.safeguard_warmup)
+    elif name == "lion":
+        kwargs.update(betas=(p.beta1, p.beta2))
+    elif name == "adamw_schedulefree":
+        # Its warmup is the LR schedule's (lr_scheduler.params.warmup_length), which sets each group's lr.
+        kwargs.update(betas=(p.beta1, p.beta2), eps=p.epsilon, warmup_steps=0)
+    else:  # came: its own epsilons (1e-30, 1e-16)
+        kwargs.update(betas=(p.beta1, p.beta2, 0.9999 if p.beta3 is None else p.beta3))
+    return getattr(pytorch_optimizer, PACKAGE_OPTIMIZERS[name])(groups, **kwargs)
+
+
+def schedule_free(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``optimizer`` keeps separate training and evaluation weights (schedule-free AdamW)."""
+    return optimizer is not None and callable(getattr(optimizer, "eval", None)) and bool(optimizer.param_groups) \
+        and all("train_mode" in g for g in optimizer.param_groups)
+
+
+@contextlib.contextmanager
+def eval_weights(optimizer: torch.optim.Optimizer | None):
+    """Inside: a schedule-free optimizer's parameters hold its evaluation weights (x, the average its
+    validation, samples and exports must use); after: its training weights (y) again, bit for bit (a
+    host copy is put back: ``train()`` after ``eval()`` restores them only within rounding, and a run
+    resumed from the checkpoint saved before an export would then differ from one never stopped).
+    Checkpoints are saved outside, in training mode. Any other optimizer: nothing happens. Collective under
+    FSDP only in that every rank must enter it (each switches its own shards)."""
+    if not schedule_free(optimizer) or not all(g["train_mode"] for g in optimizer.param_groups):
+        yield  # another optimizer, or already inside
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if "z" in optimizer.state.get(p, {})]
+    with torch.no_grad():
+        kept = [local(p).detach().to("cpu", copy=True) for p in params]
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        optimizer.train()
+        with torch.no_grad():
+            for p, k in zip(params, kept):
+                local(p).copy_(k)
+
+
+def in_eval_weights(method):
+    """A method of an object with an ``optimizer`` attribute, run under :func:`eval_weights` of it."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with eval_weights(getattr(self, "optimizer", None)):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def lr_factor(step: int, cfg: LRSchedulerConfig, total_steps: int) -> float:

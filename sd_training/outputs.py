@@ -21,7 +21,7 @@ from .evaluation.evaluate import EvalSettings, evaluate_images
 from .evaluation.fid import image_files
 from .export import read_prompts
 from .families.base import Family, SampleSettings
-from .optim import lr_scale
+from .optim import in_eval_weights, lr_scale
 from .parallel import Strategy
 from .precision import autocast
 from .run_dir import RunDir, copy_dir_atomically
@@ -49,18 +49,20 @@ class RunOutputs:
 
     def __init__(self, cfg: TrainConfig, family: Family, strategy: Strategy, run_dir: RunDir, info: DistInfo,
                  trackers: Trackers | None, autocast_dtype: torch.dtype | None, val_batches: list[dict] | None,
-                 state: TrainState | None = None):
+                 state: TrainState | None = None, optimizer: torch.optim.Optimizer | None = None):
         """``trackers``: rank 0's (None elsewhere); ``val_batches``: :func:`validation_batches` (None: no
         validation); ``state``: the run's counters (the model cards' images seen; None: steps x global batch).
         The model card template is rendered once here: a broken one stops the run before it trains."""
         self.cfg, self.family, self.strategy, self.run_dir, self.info = cfg, family, strategy, run_dir, info
         self.device, self.state = info.device, state
+        self.optimizer = optimizer  # a schedule-free one's evaluation weights are validated and exported
         self.trackers, self.autocast_dtype, self.val_batches = trackers, autocast_dtype, val_batches
         self.evaluator = None  # background FID / CLIP scoring (evaluation.asynchronous), started at the first
         self.card_run = self._card_run()
         model_card.check_template(self.card_run, run_dir.pipeline(None))
 
     @torch.no_grad()
+    @in_eval_weights
     def validate(self, step: int, model: torch.nn.Module) -> None:
         """Held-out loss at fixed noise and timesteps of ``model`` (the wrapped loss module; all ranks, the
         mean over ranks is logged)."""
@@ -80,6 +82,7 @@ class RunOutputs:
             log.info("step %d validation loss %.5f", step, val)
 
     # -- exports, samples, eval images ----------------------------------------------------------------
+    @in_eval_weights
     def export(self, step: int, net: torch.nn.Module, ema=None) -> None:
         """Rank 0 exports the pipeline(s) and the sample grid; then every rank makes its share of the
         eval images. Under FSDP every rank first takes part in gathering the full weights."""

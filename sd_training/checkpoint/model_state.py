@@ -279,9 +279,11 @@ def check_state_shapes(file: Path, sd, expected: dict, what: str = "parameter") 
 
 
 # Optimizer state entries shaped like their parameter: AdamW's and Adafactor's moments, SGD's momentum,
-# bitsandbytes' 8-bit (or 32-bit) states. Others have shapes of their own (Adafactor's factored row and
-# column moments, bitsandbytes' quantization map and block maxima) and are not checked against it.
-PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2"})
+# bitsandbytes' 8-bit (or 32-bit) states, Prodigy's s and p0, schedule-free AdamW's z. Others have shapes
+# of their own (Adafactor's and CAME's factored row and column moments, bitsandbytes' quantization map and
+# block maxima) and are not checked against it.
+PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2",
+                                "s", "p0", "z"})
 
 
 def check_optimizer_shapes(file: Path, osd, optimizer: torch.optim.Optimizer, net: torch.nn.Module) -> None:

@@ -17,6 +17,17 @@ _OPTIMIZER_KEYS = {
     "adamw8bit": {"beta1", "beta2", "epsilon"},
     "adafactor": set(),
     "sgd": {"momentum"},
+    "prodigy": {"beta1", "beta2", "beta3", "epsilon", "d_coef", "use_bias_correction", "safeguard_warmup"},
+    "lion": {"beta1", "beta2"},
+    "adamw_schedulefree": {"beta1", "beta2", "epsilon"},
+    "came": {"beta1", "beta2", "beta3"},
+}
+_CHECKED_KEYS = ("beta1", "beta2", "beta3", "epsilon", "momentum", "d_coef", "use_bias_correction", "safeguard_warmup")
+# Their optimizer computes from sums over all the parameters, and pytorch-optimizer's implementation does not
+# run on FSDP2's sharded (DTensor) parameters: they train under ddp or in one process.
+_NOT_UNDER_FSDP = {
+    "prodigy": "its step size d comes from sums over every parameter",
+    "came": "its factored moments and update clipping reduce over whole tensors",
 }
 
 
@@ -54,6 +65,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.dataset.params.text_embeddings and cfg.model.text_encoder.train:
         raise ConfigError("dataset.params.text_embeddings=true cannot train the text encoder (model.text_encoder.train)")
     _check_optimizer_keys(cfg.optimizer)
+    _check_optimizer_modes(cfg)
     _check_in_backward(cfg)
     if not cfg.model.use_ema:
         for key in ("export_weights", "sample_from"):
@@ -127,13 +139,39 @@ def _check_aliases(cfg: TrainConfig) -> None:
 def _check_optimizer_keys(cfg: OptimizerConfig) -> None:
     """A hyper-parameter the chosen optimizer does not read must stay at its default (never ignored)."""
     defaults = OptimizerParams()
-    for key in ("beta1", "beta2", "epsilon", "momentum"):
+    for key in _CHECKED_KEYS:
         if key not in _OPTIMIZER_KEYS[cfg.name] and getattr(cfg.params, key) != getattr(defaults, key):
-            raise ConfigError(f"'optimizer.params.{key}' does not apply to optimizer.name={cfg.name}; remove it")
+            users = sorted(name for name, keys in _OPTIMIZER_KEYS.items() if key in keys)
+            raise ConfigError(f"'optimizer.params.{key}' does not apply to optimizer.name={cfg.name} (it is read by "
+                              f"{', '.join(users)}); remove it")
     if cfg.name != "adamw" and cfg.implementation != "auto":
         raise ConfigError(f"'optimizer.implementation' only applies to adamw, not {cfg.name}")
     if cfg.name != "sgd" and cfg.nesterov:
         raise ConfigError("'optimizer.nesterov' only applies to optimizer.name=sgd")
+
+
+def _check_optimizer_modes(cfg: TrainConfig) -> None:
+    """What prodigy, adamw_schedulefree and came cannot do (in_backward: in ``_check_in_backward``)."""
+    o, name = cfg.optimizer, cfg.optimizer.name
+    if name == "prodigy" and o.params.learning_rate < 0.1:
+        raise ConfigError(
+            f"optimizer.name=prodigy estimates its step size itself and 'optimizer.params.learning_rate' multiplies "
+            f"it: {o.params.learning_rate:g} looks like an AdamW learning rate and would train about "
+            f"{1 / o.params.learning_rate:,.0f}x slower. Set optimizer.params.learning_rate=1.0 (its authors' value; "
+            "optimizer.params.d_coef scales the estimate)")
+    if name == "prodigy" and o.scale_lr:
+        raise ConfigError("'optimizer.scale_lr' does not apply to optimizer.name=prodigy (it estimates the step size "
+                          "from the gradients, whatever the batch); remove it")
+    if name in _NOT_UNDER_FSDP and cfg.distributed.strategy == "fsdp":
+        raise ConfigError(f"optimizer.name={name} cannot train under distributed.strategy=fsdp: "
+                          f"{_NOT_UNDER_FSDP[name]}, and pytorch-optimizer's {name} does not run on FSDP2's sharded "
+                          "parameters. Use distributed.strategy=ddp (or one process), or optimizer.name=adamw, lion or "
+                          "adamw_schedulefree under fsdp")
+    if name == "adamw_schedulefree" and cfg.lr_scheduler.scheduler not in ("Constant", "ConstantWithWarmup"):
+        raise ConfigError(f"optimizer.name=adamw_schedulefree replaces the LR decay by averaging the weights: "
+                          f"'lr_scheduler.scheduler={cfg.lr_scheduler.scheduler}' would decay it on top. Use "
+                          "lr_scheduler.scheduler=ConstantWithWarmup (its warmup: lr_scheduler.params.warmup_length) "
+                          "or Constant")
 
 
 def _check_in_backward(cfg: TrainConfig) -> None:
@@ -142,7 +180,12 @@ def _check_in_backward(cfg: TrainConfig) -> None:
     if not cfg.optimizer.in_backward:
         return
     why = None
-    if cfg.system.gradient_accumulation > 1 or cfg.system.global_batch_size:
+    if cfg.optimizer.name in ("prodigy", "adamw_schedulefree"):
+        why = (f"optimizer.name={cfg.optimizer.name}: its step needs every parameter's gradient at once ("
+               + ("one step size d from sums over all of them" if cfg.optimizer.name == "prodigy" else
+                  "one averaging weight per step for all of them") + "). Use optimizer.name=adamw, adamw8bit, "
+               "adafactor, sgd, lion or came with it, or optimizer.in_backward=false")
+    elif cfg.system.gradient_accumulation > 1 or cfg.system.global_batch_size:
         why = ("gradient accumulation: every micro-batch's backward would update the weights. Set "
                "system.gradient_accumulation=1 (and system.global_batch_size=0), or optimizer.in_backward=false")
     elif cfg.optimizer.params.max_grad_norm is not None:
