@@ -180,6 +180,43 @@ def test_each_trains_under_bf16_and_its_state_survives_a_weights_only_load(tmp_p
         b.trackers.close()
 
 
+def test_lion_and_schedule_free_step_on_cpu_offloaded_fsdp_shards(tmp_path, tiny_pipeline, shapes_shards):
+    """FSDP2 with its CPU offload, in a process group of one: the optimizer steps on the offloaded DTensor
+    shards and trains as the plain module does, within fp32 summation-order noise (as fsdp against ddp;
+    schedule-free's Adam denominator at epsilon 1e-4, as test_memory_modes does, not to magnify it)."""
+    for name in ("lion", "adamw_schedulefree"):
+        kw = {"optimizer.params.max_grad_norm": "null", "lr_scheduler.params.warmup_length": 0,
+              **({"optimizer.params.epsilon": 1e-4} if name == "adamw_schedulefree" else {})}
+        plain = trainer(tmp_path, tiny_pipeline, shapes_shards, f"{name}_plain", name, **kw)
+        steps(plain, 2)
+        want = weights(plain.net)
+        plain.trackers.close()
+        try:
+            t = Trainer(load(args(tmp_path, tiny_pipeline, shapes_shards, f"{name}_offload", name, **kw, **{
+                "distributed.strategy": "fsdp", "distributed.fsdp_cpu_offload": "true"})),
+                distributed.setup("cpu", one_rank_group=True))
+            t.setup()
+            assert t.strategy.plan_name == "fsdp_offload" and type(next(t.net.parameters())).__name__ == "DTensor"
+            steps(t, 2)
+            got = {k: v.detach().clone() for k, v in t.strategy.full_state_dict(t.net).items()}
+            t.trackers.close()
+        finally:
+            distributed.teardown()
+        assert max_diff(want, got) < 1e-5, (name, max_diff(want, got))
+
+
+def test_fp16_loss_scaling_steps_prodigy(tmp_path, tiny_pipeline, shapes_shards):
+    """The gradient scaler unscales before the step (Prodigy's estimate sees the true gradients) and steps
+    it like any optimizer."""
+    t = trainer(tmp_path, tiny_pipeline, shapes_shards, "fp16", "prodigy", **{"model.mixed_precision": "fp16"})
+    assert t.scaler.is_enabled()
+    init = weights(t.net)
+    steps(t, 2)
+    group = t.optimizer.param_groups[0]
+    assert max_diff(weights(t.net), init) > 1e-7 and 0 < group["d_hat"] < 1 and float(group["d_numerator"]) > 0
+    t.trackers.close()
+
+
 def test_memory_plan_counts_each_optimizers_state():
     """The plan's optimizer column is what the optimizer's state holds after a step (CAME: its factored rows
     and columns, and the full second moment of 1-d parameters, on top of the momentum: 11% here, less in a
