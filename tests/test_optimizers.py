@@ -6,7 +6,8 @@
   backward pass, Prodigy with per-group LRs, a missing package).
 - In one process under bf16 autocast: each trains, its state (Prodigy's per-group d, schedule-free's z)
   survives a weights-only save and load; Lion and CAME in the backward pass equal their ordinary step bit
-  for bit; the memory plan's bytes per parameter are what each optimizer's state holds.
+  for bit; Lion and schedule-free step on FSDP2's CPU-offloaded shards as on the plain module; fp16 loss
+  scaling steps Prodigy; the memory plan's bytes per parameter are what each optimizer's state holds.
 - Schedule-free: validation, samples and exports see the evaluation weights (x), not the training ones
   (y), and training goes on from y bit for bit.
 - On 2 gloo ranks (one torchrun for every case, a loader worker, bf16): a run stopped after a checkpoint
