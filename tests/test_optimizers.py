@@ -409,6 +409,15 @@ def test_on_two_ranks_a_resumed_run_is_bit_identical_and_checkpoints_load_elsewh
                 x = weights(t.net)
             assert_same(exported, {k: v.to(exported[k].dtype) for k, v in x.items()}, "export")
             assert max_diff(x, loaded["unet"]) > 0  # not the training weights
+            # Stage 2 from a schedule-free run: its checkpoint's raw weights are y, refused naming the export.
+            from sd_training.checkpoint.init_from import init_weights_from
+
+            ddp_run = runs / "adamw_schedulefree_ddp"
+            with pytest.raises(ConfigError, match="adamw_schedulefree run: its unet weights are the training"):
+                init_weights_from(str(ddp_run), t.net, "unet", want_ema=False)
+            init_weights_from(str(ddp_run / "current_pipeline"), t.net, "unet", want_ema=False)
+            pipeline = UNet2DConditionModel.from_pretrained(ddp_run / "current_pipeline" / "unet").state_dict()
+            assert_same(pipeline, {k: v.to(pipeline[k].dtype) for k, v in weights(t.net).items()}, "init_from")
         t.trackers.close()
 
 

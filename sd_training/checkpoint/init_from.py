@@ -12,13 +12,14 @@ import logging
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from ..config import ConfigError
 from ..export import check_weights
 from ..loading import load_component
 from ..run_dir import RunDir
 from .integrity import CHECKSUM, CheckpointDamaged, file_record, verify
-from .layout import EMA, MARKER, is_sharded, shared_file
+from .layout import CONFIG, EMA, MARKER, is_sharded, shared_file
 from .model_state import check_state_shapes, shapes_of
 from .store import Checkpointer, _load_weights_only
 
@@ -43,6 +44,11 @@ def init_weights_from(src: str, net: torch.nn.Module, net_name: str, want_ema: b
         if is_sharded(ckpt):
             raise ConfigError(f"'{WHAT}': {ckpt} is an FSDP checkpoint; use the run's exported pipeline")
         name = EMA if want_ema and shared_file(ckpt, EMA).exists() else net_name
+        if name == net_name and _schedule_free(ckpt):
+            raise ConfigError(f"'{WHAT}': {ckpt} is a checkpoint of an optimizer.name=adamw_schedulefree run: its "
+                              f"{net_name} weights are the training weights (y), not the averaged ones (x) that run "
+                              f"validated and exported. Point {WHAT} at the run's exported pipeline "
+                              f"({run.pipeline(None) if run.checkpoints.is_dir() else 'its current_pipeline'})")
         try:
             sd = _read_checkpoint_weights(ckpt, name)
             sd = sd["shadow"] if name == EMA and isinstance(sd, dict) and "shadow" in sd else sd
@@ -60,6 +66,15 @@ def init_weights_from(src: str, net: torch.nn.Module, net_name: str, want_ema: b
         folder = run.pipeline(None, ema=ema)
     net.load_state_dict(load_weights_checked(str(folder), net, net_name, WHAT).state_dict())
     log.info("%s: %s weights from %s", WHAT, net_name, folder)
+
+
+def _schedule_free(ckpt: Path) -> bool:
+    """Whether the run that wrote checkpoint ``ckpt`` trained with schedule-free AdamW (its config.yaml)."""
+    try:
+        saved = OmegaConf.to_container(OmegaConf.create((ckpt / CONFIG).read_text()))
+    except Exception:  # noqa: BLE001 -- no readable config.yaml: the weights are taken as they are
+        return False
+    return isinstance(saved, dict) and (saved.get("optimizer") or {}).get("name") == "adamw_schedulefree"
 
 
 def load_weights_checked(src: str, net: torch.nn.Module, net_name: str, what: str) -> torch.nn.Module:
