@@ -233,7 +233,7 @@ def _levers(cfg, s: Setting) -> list[tuple[str, dict, int]]:
     if cfg.system.global_batch_size:
         accumulation = max(1, cfg.system.global_batch_size // max(1, s.batch * s.world))
     in_backward_ok = (not s.in_backward and accumulation == 1 and cfg.model.mixed_precision != "fp16"
-                      and s.optimizer in ("adamw", "adamw8bit", "adafactor"))
+                      and s.optimizer in ("adamw", "adamw8bit", "adafactor", "sgd", "lion", "came"))
     if in_backward_ok and not (s.strategy == "ddp" and s.world > 1):
         keys = "optimizer.in_backward=true" + (" optimizer.params.max_grad_norm=null" if cfg.optimizer.params.max_grad_norm else "")
         out.append((keys, dict(in_backward=True), 1))
