@@ -120,9 +120,10 @@ def assert_shard_step_equals_online(online, from_shards, latents, shard, ids: di
 SPREAD = {"test_resume", "test_precision_matrix", "test_elastic", "test_distributed", "test_faults",
           "test_flow_families_distributed"}
 SLURM = {"test_slurm_cluster", "test_slurm_train"}
-FIRST = ["test_quickstart", "test_quickstart_mmdit", "test_resume", "test_precision_matrix", "test_elastic", "test_slurm_train",
-         "test_slurm_cluster", "test_faults", "test_data_mixture", "test_sdxl", "test_recipe", "test_reshard",
-         "test_distributed", "test_restarts", "test_shutdown", "test_flow_families_distributed"]
+FIRST = ["test_quickstart", "test_quickstart_mmdit", "test_resume", "test_precision_matrix", "test_optimizers",
+         "test_elastic", "test_slurm_train", "test_slurm_cluster", "test_faults", "test_data_mixture", "test_sdxl",
+         "test_recipe", "test_reshard", "test_distributed", "test_bench_memory", "test_model_card", "test_restarts",
+         "test_shutdown", "test_flow_families_distributed", "test_masked_loss", "test_report"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
