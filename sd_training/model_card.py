@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .config import ConfigError
 from .config.schema import TrainConfig
+from .config.secrets import scrub
 
 CARD_FILE = "README.md"
 SAMPLE_FILE = "samples.png"
@@ -325,6 +326,9 @@ def render(template: Path, variables: dict):
                           f"render: {type(e).__name__}: {e}") from None
     except OSError as e:
         raise ConfigError(f"'{key}': the model card template {template} cannot be read: {e}") from None
+    # Data paths and the base's path may carry credentials (a token in a URL, an env variable's value):
+    # the card says what the logs say, ${oc.env:NAME} for a variable's value, <redacted> for a literal.
+    text = scrub(text)
     try:
         card = ModelCard(text)
     except ValueError as e:
