@@ -138,7 +138,8 @@ def write_word_shards(out_dir: str, word: str, shape: str, colour: str, backgrou
 
 
 def _write_shards(out_dir: str, n_samples: int, n_shards: int, prefix: str, sample) -> str:
-    """``sample(index)`` -> (key, bytes, caption, metadata) for every index, split into ``n_shards`` shards."""
+    """``sample(index)`` -> (key, bytes, caption, metadata) for every index, split into ``n_shards`` shards
+    (or a dict of the sample's tar members, ``__key__`` included, for other member names)."""
     import webdataset as wds
 
     if n_shards < 1 or n_samples < n_shards:
@@ -150,8 +151,11 @@ def _write_shards(out_dir: str, n_samples: int, n_shards: int, prefix: str, samp
         name = f"{prefix}-{k:06d}.tar"
         with wds.TarWriter(os.path.join(out_dir, name)) as sink:
             for index in range(lo, hi):
-                key, data, caption, meta = sample(index)
-                sink.write({"__key__": key, "jpg": data, "txt": caption, "json": meta})
+                out = sample(index)
+                if not isinstance(out, dict):
+                    key, data, caption, meta = out
+                    out = {"__key__": key, "jpg": data, "txt": caption, "json": meta}
+                sink.write(out)
         counts[name] = hi - lo
     with open(os.path.join(out_dir, "sizes.json"), "w") as fh:
         json.dump(counts, fh, indent=1)
@@ -232,18 +236,9 @@ def write_masked_shards(out_dir: str, n_samples: int, n_shards: int, sizes=(64,)
                         prefix: str = "masked") -> str:
     """:func:`masked_square_sample` images in shards with their masks as ``KEY.mask.png`` members (the
     masked-loss default), cycling through ``sizes`` (ints or (width, height)); returns the brace pattern."""
-    import webdataset as wds
 
-    os.makedirs(out_dir, exist_ok=True)
-    counts = {}
-    for k in range(n_shards):
-        lo, hi = k * n_samples // n_shards, (k + 1) * n_samples // n_shards
-        name = f"{prefix}-{k:06d}.tar"
-        with wds.TarWriter(os.path.join(out_dir, name)) as sink:
-            for index in range(lo, hi):
-                key, data, caption, meta, mask = masked_square_sample(index, sizes[index % len(sizes)], seed)
-                sink.write({"__key__": key, "png": data, "txt": caption, "json": meta, "mask.png": mask})
-        counts[name] = hi - lo
-    with open(os.path.join(out_dir, "sizes.json"), "w") as fh:
-        json.dump(counts, fh, indent=1)
-    return os.path.join(out_dir, f"{prefix}-{{{0:06d}..{n_shards - 1:06d}}}.tar")
+    def members(index: int) -> dict:
+        key, data, caption, meta, mask = masked_square_sample(index, sizes[index % len(sizes)], seed)
+        return {"__key__": key, "png": data, "txt": caption, "json": meta, "mask.png": mask}
+
+    return _write_shards(out_dir, n_samples, n_shards, prefix, members)
