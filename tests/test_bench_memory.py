@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,9 +56,9 @@ def test_bench_memory_runs_its_modes_on_the_cpu_and_the_plan_matches_the_trainer
     modes = ["lora", "full", "offload", "opt_in_backward"]
     if importlib.util.find_spec("bitsandbytes") is not None:
         modes.append("adam8bit+opt_in_backward")
-    proc = subprocess.run([sys.executable, "benchmarks/bench_memory.py", "--device", "cpu", "--mode", ",".join(modes),
-                           "--steps", "2", "--resolution", "32", "--work", str(work), "--out", str(out), "--checkpoint"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = forked.run([sys.executable, "benchmarks/bench_memory.py", "--device", "cpu", "--mode", ",".join(modes),
+                       "--steps", "2", "--resolution", "32", "--work", str(work), "--out", str(out), "--checkpoint"],
+                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["model"] == "sdxl-tiny" and result["device"] == "cpu" and set(result["results"]) == set(modes)

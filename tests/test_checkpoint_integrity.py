@@ -18,10 +18,10 @@ reads the damaged shard file (both ranks take the older step).
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 
@@ -393,8 +393,8 @@ def _torchrun(args, cwd):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=cwd,
-                         timeout=600)
+    res = forked.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=cwd,
+                     timeout=600)  # forked: no imports
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
 
 

@@ -1,9 +1,9 @@
 """Config: precedence, required keys, unknown-key suggestions, type errors, seed-001 compatibility, --help."""
 
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 from sd_training.config import ConfigError
@@ -128,10 +128,10 @@ def test_help_lists_every_key_with_default_and_comment():
 
 
 def test_cli_help_and_config_error_exit_codes(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
+    out = forked.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "system:" in out.stdout
-    out = subprocess.run([sys.executable, str(ROOT / "train.py"), f"config={write(tmp_path, MINIMAL)}", "system.bach_size=3"],
-                         capture_output=True, text=True)
+    out = forked.run([sys.executable, str(ROOT / "train.py"), f"config={write(tmp_path, MINIMAL)}", "system.bach_size=3"],
+                     capture_output=True, text=True)
     assert out.returncode == 2
     assert "did you mean 'system.batch_size'" in out.stderr
 

@@ -2,10 +2,10 @@
 
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from conftest import train_args
@@ -31,7 +31,7 @@ def run_worker(tmp_path, nproc, pipeline, shards, out, *more, **overrides):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", str(HERE / "dist_worker.py"), *argv]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    res = forked.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)  # forked: no imports
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return torch.load(out)
 

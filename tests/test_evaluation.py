@@ -5,9 +5,9 @@ background evaluator."""
 import json
 import os
 import socket
-import subprocess
 import sys
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -200,7 +200,7 @@ def test_two_ranks_give_the_single_process_result(sets, stats, tiny_clip, tmp_pa
     out = tmp_path / "two.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", "-m", "sd_training.evaluation", "--out", str(out), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    res = forked.run(cmd, capture_output=True, text=True, env=env, timeout=600)  # forked: no imports
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     two = json.loads(out.read_text())
     from sd_training.evaluation.__main__ import main

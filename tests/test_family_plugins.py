@@ -2,9 +2,10 @@
 script takes its choices from the registry and every family's tiny pipeline is detected as that family.
 (That no module outside ``families/`` names a family: ``test_architecture.py``.)"""
 
-import subprocess
 import sys
 from pathlib import Path
+
+import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "sd_training"
@@ -14,8 +15,8 @@ def test_scripts_take_families_from_the_registry(tmp_path):
     from sd_training.families.registry import FAMILIES
 
     for script in ("make_tiny_pipeline.py", "precompute_latents.py"):
-        out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
-                             text=True, check=True, cwd=ROOT).stdout
+        out = forked.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
+                         text=True, check=True, cwd=ROOT).stdout
         for name in FAMILIES:
             assert name in out, (script, name)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from conftest import train_args
@@ -109,8 +110,8 @@ def test_kill_9_at_many_points_of_saves_and_exports_loses_nothing(tmp_path, tiny
         driver.stdin.close()
         driver.wait(timeout=60)
     assert killed >= 10, killed
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, timeout=300, env=env,
-                         capture_output=True, text=True)
+    res = forked.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, timeout=300, env=env,
+                     capture_output=True, text=True)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import train_args
 
@@ -55,7 +56,6 @@ def test_progress_bar_on_a_terminal_and_log_lines_otherwise(tmp_path, tiny_pipel
     to train.log only; with output redirected the step lines are the progress, and there is no bar."""
     import os
     import pty
-    import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
@@ -63,8 +63,8 @@ def test_progress_bar_on_a_terminal_and_log_lines_otherwise(tmp_path, tiny_pipel
         "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32})
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, str(root / "train.py"), *args], stdin=slave, stdout=slave, stderr=slave,
-                         env=env, cwd=tmp_path)
+    p = forked.popen([sys.executable, str(root / "train.py"), *args], stdin=slave, stdout=slave, stderr=slave,
+                     env=env, cwd=tmp_path)
     os.close(slave)
     chunks = []
     while True:
@@ -81,6 +81,6 @@ def test_progress_bar_on_a_terminal_and_log_lines_otherwise(tmp_path, tiny_pipel
     assert "\rtrain:" in screen and "8/8" in screen and "img/s" in screen  # the bar, redrawn in place
     assert "step 3/8 loss" not in screen  # not scrolled as log lines
     assert "step 3/8 loss" in (tmp_path / "runs" / "tty" / "train.log").read_text()  # the log keeps them
-    res = subprocess.run([sys.executable, str(root / "train.py"), *args, "experiment.name=piped"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    res = forked.run([sys.executable, str(root / "train.py"), *args, "experiment.name=piped"],
+                     capture_output=True, text=True, env=env, cwd=tmp_path)
     assert res.returncode == 0 and "step 3/8 loss" in res.stdout and "\r" not in res.stdout

@@ -10,10 +10,10 @@ with each strategy and each EMA placement, in 9 runs of two launches each.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import run_precompute, train_args
 
@@ -66,7 +66,7 @@ def launch(cwd, args, ranks):
 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", str(ROOT / "train.py"), *args]
-    res = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    res = forked.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)  # forked: no imports
     assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
     return res.stdout + res.stderr
 

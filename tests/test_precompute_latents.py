@@ -6,11 +6,11 @@ import io
 import json
 import os
 import socket
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 from conftest import run_precompute
@@ -141,7 +141,7 @@ def test_two_ranks_write_every_shard_once_with_the_same_bytes_as_one(tmp_path, t
     common = ["--input", small, "--pipeline", str(tiny_pipeline), "--store", "sample", *FAST]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", str(SCRIPT), "--output", str(tmp_path / "two"), *common]
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    res = forked.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     wrote = [line.split(" wrote ")[1].split()[0] for line in res.stderr.splitlines() if " wrote shapes-" in line]
     by_rank = {r: [line for line in res.stderr.splitlines() if f"rank {r} wrote shapes-" in line] for r in (0, 1)}

@@ -6,11 +6,11 @@ script builds. A LoRA on it (configs/quickstart_lora.yaml) teaches it a new word
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
@@ -90,9 +90,9 @@ def quickstart_run(tmp_path_factory):
     # busy core wait on each other at every small op).
     threads = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
     env = {**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"}
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), f"config={ROOT / 'configs' / 'quickstart.yaml'}",
-                          "wandb.mode=disabled"],  # its VAE is ${asset:quickstart_vae}, found from any folder
-                         cwd=work, env=env, capture_output=True, text=True, timeout=2000)
+    res = forked.run([sys.executable, str(ROOT / "train.py"), f"config={ROOT / 'configs' / 'quickstart.yaml'}",
+                      "wandb.mode=disabled"],  # its VAE is ${asset:quickstart_vae}, found from any folder
+                     cwd=work, env=env, capture_output=True, text=True, timeout=2000)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return work / "runs" / "quickstart"
 
@@ -179,9 +179,9 @@ def test_a_lora_teaches_the_quickstart_a_new_word(quickstart_run):
     cfg = OmegaConf.load(config)
     work = quickstart_run.parents[1]
     threads = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), f"config={config}", "wandb.mode=disabled"],
-                         cwd=work, env={**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"},
-                         capture_output=True, text=True, timeout=2400)
+    res = forked.run([sys.executable, str(ROOT / "train.py"), f"config={config}", "wandb.mode=disabled"],
+                     cwd=work, env={**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"},
+                     capture_output=True, text=True, timeout=2400)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     q = cfg.quickstart
     held = sorted(set(COLOURS) - set(q.word_backgrounds) - {q.word_colour})
@@ -217,14 +217,14 @@ def test_the_vae_script_rebuilds_the_same_bytes(tmp_path):
     short = ["experiment.num_examples_to_see=64", "experiment.save_every=10", "experiment.log_every=5"]
     digests = []
     for k in range(2):
-        res = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / f"a{k}"), "--work",
-                              str(tmp_path / "work"), *short], capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
+        res = forked.run([sys.executable, str(script), "--out", str(tmp_path / f"a{k}"), "--work",
+                          str(tmp_path / "work"), *short], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
         assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
         digests.append((tmp_path / f"a{k}" / "diffusion_pytorch_model.safetensors").read_bytes())
     assert digests[0] == digests[1]
-    res = subprocess.run([sys.executable, str(script), "--check", "--out", str(tmp_path / "a0"), "--work",
-                          str(tmp_path / "work"), *short], capture_output=True, text=True, timeout=600)
+    res = forked.run([sys.executable, str(script), "--check", "--out", str(tmp_path / "a0"), "--work",
+                      str(tmp_path / "work"), *short], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "identical" in res.stdout, res.stdout + res.stderr[-2000:]
 
 

@@ -4,9 +4,9 @@ the background, colour and shape of held-out captions; the same pipeline untrain
 
 import json
 import os
-import subprocess
 import sys
 
+import forked
 import pytest
 from omegaconf import OmegaConf
 from test_quickstart import follow_rate, held_out_captions, meets_the_bar, prompts_of, read_grid
@@ -22,8 +22,8 @@ def mmdit_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("quickstart_mmdit")
     threads = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
     env = {**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"}
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"config={CONFIG}", "wandb.mode=disabled"],
-                         cwd=work, env=env, capture_output=True, text=True, timeout=2000)
+    res = forked.run([sys.executable, os.path.join(ROOT, "train.py"), f"config={CONFIG}", "wandb.mode=disabled"],
+                     cwd=work, env=env, capture_output=True, text=True, timeout=2000)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return work / "runs" / "quickstart_mmdit"
 

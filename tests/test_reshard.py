@@ -11,10 +11,10 @@ data position is not loaded (another test's subject): only the model state is co
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from test_resume import assert_same
@@ -68,7 +68,7 @@ def launch(script_args: list[str], nproc: int, cwd: Path) -> str:
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", *script_args]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    res = forked.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)  # forked: no imports
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return res.stdout + res.stderr
 

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from conftest import kill_tree, train_args
@@ -32,17 +33,17 @@ def args_for(tmp_path, pipeline, shards, name, **kw):
     return train_args(tmp_path, pipeline, shards, name=name, **base)
 
 
-def launch(tmp_path, args, nproc=1):
+def launch(tmp_path, args, nproc=1, fresh=False):
+    """``python train.py`` (``nproc`` ranks: as torchrun starts them), forked from a process that has imported
+    torch and diffusers (tests/forked.py); ``fresh``: a new interpreter (a test of what happens while it
+    imports)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "train.py"), *args]
-    else:
-        from test_distributed import free_port
-
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(ROOT / "train.py"), *args]
-    return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [sys.executable, str(ROOT / "train.py"), *args]
+    if fresh:
+        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    return forked.popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        start_new_session=True, nproc=nproc)
 
 
 def finish(p, timeout=600):
@@ -188,7 +189,7 @@ def test_signal_during_set_up_is_kept_and_stops_before_the_first_step(tmp_path, 
     the run is still setting up stops it before the first step (no training, nothing to save), with the
     exit code of a stopped run rather than death by signal (143)."""
     args = args_for(tmp_path, tiny_pipeline, shapes_shards, "early")
-    p = launch(tmp_path, args)
+    p = launch(tmp_path, args, fresh=True)
     deadline = time.time() + 60
     while not _catches(p.pid, signal.SIGTERM):
         assert p.poll() is None and time.time() < deadline

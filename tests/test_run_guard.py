@@ -3,10 +3,10 @@ checkpoints, no silent config change on resume, every step logged once after a r
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import train_args
 
@@ -36,8 +36,8 @@ def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path, t
     run = tmp_path / "runs" / "g"
     held = lock_run_folder(run)  # the "first run": this test process
     try:
-        res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args(tmp_path, tiny_pipeline, shapes_shards)],
-                             capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        res = forked.run([sys.executable, str(ROOT / "train.py"), *args(tmp_path, tiny_pipeline, shapes_shards)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert res.returncode == 2, res.stderr[-3000:]
         assert f"is in use by host {os.uname().nodename} pid {os.getpid()}" in res.stderr
         assert "another experiment.name" in res.stderr

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import train_args
 
@@ -292,9 +293,9 @@ def test_an_error_at_any_stage_exits_non_zero_within_a_minute_and_loses_nothing(
         "experiment.num_examples_to_see": 2 * TOTAL, "system.batch_size": 2, "experiment.checkpoint_every": 2,
         "experiment.save_every": 4, "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32,
         "system.workers": 1})
-    p = subprocess.Popen([sys.executable, "-c", INJECT, str(ROOT / "train.py"), *args], cwd=tmp_path,
-                         env={**ENV, "FAIL_STAGE": stage, "FAIL_AT": str(FAIL_AT)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    p = forked.popen([sys.executable, "-c", INJECT, str(ROOT / "train.py"), *args], cwd=tmp_path,  # forked: no imports
+                     env={**ENV, "FAIL_STAGE": stage, "FAIL_AT": str(FAIL_AT)}, stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out, _ = p.communicate(timeout=300)
     ended = time.time()
     left = in_group(p.pid)  # the loader worker, an evaluator ...: nothing outlives the run

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import train_args
 
@@ -75,7 +76,7 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, tiny_pipeline, s
 
 def test_train_py_cli_quick_run(tmp_path, tiny_pipeline, shapes_shards):
     args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="cli", **{"experiment.num_examples_to_see": 8})
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=tmp_path)
+    res = forked.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "runs" / "cli" / "current_pipeline" / "model_index.json").exists()
 
