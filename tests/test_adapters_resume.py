@@ -43,6 +43,7 @@ def test_lora_kill_and_resume_is_bit_identical_and_the_base_never_moves(tmp_path
     run = tmp_path / "runs" / "resumed"
     kill_after_checkpoint(launch(tmp_path, resumed, nproc), run / "checkpoints", 3)
     first = complete_steps(run / "checkpoints")
+    assert max(first) < N, first  # the killed run left steps for the restart to train
     if elastic:  # the killed run, as it was, resumes on another rank count below
         shutil.copytree(run, tmp_path / "elastic" / "resumed")
     assert "resumed from" in finish(launch(tmp_path, resumed, nproc))

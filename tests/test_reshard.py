@@ -81,6 +81,7 @@ def run_args(tmp_path, pipeline, shards, strategy, nproc, name):
         "experiment.sample_per_prompt": 0, "system.batch_size": BATCH, "system.workers": 1,
         "model.use_ema": "true", "model.ema.decay": 0.9, "model.mixed_precision": "bf16",
         "distributed.strategy": strategy, "experiment.allow_config_change": "true",  # the strategy and batch change
+        "dataset.params.resolution": 32,  # bf16 convolutions are ATen's slow kernels on this CPU: a quarter of 64 px's
     })
 
 
