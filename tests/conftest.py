@@ -122,8 +122,12 @@ SPREAD = {"test_resume", "test_precision_matrix", "test_elastic", "test_distribu
 SLURM = {"test_slurm_cluster", "test_slurm_train"}
 FIRST = ["test_quickstart", "test_quickstart_mmdit", "test_resume", "test_precision_matrix", "test_optimizers",
          "test_elastic", "test_slurm_train", "test_slurm_cluster", "test_faults", "test_data_mixture", "test_sdxl",
-         "test_recipe", "test_reshard", "test_distributed", "test_bench_memory", "test_model_card", "test_restarts",
-         "test_shutdown", "test_flow_families_distributed", "test_masked_loss", "test_report"]
+         "test_recipe", "test_reshard", "test_distributed", "test_bench_memory", "test_model_card",
+         # Long modules whose names sort late: left to the end they keep one worker busy after the other is done.
+         "test_speed_levers", "test_memory_modes", "test_adapters_resume", "test_evaluation", "test_observability",
+         "test_checkpoint_integrity", "test_train_e2e", "test_old_checkpoints", "test_run_guard",
+         "test_restarts", "test_shutdown", "test_flow_families_distributed", "test_masked_loss", "test_report",
+         "test_adapters_training", "test_host_sync", "test_sd3", "test_flux", "test_trackers"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
