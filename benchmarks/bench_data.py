@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
         ap.error("--samples must be a multiple of 10 (exact 10% pass rate)")
     torch.set_num_threads(1)  # both pipelines are single-process; keep torch from using the other core
 
-    from sd_training.text_encoders import build_clip_tokenizer
+    from sd_training.families.components.clip import build_clip_tokenizer
 
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_data_")
     tokenizer = build_clip_tokenizer(os.path.join(work, "tokenizer"))

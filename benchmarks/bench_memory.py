@@ -310,7 +310,7 @@ def rss_gib() -> dict:
 def make_trainer(args, spec: dict, mode: str):
     """A real Trainer after ``setup()``: the mode's overrides on a config like the templates'."""
     from sd_training import distributed
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.families.registry import FAMILIES
     from sd_training.loop import Trainer
 
@@ -371,7 +371,7 @@ def held(trainer) -> dict:
     """What the trainer holds, counted from its tensors (the plan's rows, measured)."""
     import torch
 
-    from sd_training.parallel import local
+    from sd_training.distributed.strategy import local
 
     params = list(trainer.net.parameters())
     trained = [p for p in params if p.requires_grad]

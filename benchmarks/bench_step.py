@@ -13,7 +13,7 @@ second is a requeue's warm-up), ``--channels-last auto|on|off`` (model.channels_
 (device time by kernel kind of the last SD row, or of the tiny step without the SD section: see
 benchmarks/kernel_kinds.py).
 
-Ours: ``sd_training.loop.Trainer`` after ``_setup()`` (tiny config from ``sd_training.config.checks.load``),
+Ours: ``sd_training.loop.Trainer`` after ``_setup()`` (tiny config from ``sd_training.configure.load``),
 one ``_micro_step(batch, sync=True)`` then ``_optimizer_step()``. Baseline: what diffusers'
 train_text_to_image.py does per step - VAE encode, text encode, noise, add_noise, UNet, MSE,
 backward, clip_grad_norm_, AdamW step, LR scheduler step, zero_grad - on its own copy of the same
@@ -113,7 +113,7 @@ def make_trainer(root: Path, pipeline: Path, shards: str, device: str, precision
     """A real Trainer after ``_setup()`` on a tiny config (as tests/conftest.py's train_args); ``extra``:
     more key=value settings (the speed levers)."""
     from sd_training import distributed
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.loop import Trainer
 
     args = {
@@ -262,7 +262,7 @@ def count_host_syncs(trainer, batch: dict, device: torch.device, steps: int) -> 
     the sync debug mode reports; CPU: the blocking tensor calls (.item(), bool(), .cpu(), ...) that would."""
     import warnings
 
-    from sd_training.sync_count import BlockingCalls
+    from sd_training.speed.sync_count import BlockingCalls
 
     if device.type == "cuda":
         with warnings.catch_warnings(record=True) as caught:
@@ -373,8 +373,8 @@ def compile_scope(trainer) -> str:
 def sd_row(trainer, args, device: torch.device, res: int, batch: int) -> dict:
     """One trainer's SD 1.x row: the first step (the compile warm-up) timed apart, 2 more warm-up steps,
     ``--sd-steps`` timed ones; then, with ``--profile``, device time by kernel kind."""
-    from sd_training import flops
-    from sd_training.families.unet_components import uses_channels_last
+    from sd_training.speed import flops
+    from sd_training.families.components.unet import uses_channels_last
 
     override = args.peak_tflops * 1e12 if args.peak_tflops else None
     peak = flops.peak_flops(device, args.precision if args.precision != "no" else torch.float32, override)

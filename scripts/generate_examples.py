@@ -53,7 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def find_checkpoint(path: str) -> Path:
     """The newest complete step folder under a run / checkpoints folder, or the step folder itself."""
     from sd_training.checkpoint import MARKER, complete_steps
-    from sd_training.run_dir import step_name
+    from sd_training.run.run_dir import step_name
 
     p = Path(path)
     if (p / MARKER).exists():
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args = parse(sys.argv[1:] if argv is None else argv)
     from sd_training import distributed
     from sd_training.evaluation.generate import generate_images, load_pipeline
-    from sd_training.export import read_prompts
+    from sd_training.outputs.export import read_prompts
 
     prompts = read_prompts(args.prompts)
     info = distributed.setup(args.device)

@@ -93,7 +93,7 @@ for f in "$OUT/bench_step.json" "$OUT/bench_step_compiled.json" "$OUT/bench_step
   "$PY" - "$f" <<'PYEOF' || true
 import json, os, sys
 for r in json.load(open(sys.argv[1])).get("sd1_unet", []):
-    # No MFU (None) for a GPU missing from sd_training.flops.PEAK_TFLOPS: say so rather than print 0%.
+    # No MFU (None) for a GPU missing from sd_training.speed.flops.PEAK_TFLOPS: say so rather than print 0%.
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a (GPU not in the peak table)"
     how = f"{r.get('variant', '')} compile={r.get('compile')} channels_last={r.get('channels_last')}"
     warm = f", compile warm-up {r['compile_warmup_s']:.0f} s" if r.get("compile_warmup_s") is not None else ""

@@ -17,8 +17,8 @@ import sys
 
 from sd_training.config import ConfigError
 from sd_training.config.loading import parse
-from sd_training.memory_fit import device_memory, load_plan, need_bytes, report
-from sd_training.memory_plan import GIB
+from sd_training.memory.fit import device_memory, load_plan, need_bytes, report
+from sd_training.memory.plan import GIB
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sd_training.model_card import CARD_FILE, LORA_WEIGHTS, PIPELINE_INDEX, export_kind, for_repo  # noqa: E402
+from sd_training.outputs.model_card import CARD_FILE, LORA_WEIGHTS, PIPELINE_INDEX, export_kind, for_repo  # noqa: E402
 
 LOGIN_HINT = "set HF_TOKEN (a write token from https://huggingface.co/settings/tokens) or run `huggingface-cli login`"
 

@@ -29,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from sd_training import distributed
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.data.synthetic import write_shapes_shards
     from sd_training.families.registry import make_tiny_pipeline
     from sd_training.loop import Trainer
-    from sd_training.sync_count import BlockingCalls
+    from sd_training.speed.sync_count import BlockingCalls
 
     work = Path(tempfile.mkdtemp(prefix="sync_check_"))
     pipe = make_tiny_pipeline(work / "pipe")

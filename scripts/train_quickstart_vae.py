@@ -34,7 +34,7 @@ def build(out: Path, work: Path, overrides: list[str]) -> dict:
     """Train with the autoencoder stage in ``work`` and write the asset to ``out``; returns the provenance."""
     import torch
 
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.loop import main as train
     from sd_training.quickstart import prepare
 

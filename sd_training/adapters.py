@@ -25,7 +25,7 @@ import torch
 from .config import ConfigError
 from .config.schema import TrainConfig
 from .optim import param_groups
-from .run_dir import replace_dir
+from .run.run_dir import replace_dir
 
 log = logging.getLogger(__name__)
 

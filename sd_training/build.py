@@ -10,20 +10,22 @@ from dataclasses import dataclass
 
 import torch
 
-from . import adapters, compile_cache, fp8
+from . import adapters
+from .speed import compile_cache
+from .speed import fp8
 from .checkpoint import init_weights_from, load_weights_checked
 from .config.schema import TrainConfig
 from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
 from .families import registry
 from .families.base import Family
-from .memory_fit import check_plan, micro_batch_activations
-from .memory_plan import as_dicts, format_plan, memory_plan, module_bytes
+from .memory.fit import check_plan, micro_batch_activations
+from .memory.plan import as_dicts, format_plan, memory_plan, module_bytes
 from .optim import build_lr_scheduler, build_optimizer, check_in_backward, lr_scale, param_groups
-from .parallel import Strategy
-from .precision import autocast_dtype
-from .run_dir import RunDir
-from .train_state import Plan, seed_everything
+from .distributed.strategy import Strategy
+from .speed.precision import autocast_dtype
+from .run.run_dir import RunDir
+from .run.train_state import Plan, seed_everything
 
 log = logging.getLogger("sd_training.loop")
 

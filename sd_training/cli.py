@@ -6,10 +6,10 @@ import sys
 
 from . import quickstart
 from .config import ConfigError
-from .config.checks import load
+from .configure import load
 from .config.loading import help_text
 from .loop import main as train
-from .preemption import EXIT_STOPPED_NOT_REQUEUED, StopFlag
+from .run.preemption import EXIT_STOPPED_NOT_REQUEUED, StopFlag
 
 # Problems found while building models or data from the config (DatasetConfigError included): one
 # clear line, no traceback.

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from .parallel import local
+from .distributed.strategy import local
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import distributed, preemption, progress
+from . import distributed
+from .run import preemption
+from .run import progress
 from .build import build_model, build_optimizer_parts
 from .checkpoint import CheckpointManager, ModelState, complete_steps
 from .checkpoint.layout import GRAD_SCALER, LR_SCHEDULER
@@ -20,14 +22,14 @@ from .config import ConfigError
 from .config.loading import public_dict, to_yaml
 from .config.schema import TrainConfig
 from .data import build_train_loader
-from .metrics import LogWindow, StepMetrics
+from .outputs.metrics import LogWindow, StepMetrics
 from .optim import clip_gradients
-from .outputs import RunOutputs, validation_batches
-from .precision import autocast
-from .preemption import StopFlag, requeue_job, under_slurm
-from .run_dir import RunDir, release_run_folder
-from .trackers import build_trackers
-from .train_state import NonFiniteLossError, Plan, TrainState
+from .outputs.run_outputs import RunOutputs, validation_batches
+from .speed.precision import autocast
+from .run.preemption import StopFlag, requeue_job, under_slurm
+from .run.run_dir import RunDir, release_run_folder
+from .outputs.trackers import build_trackers
+from .run.train_state import NonFiniteLossError, Plan, TrainState
 
 log = logging.getLogger(__name__)
 WRITER_WAIT_S = 15.0  # a failed run waits this long for the checkpoint in flight (inside preemption.FAILED_EXIT_S)

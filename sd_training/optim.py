@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .config import ConfigError
 from .config.schema import LRSchedulerConfig, OptimizerConfig
-from .parallel import local
+from .distributed.strategy import local
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from sd_training.data import DatasetConfig, build_train_loader
 
 @functools.lru_cache(maxsize=1)
 def tokenizer():
-    from sd_training.text_encoders import build_clip_tokenizer
+    from sd_training.families.components.clip import build_clip_tokenizer
 
     return build_clip_tokenizer(tempfile.mkdtemp(prefix="data_tests_tok_"))
 

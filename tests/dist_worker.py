@@ -14,7 +14,7 @@ import sys
 import torch
 
 from sd_training import distributed
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import Trainer
 
 STEPS = 3

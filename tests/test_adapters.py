@@ -10,7 +10,7 @@ from conftest import train_args
 
 from sd_training import adapters, distributed
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.families import registry as families
 from sd_training.loop import Trainer
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from sd_training import adapters, distributed
 from sd_training.checkpoint import Checkpointer
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.families import registry as families
 from sd_training.loop import Trainer
 
@@ -146,7 +146,7 @@ def test_compiled_lora_step_equals_eager_and_the_base_stays_frozen():
     from sd_training.build import compile_model
     from sd_training.families.options import AdapterConfig
     from sd_training.families.sd3 import ADAPTER_PRESETS
-    from sd_training.families.transformer_components import transformer_blocks
+    from sd_training.families.components.transformer import transformer_blocks
 
     def step(net):
         with torch.autocast("cpu", dtype=torch.bfloat16):

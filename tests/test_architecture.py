@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "sd_training"
-GENERIC = ["loop.py", "build.py", "metrics.py", "outputs.py", "run_dir.py", "parallel.py", "export.py", "ema.py",
-           "optim.py", "preemption.py", "trackers.py", "train_state.py", "precision.py", "adapters.py",
+GENERIC = ["loop.py", "build.py", "outputs/metrics.py", "outputs/run_outputs.py", "run/run_dir.py",
+           "distributed/strategy.py", "outputs/export.py", "ema.py", "optim.py", "run/preemption.py",
+           "outputs/trackers.py", "run/train_state.py", "speed/precision.py", "adapters.py",
            *(f"checkpoint/{p.name}" for p in sorted((PKG / "checkpoint").glob("*.py")))]
 # Identifiers that belong to a family: its components, its classes, how it is chosen.
 FAMILY_NAMES = {

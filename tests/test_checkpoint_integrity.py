@@ -30,11 +30,11 @@ from sd_training.checkpoint import CheckpointDamaged, Checkpointer, CheckpointMa
 from sd_training.checkpoint.integrity import file_record
 from sd_training.checkpoint.layout import DAMAGED, MARKER
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import Trainer
 from sd_training.loop import main as train
-from sd_training.run_dir import RunDir
-from sd_training.train_state import TrainState
+from sd_training.run.run_dir import RunDir
+from sd_training.run.train_state import TrainState
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6  # checkpoints at 2, 4, 6

@@ -14,7 +14,7 @@ from conftest import train_args
 from sd_training import distributed
 from sd_training.checkpoint import Checkpointer, complete_steps
 from sd_training.checkpoint.store import Snapshot
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -46,7 +46,7 @@ def test_the_default_hook_compiles_the_whole_module():
 
 
 def test_each_transformer_block_is_compiled_in_place_and_shares_a_graph():
-    from sd_training.families.transformer_components import transformer_blocks
+    from sd_training.families.components.transformer import transformer_blocks
 
     torch._dynamo.reset()
     net = tiny_sd3()

@@ -7,7 +7,7 @@ import forked
 import pytest
 
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.config.loading import help_text, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +155,7 @@ def test_bare_no_is_a_string_where_the_schema_wants_one(tmp_path):
 
 @pytest.mark.faults
 def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.config.loading import public_dict, to_yaml
 
     cfg = load(["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8",
@@ -182,7 +182,7 @@ def test_wandb_api_key_is_redacted_from_everything_written(tmp_path):
 @pytest.mark.faults
 def test_numeric_keys_are_range_checked_at_start_up(override, words):
     from sd_training.config import ConfigError
-    from sd_training.config.checks import load
+    from sd_training.configure import load
 
     base = ["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8"]
     load(base)  # the base is fine
@@ -192,7 +192,7 @@ def test_numeric_keys_are_range_checked_at_start_up(override, words):
 
 def test_an_open_diffusion_alias_set_alone_is_the_users_value():
     from sd_training.config import ConfigError
-    from sd_training.config.checks import load
+    from sd_training.configure import load
 
     base = ["experiment.name=x", "model.pretrained=p", "dataset.params.path=d", "experiment.num_examples_to_see=8"]
     cfg = load(base + ["system.dist_backend=gloo"])
@@ -221,7 +221,7 @@ REQUIRED = ["dataset.params.path=/data/{0..1}.tar", "experiment.name=plan", "mod
 
 @pytest.mark.parametrize("world, accumulation", [(1, 6), (2, 3), (3, 2), (6, 1)])
 def test_global_batch_size_derives_the_accumulation_on_every_rank_count(world, accumulation):
-    from sd_training.train_state import Plan
+    from sd_training.run.train_state import Plan
 
     cfg = load(["system.batch_size=2", "system.global_batch_size=12", *REQUIRED])
     plan = Plan.make(cfg, world)
@@ -229,7 +229,7 @@ def test_global_batch_size_derives_the_accumulation_on_every_rank_count(world, a
 
 
 def test_a_global_batch_size_a_layout_cannot_reach_is_refused_with_the_numbers():
-    from sd_training.train_state import Plan
+    from sd_training.run.train_state import Plan
 
     cfg = load(["system.batch_size=2", "system.global_batch_size=12", *REQUIRED])
     with pytest.raises(ConfigError, match=r"cannot be reached on 4 rank\(s\).* multiple of 2 x 4 = 8 \(closest: 8 or 16\)"):

@@ -1,6 +1,6 @@
 """Limits checked at load (issue 26): sizes against the machine, every folder the run writes, interpolation
 errors, plain run names, damaged pipeline files, weights of the wrong shape, and the batch layout on
-resume. Each case is a bad value or file fed to ``sd_training.config.checks.load`` (no training run but
+resume. Each case is a bad value or file fed to ``sd_training.configure.load`` (no training run but
 the last): one ``ConfigError`` naming the key or the file and saying what to do."""
 
 import json
@@ -14,11 +14,11 @@ from conftest import train_args
 
 from sd_training.checkpoint.resume_config import check_resume_config
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.config.loading import public_dict, to_yaml
 from sd_training.distributed import usable_cpus
 from sd_training.families.tiny import TINY_UNET, TINY_VAE
-from sd_training.memory_plan import activation_bytes
+from sd_training.memory.plan import activation_bytes
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.faults]
 
@@ -78,8 +78,8 @@ def test_the_start_up_plan_counts_activations_and_refuses_a_batch_that_cannot_fi
     """Modules that cannot be read at load (a hub id, the quickstart's pipeline) are planned once built."""
     from diffusers import UNet2DConditionModel
 
-    from sd_training.memory_fit import check_plan, micro_batch_activations
-    from sd_training.memory_plan import format_plan, memory_plan
+    from sd_training.memory.fit import check_plan, micro_batch_activations
+    from sd_training.memory.plan import format_plan, memory_plan
 
     net = UNet2DConditionModel(**TINY_UNET)
     cfg = load([*BASE, "system.device=cpu", "dataset.params.resolution=64"])  # /models/sd: nothing to read at load
@@ -215,7 +215,7 @@ def test_a_malformed_model_index_names_the_file(pipeline_copy, tmp_path, content
 
 
 def test_weights_of_another_model_size_name_the_component_and_the_parameter(pipeline_copy, tmp_path):
-    from sd_training.families.unet_components import build_unet
+    from sd_training.families.components.unet import build_unet
 
     config = pipeline_copy / "unet" / "config.json"
     conf = json.loads(config.read_text())

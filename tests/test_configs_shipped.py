@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from sd_training.config.checks import load
+from sd_training.configure import load
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "base" not in p.parts)

@@ -10,7 +10,7 @@ import pytest
 from data_fixtures import loader, take, write_shards
 
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.data import DatasetConfigError
 
 

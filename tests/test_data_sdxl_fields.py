@@ -219,7 +219,7 @@ def test_target_size_is_the_bucket_as_height_width(tmp_path):
 @pytest.fixture(scope="module")
 def tokenizer_2(tmp_path_factory):
     """A second CLIP tokenizer, 64 tokens, padding with '!' (id 0) as SDXL's tokenizer_2 does."""
-    from sd_training.text_encoders import build_clip_tokenizer
+    from sd_training.families.components.clip import build_clip_tokenizer
 
     tok = build_clip_tokenizer(tmp_path_factory.mktemp("tok2"), model_max_length=64)
     tok.pad_token = "!"

@@ -121,7 +121,7 @@ def test_system_tf32_sets_both_cuda_math_flags_and_the_mfu_peak_follows():
     on the CPU nothing changes; MFU counts fp32 against the TF32 peak exactly when TF32 is on."""
     from sd_training.config.schema import SystemConfig
     from sd_training.distributed import configure_math
-    from sd_training.flops import precision_key
+    from sd_training.speed.flops import precision_key
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:

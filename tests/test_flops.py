@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from sd_training import flops
+from sd_training.speed import flops
 from sd_training.families.tiny import TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE
 
 SD1_UNET = dict(  # Stable Diffusion 1.x (the diffusers defaults, with SD's cross-attention width)
@@ -85,7 +85,7 @@ def test_frozen_encoders_and_step_flops(tiny_pipeline):
     t = flops.text_encode_flops(te, 77)
     assert t == flops.text_encode_flops(CLIPTextConfig(**TINY_TEXT_ENCODER), 77) > 0
 
-    class _Models:  # the fields count_step_flops reads from sd_training.families.unet_components.Models
+    class _Models:  # the fields count_step_flops reads from sd_training.families.components.unet.Models
         def __init__(self):
             from diffusers import UNet2DConditionModel
 

@@ -7,7 +7,7 @@ recomputation of the blocks."""
 import pytest
 import torch
 
-from sd_training.flops import count_net_flops, encoder_flops, net_forward_flops
+from sd_training.speed.flops import count_net_flops, encoder_flops, net_forward_flops
 
 LATENT = 8  # latent pixels a side
 TEXT = 12  # text tokens

@@ -13,7 +13,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 from sd_training.config import ConfigError
-from sd_training.families import flow_matching as fm
+from sd_training.families.components import flow_matching as fm
 from sd_training.families.options import FlowMatchingConfig
 
 

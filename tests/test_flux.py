@@ -11,12 +11,12 @@ import torch
 from conftest import assert_shard_step_equals_online, train_args
 
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
-from sd_training.families import flow_matching
+from sd_training.configure import load
+from sd_training.families.components import flow_matching
 from sd_training.families import registry as families
 from sd_training.families.flux import encode_prompts, image_ids, image_seq_len, pack, unpack
 from sd_training.loop import main
-from sd_training.objective import sample_generators
+from sd_training.families.components.ddpm import sample_generators
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T5_LEN = 16  # model.t5.max_length of the tests (Flux's default is 512)
@@ -117,7 +117,7 @@ def test_resolution_shift_is_the_pipelines_for_the_images_token_count(family, pi
 def test_step_flops_count_the_transformer_over_image_and_text_tokens(family):
     """MFU's FLOPs: 3 x one forward over the packed image tokens and T5's tokens; the frozen VAE and both
     encoders are hardware FLOPs. More text tokens cost more (joint attention)."""
-    from sd_training.flops import encoder_flops
+    from sd_training.speed.flops import encoder_flops
 
     flops = family.step_flops()
     assert flops.model == 3 * flops.unet_forward > 0 and flops.unet_train > 2 * flops.unet_forward

@@ -11,9 +11,9 @@ import pytest
 from conftest import train_args
 
 from sd_training import distributed
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import Trainer
-from sd_training.sync_count import BlockingCalls
+from sd_training.speed.sync_count import BlockingCalls
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -77,7 +77,7 @@ def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_di
     """The issue's check: the loss and gradients of Trainer._micro_step from shard latents (and stored text
     embeddings) equal those from latents encoded online from the same images (posterior mean)."""
     from sd_training import distributed
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.loop import Trainer
 
     # The same config loads with the latent source: the schema and validation know dataset.type=latents.
@@ -110,7 +110,7 @@ def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_di
 
 def test_text_embeddings_and_caption_dropout(latent_dir, shapes_shards, models):
     _, te = models
-    from sd_training.objective import encode_text
+    from sd_training.families.components.ddpm import encode_text
 
     empty = np.load(latent_dir / EMPTY_TEXT_FILE)
     lat = take(latent_loader(latent_dir, text_embeddings=True, caption_dropout=0.5), 4)
@@ -253,7 +253,7 @@ def test_shards_made_for_other_models_are_refused(latent_dir, shapes_shards, mod
     import copy
 
     from sd_training.data.latents import StoredText, check_latents_match
-    from sd_training.text_encoders import apply_clip_skip, clip_skip_of
+    from sd_training.families.components.clip import apply_clip_skip, clip_skip_of
 
     def text(te, tok):  # what the SD family expects of stored text (StableDiffusion.stored_text)
         return StoredText(int(tok.model_max_length), int(te.config.hidden_size), clip_skip_of(te))

@@ -17,7 +17,7 @@ from conftest import train_args
 from data_fixtures import loader, take, write_tar
 from PIL import Image
 
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.data import DatasetConfigError
 from sd_training.data.masks import LATENT_DOWNSAMPLE
 from sd_training.data.synthetic import masked_square_sample, write_masked_shards
@@ -258,7 +258,7 @@ def zero_then_ones(h, w):
 def test_a_zero_mask_trains_nothing_unet_objectives(tiny_pipeline, kind):
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
-    from sd_training.objective import ObjectiveConfig, diffusion_loss
+    from sd_training.families.components.ddpm import ObjectiveConfig, diffusion_loss
 
     unet = UNet2DConditionModel.from_pretrained(tiny_pipeline / "unet")
     sched = DDPMScheduler.from_pretrained(tiny_pipeline / "scheduler")
@@ -282,7 +282,7 @@ def test_flow_matching_zero_mask_and_flux_packing(flux_pipeline, sd3_pipeline, s
     left half of the mask zero, the loss has no gradient on the packed tokens of the left half."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
-    from sd_training.families import flow_matching
+    from sd_training.families.components import flow_matching
     from sd_training.families import registry as families
     from sd_training.families.flux import pack, unpack
     from sd_training.families.options import FlowMatchingConfig

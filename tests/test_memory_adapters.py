@@ -16,9 +16,9 @@ from sd_training.config import ConfigError
 from sd_training.config.loading import parse
 from sd_training.families.sd import UNET_ADAPTER_PRESETS, shard_units
 from sd_training.families.tiny import TINY_TEXT_ENCODER, TINY_UNET
-from sd_training.memory_fit import check_batch
-from sd_training.memory_load import lora_params
-from sd_training.memory_plan import GIB, STRATEGIES, format_plan, memory_plan
+from sd_training.memory.fit import check_batch
+from sd_training.memory.load import lora_params
+from sd_training.memory.plan import GIB, STRATEGIES, format_plan, memory_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT_PRESET = r".*self_attn\.(q_proj|k_proj|v_proj|out_proj)"

@@ -1,4 +1,4 @@
-"""Will it fit, and what would? The load-time plan's advice (sd_training.memory_fit) for a full-size SDXL
+"""Will it fit, and what would? The load-time plan's advice (sd_training.memory.fit) for a full-size SDXL
 fine-tune on a 24 GiB GPU, checked by applying each advised set of keys to the config: it parses (the
 schema's refusals pass: in_backward without clipping, no accumulation), its plan is the number the advice
 gave, within 90% of the GPU, and dropping any one of its keys no longer fits (the sets are minimal).
@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from sd_training.config.loading import parse
-from sd_training.memory_fit import ADVICE_FRACTION, advise, load_plan, need_bytes
-from sd_training.memory_plan import GIB
+from sd_training.memory.fit import ADVICE_FRACTION, advise, load_plan, need_bytes
+from sd_training.memory.plan import GIB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from conftest import train_args
 
 from sd_training import distributed
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -212,7 +212,7 @@ def test_fsdp_two_ranks_with_in_backward_equal_one_process(tmp_path, tiny_pipeli
 def test_the_memory_plan_counts_one_tensor_of_gradients_in_backward():
     """optimizer.in_backward frees each gradient once its parameter is updated: the plan's gradients are the
     largest trained tensor's (fp32), under every strategy; 8-bit AdamW's state is 2 bytes a parameter."""
-    from sd_training.memory_plan import GIB, memory_plan
+    from sd_training.memory.plan import GIB, memory_plan
 
     net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
     n = sum(p.numel() for p in net.parameters())

@@ -7,9 +7,9 @@ batch that cannot fit refused) at config load."""
 import pytest
 import torch
 
-from sd_training import memory_transformer as mt
-from sd_training.memory_plan import GIB
-from sd_training.memory_transformer import activation_elements, blocks, image_tokens, meta_module
+from sd_training.memory import transformer as mt
+from sd_training.memory.plan import GIB
+from sd_training.memory.transformer import activation_elements, blocks, image_tokens, meta_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +107,7 @@ def test_a_from_scratch_transformer_is_planned_at_config_load(monkeypatch, tmp_p
     from sd_training.config import ConfigError
     from sd_training.config.loading import parse
     from sd_training.families import registry
-    from sd_training.memory_fit import check_batch, micro_batch_activations
+    from sd_training.memory.fit import check_batch, micro_batch_activations
 
     fam = registry.FAMILIES["flux"]
     monkeypatch.setattr(fam, "net_class", "FluxTransformer2DModel", raising=False)

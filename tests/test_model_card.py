@@ -1,4 +1,4 @@
-"""Model cards (sd_training.model_card) and scripts/push_to_hub.py.
+"""Model cards (sd_training.outputs.model_card) and scripts/push_to_hub.py.
 
 Two tiny real runs under bf16 autocast on the CPU with a loader worker, an export at every step: a LoRA on
 two ranks (torchrun, gloo) from a weighted mixture of two sources, one of them filtered, and a full fine-tune
@@ -21,9 +21,10 @@ from conftest import train_args
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from sd_training import adapters, distributed, model_card
+from sd_training import adapters, distributed
+from sd_training.outputs.run_outputs import model_card
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -6,8 +6,8 @@ import torch
 from sd_training.config import ComponentConfig, ConfigError
 from sd_training.config.schema import ModelConfig, UNetConfig, VAEConfig
 from sd_training.families.tiny import TINY_UNET, build_clip_tokenizer
-from sd_training.families.unet_components import build_models
-from sd_training.text_encoders import TextEncoderConfig
+from sd_training.families.components.unet import build_models
+from sd_training.families.components.clip import TextEncoderConfig
 
 
 def test_clip_tokenizer_matches_openai_ids(tmp_path):
@@ -75,7 +75,7 @@ def test_xformers_request_falls_back_to_sdpa_on_cpu(tiny_pipeline, caplog):
 def test_unet_target_names_model_classes_not_arbitrary_callables(monkeypatch, tmp_path):
     """``model.unet.target`` is resolved by import: a config must not be able to run ``subprocess.Popen``."""
     from sd_training.config import ConfigError
-    from sd_training.families.unet_components import UNET_MODULES_ENV, resolve_unet_class
+    from sd_training.families.components.unet import UNET_MODULES_ENV, resolve_unet_class
 
     monkeypatch.delenv(UNET_MODULES_ENV, raising=False)
     assert resolve_unet_class("diffusers.models.unets.unet_2d_condition.UNet2DConditionModel").__name__ == "UNet2DConditionModel"

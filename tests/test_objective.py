@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from sd_training.config import ConfigError
 from sd_training.families.tiny import SD_SCHEDULER
-from sd_training.objective import (
+from sd_training.families.components.ddpm import (
     ObjectiveConfig,
     configure_schedulers,
     diffusion_loss,

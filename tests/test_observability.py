@@ -8,7 +8,7 @@ import pytest
 from conftest import train_args
 
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import main as train
 
 # In-process training: one intra-op thread (see conftest.one_thread).

@@ -22,7 +22,7 @@ import torch
 from test_resume import assert_same
 
 from sd_training import distributed
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import Trainer
 from sd_training.loop import main as train
 

@@ -29,7 +29,7 @@ from conftest import train_args
 
 from sd_training import distributed
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import Trainer
 
 HERE = Path(__file__).resolve().parent
@@ -224,7 +224,7 @@ def test_memory_plan_counts_each_optimizers_state():
     real net, whose matrices are wider)."""
     import pytorch_optimizer
 
-    from sd_training.memory_plan import GIB, memory_plan
+    from sd_training.memory.plan import GIB, memory_plan
     from sd_training.optim import PACKAGE_OPTIMIZERS
 
     for name in NEW:

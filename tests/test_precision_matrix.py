@@ -120,7 +120,7 @@ def test_combination_trains_checkpoints_exports_samples_and_resumes(
 def test_unsupported_combination_is_refused_at_start_up_with_a_reason(tmp_path, tiny_pipeline, shapes_shards,
                                                                       overrides, reason):
     from sd_training.config import ConfigError
-    from sd_training.config.checks import load
+    from sd_training.configure import load
 
     with pytest.raises(ConfigError, match=reason.replace(".", r"\.")):
         load(train_args(tmp_path, tiny_pipeline, shapes_shards, **overrides))

@@ -272,7 +272,7 @@ def test_the_shapes_dataset_is_rewritten_when_its_settings_change(tmp_path):
                     boxes.add(((xs.min() + xs.max()) / 2, (ys.min() + ys.max()) / 2))
     assert len(boxes) >= 2 and all(abs(x - 31.5) <= 3 and abs(y - 31.5) <= 3 for x, y in boxes), boxes
     from sd_training.config import ConfigError
-    from sd_training.config.checks import load
+    from sd_training.configure import load
 
     with pytest.raises(ConfigError, match=r"quickstart.shapes_radius"):
         load([f"config={ROOT / 'configs' / 'quickstart.yaml'}", "quickstart.shapes_radius=[0.4,0.3]"])
@@ -283,7 +283,7 @@ def test_the_word_images_read_back_as_the_word_and_bad_words_are_refused(tmp_pat
     caption names, and every listed background (only those) is used; a word colour among its backgrounds
     is refused when the config loads, naming the keys."""
     from sd_training.config import ConfigError
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.config.schema import QuickstartConfig
     from sd_training.quickstart import prepare
 

@@ -9,7 +9,7 @@ from conftest import train_args
 
 from sd_training import distributed
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.config.schema import LRSchedulerConfig, LRSchedulerParams, OptimizerConfig, OptimizerParams
 from sd_training.ema import EMA, decay_from_strength
 from sd_training.loop import NonFiniteLossError, Trainer
@@ -256,8 +256,8 @@ def test_nonfinite_steps_are_skipped_then_the_run_saves_and_stops(tmp_path, tiny
             return {}
 
     t.loader = PoisonedLoader([fixed_batch(t, nan=True)] * 100)
-    t.trackers = __import__("sd_training.trackers", fromlist=["x"]).Trackers([])
-    from sd_training.preemption import StopFlag
+    t.trackers = __import__("sd_training.outputs.trackers", fromlist=["x"]).Trackers([])
+    from sd_training.run.preemption import StopFlag
 
     with pytest.raises(NonFiniteLossError, match="learning_rate.*mixed_precision=bf16"):
         t._loop(StopFlag())

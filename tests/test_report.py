@@ -20,7 +20,7 @@ import pytest
 from conftest import train_args
 from PIL import Image
 
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.report import refresh_after_export, write_report
 from sd_training.report.series import panels, read_metrics, smooth
 
@@ -90,7 +90,7 @@ def _quartiles_on_rank(rank, port, out):
     import torch
     import torch.distributed as dist
 
-    from sd_training.metrics import quartile_losses
+    from sd_training.outputs.metrics import quartile_losses
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -28,7 +28,7 @@ def worker(out: str, argv: list[str]) -> None:
 
     from sd_training import distributed
     from sd_training.checkpoint import CheckpointManager
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.loop import Trainer
 
     cfg = load(argv)

@@ -13,9 +13,9 @@ from conftest import train_args
 from sd_training.checkpoint import complete_steps
 from sd_training.checkpoint.resume_config import config_changes
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import main as train
-from sd_training.run_dir import lock_run_folder
+from sd_training.run.run_dir import lock_run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.faults]

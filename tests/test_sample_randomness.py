@@ -17,10 +17,10 @@ import pytest
 import torch
 from conftest import train_args
 
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.families import registry as families
 from sd_training.families.tiny import SD_SCHEDULER
-from sd_training.objective import (
+from sd_training.families.components.ddpm import (
     STREAMS,
     ObjectiveConfig,
     diffusion_loss,

@@ -69,7 +69,7 @@ def test_two_ranks_make_the_same_images_as_one(tmp_path, tiny_pipeline):
 
 @pytest.mark.slow
 def test_generate_from_checkpoint_equals_the_exported_pipeline(tmp_path, tiny_pipeline, shapes_shards, prompts_csv):
-    from sd_training.config.checks import load
+    from sd_training.configure import load
     from sd_training.loop import main as train
 
     cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="gen", **{

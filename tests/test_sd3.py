@@ -11,10 +11,10 @@ import torch
 from conftest import assert_shard_step_equals_online, train_args
 
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.data.transforms import unit_range
 from sd_training.families import registry as families
-from sd_training.objective import stream_seed
+from sd_training.families.components.ddpm import stream_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CAPTIONS = ["a red circle on a blue background", "", "a green square", "a yellow triangle on black"]
@@ -44,7 +44,7 @@ def batch_of(family, captions, seeds=None, size=32):
 def test_t5_tokenizer_is_built_offline_and_loads_as_t5_tokenizer_fast(tmp_path):
     from transformers import T5TokenizerFast
 
-    from sd_training.families.t5 import build_t5_tokenizer, tokenize_t5
+    from sd_training.families.components.t5 import build_t5_tokenizer, tokenize_t5
 
     tok = build_t5_tokenizer(tmp_path / "t5", 16)
     again = T5TokenizerFast.from_pretrained(tmp_path / "t5")  # no sentencepiece, no network

@@ -12,7 +12,7 @@ from test_resume import N, args_for, assert_same, final_state, finish, kill_afte
 
 from sd_training.checkpoint import complete_steps
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.data.transforms import unit_range
 from sd_training.families import registry as families
 from sd_training.families.sdxl import encode_prompts, time_ids

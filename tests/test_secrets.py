@@ -13,7 +13,7 @@ import pytest
 from conftest import train_args
 
 from sd_training.checkpoint.resume_config import config_changes
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.config.loading import parse, public_dict, to_yaml
 from sd_training.config.secrets import redact_text
 from sd_training.loop import main as train

@@ -25,7 +25,7 @@ import pytest
 from conftest import train_args
 
 from sd_training.checkpoint import Checkpointer, complete_steps
-from sd_training.run_dir import lock_run_folder, release_run_folder
+from sd_training.run.run_dir import lock_run_folder, release_run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.faults
@@ -95,7 +95,7 @@ def run_until_exit(mode: str, send_signal: bool, timeout: float = 60):
 
 
 def test_sigterm_with_the_main_thread_blocked_in_one_call_exits_75_within_seconds():
-    from sd_training.preemption import STUCK_S
+    from sd_training.run.preemption import STUCK_S
 
     code, took, err = run_until_exit("stuck", send_signal=True)
     assert code == 75, err[-3000:]
@@ -123,7 +123,7 @@ def test_a_hung_shutdown_after_a_failure_is_cut_naming_what_it_waited_for():
 # ----------------------------------------------------------------------------------- lock and workers
 HOLDER = r"""
 import os, sys, time
-from sd_training.run_dir import lock_run_folder
+from sd_training.run.run_dir import lock_run_folder
 held = lock_run_folder(__import__("pathlib").Path(sys.argv[1]))
 child = os.fork()
 if child == 0:  # a forked child that outlives its parent (as a loader worker of a SIGKILLed rank could)
@@ -159,7 +159,7 @@ def test_no_child_holds_the_run_lock_and_a_dead_holders_lock_is_taken_over(tmp_p
 WORKERS = r"""
 import os, time, torch
 from torch.utils.data import DataLoader, IterableDataset
-from sd_training.preemption import loader_worker_init
+from sd_training.run.preemption import loader_worker_init
 
 class Pids(IterableDataset):
     def __iter__(self):

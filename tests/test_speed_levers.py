@@ -1,6 +1,6 @@
 """Issue 24's speed levers on the CPU: channels-last (model.channels_last) gives the default layout's loss
 and gradients; regional compilation (model.compile_scope) and the compiler's cache (model.compile_cache,
-sd_training.compile_cache); bench_step's --compile / --channels-last / --profile flags."""
+sd_training.speed.compile_cache); bench_step's --compile / --channels-last / --profile flags."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from conftest import counting_backend, train_args
 
 from sd_training.config import ConfigError
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.families import registry
-from sd_training.families.unet_components import uses_channels_last
+from sd_training.families.components.unet import uses_channels_last
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -199,7 +199,7 @@ def test_compile_scope_is_a_checked_key(tmp_path, tiny_pipeline, shapes_shards):
 ROUND = r"""
 import json, sys, torch
 from torch._dynamo.utils import counters
-from sd_training.compile_cache import CompileCache
+from sd_training.speed.compile_cache import CompileCache
 torch.set_num_threads(1)
 cache = CompileCache(sys.argv[1], torch.device("cpu"))
 loaded = cache.load()
@@ -243,7 +243,7 @@ def test_a_second_run_on_a_fresh_machine_loads_the_compiled_graphs(tmp_path):
 
 
 def test_the_cache_is_skipped_where_torch_lacks_it_or_the_file_is_bad(tmp_path, monkeypatch, caplog):
-    from sd_training.compile_cache import artifact_file, for_run
+    from sd_training.speed.compile_cache import artifact_file, for_run
 
     cache = for_run(None, tmp_path / "run", torch.device("cpu"), is_main=True)
     assert cache.path == artifact_file(tmp_path / "run" / "compile_cache", torch.device("cpu"))
@@ -358,8 +358,8 @@ def test_fp8_converts_the_transformer_blocks_linear_layers():
     from diffusers import SD3Transformer2DModel
     from torchao.float8.float8_linear import Float8Linear
 
-    from sd_training import fp8
-    from sd_training.families.transformer_components import transformer_blocks
+    from sd_training.speed import fp8
+    from sd_training.families.components.transformer import transformer_blocks
 
     def build():
         torch.manual_seed(0)
@@ -390,7 +390,7 @@ def test_fp8_converts_the_transformer_blocks_linear_layers():
 
 
 def test_fp8_is_refused_with_an_adapter_or_without_torchao(monkeypatch):
-    from sd_training import fp8
+    from sd_training.speed import fp8
 
     with pytest.raises(ConfigError, match="model.adapter"):
         fp8.check(adapter=True) if fp8.importlib.util.find_spec("torchao") else pytest.skip("no torchao")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from sd_training.config import ConfigError
-from sd_training.objective import encode_text
-from sd_training.text_encoders import (
+from sd_training.families.components.ddpm import encode_text
+from sd_training.families.components.clip import (
     CLIP_SKIP_KEY,
     TextEncoderConfig,
     build_text_encoder,

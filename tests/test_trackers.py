@@ -5,9 +5,9 @@ import json
 import pytest
 from conftest import train_args
 
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import main as train
-from sd_training.trackers import wandb_mode
+from sd_training.outputs.trackers import wandb_mode
 
 # In-process training: one intra-op thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")

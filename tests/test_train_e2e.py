@@ -10,7 +10,7 @@ import forked
 import pytest
 from conftest import train_args
 
-from sd_training.config.checks import load
+from sd_training.configure import load
 from sd_training.loop import main as train
 
 # In-process training: one intra-op thread (see conftest.one_thread).
@@ -85,7 +85,7 @@ def test_train_py_cli_quick_run(tmp_path, tiny_pipeline, shapes_shards):
 def test_a_kill_between_the_renames_of_an_export_swap_is_repaired(tmp_path):
     """``replace_dir`` renames the old export aside, then the new one in: a kill between the two leaves
     only ``current_pipeline.old``; start-up puts it back. Copies to pipelines/step_N are atomic too."""
-    from sd_training.run_dir import copy_dir_atomically, repair_swaps
+    from sd_training.run.run_dir import copy_dir_atomically, repair_swaps
 
     root = tmp_path / "run"
     (root / "current_pipeline.old").mkdir(parents=True)

@@ -15,9 +15,9 @@ import torch
 from omegaconf import OmegaConf
 
 from ..config import ConfigError
-from ..export import check_weights
+from ..outputs.export import check_weights
 from ..loading import load_component
-from ..run_dir import RunDir
+from ..run.run_dir import RunDir
 from .integrity import CHECKSUM, CheckpointDamaged, file_record, verify
 from .layout import CONFIG, EMA, MARKER, is_sharded, shared_file
 from .model_state import check_state_shapes, shapes_of

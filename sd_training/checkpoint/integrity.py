@@ -17,8 +17,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..run_dir import STEP_RE
-from ..train_state import check_train_state
+from ..run.run_dir import STEP_RE
+from ..run.train_state import check_train_state
 from .layout import DAMAGED, MARKER, SHARDED, TRAIN_STATE, member_path, rank_file
 
 log = logging.getLogger(__name__)

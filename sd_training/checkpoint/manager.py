@@ -24,8 +24,8 @@ from ..config import ConfigError
 from ..config.loading import public_dict, to_yaml
 from ..config.schema import TrainConfig
 from ..distributed import DistInfo
-from ..run_dir import RunDir, step_name
-from ..train_state import Plan, TrainState
+from ..run.run_dir import RunDir, step_name
+from ..run.train_state import Plan, TrainState
 from .integrity import CheckpointDamaged, mark_damaged, verify
 from .layout import CONFIG, DAMAGED, RANK_DATA, RANK_RNG
 from .model_state import ModelState

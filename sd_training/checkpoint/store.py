@@ -42,7 +42,7 @@ import torch
 
 from .. import distributed
 from ..config import ConfigError
-from ..run_dir import STEP_RE, step_name
+from ..run.run_dir import STEP_RE, step_name
 from .integrity import (
     CHECKSUM,
     MARKER_FORMAT,

@@ -9,7 +9,7 @@
 - ``checks``: ``load(argv)``, the schema's rules then every owner's checks (imports torch through them).
 
 Import a name from the module that owns it: ``from sd_training.config.schema import TrainConfig``,
-``from sd_training.config.loading import parse``, ``from sd_training.config.checks import load``. The
+``from sd_training.config.loading import parse``, ``from sd_training.configure import load``. The
 package itself holds only what every section's module needs (``f``, ``ConfigError``,
 ``ComponentConfig``), so a family's own sections (``sd_training.families.options``) can import them while
 the schema imports those sections. Nothing here but ``checks`` imports torch or model, objective or data

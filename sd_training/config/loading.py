@@ -172,7 +172,7 @@ def _parses(override: str) -> bool:
 def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
     """The resolved ``TrainConfig`` from the command line (and/or YAML text), with the schema's own checks.
 
-    The sections' owners check the rest: use ``sd_training.config.checks.load`` for a config to train with."""
+    The sections' owners check the rest: use ``sd_training.configure.load`` for a config to train with."""
     argv = sys.argv[1:] if argv is None else argv
     config_paths, overrides, removals = parse_argv(argv)
     layers = []

@@ -17,7 +17,7 @@ from ..families.options import FamilyModelFields, FamilySections
 from .dataset import DatasetConfig
 from .fields import ComponentConfig, f
 
-# Precision names (sd_training.precision maps them to torch dtypes).
+# Precision names (sd_training.speed.precision maps them to torch dtypes).
 PRECISIONS = ("no", "bf16", "fp16")  # model.mixed_precision: the step's compute precision
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")  # a frozen component's stored weights (besides auto)
 SCHEDULERS = ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup")
@@ -26,7 +26,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd", "prodigy", "lion", "adam
 
 @dataclass
 class ObjectiveConfig:
-    """The ``objective`` section (the diffusion loss); checked by ``sd_training.objective``."""
+    """The ``objective`` section (the diffusion loss); checked by ``sd_training.families.components.ddpm``."""
 
     prediction_type: Optional[str] = f(
         None, "what the UNet predicts (None: the training scheduler's own prediction_type)",
@@ -45,7 +45,7 @@ class ObjectiveConfig:
 
 @dataclass
 class TextEncoderConfig:
-    """``model.text_encoder``; checked and built by ``sd_training.text_encoders``."""
+    """``model.text_encoder``; checked and built by ``sd_training.families.components.clip``."""
 
     pretrained: Optional[str] = f(
         None, "type clip: pipeline root or text_encoder folder, local path or hub id (None: model.pretrained)"
@@ -242,7 +242,7 @@ class CommonModelFields:
                           "max-autotune-no-cudagraphs the search alone",
                           choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     fp8: bool = f(False, "train the Linear layers of the net's repeated blocks (the transformer blocks) in float8 with "
-                  "torchao (sd_training.fp8; FP8 GPUs: H100, L40S, RTX 4090; pays with model.compile)")
+                  "torchao (sd_training.speed.fp8; FP8 GPUs: H100, L40S, RTX 4090; pays with model.compile)")
     compile_cache: Optional[str] = f(None, "model.compile: folder of the compiler's cache artifacts (torch >= 2.7 "
                                      "mega-cache), loaded before compiling and saved once the first step compiled, so "
                                      "a requeued job skips most of the warm-up (None: <run folder>/compile_cache)")

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ..preemption import loader_worker_init
+from ..run.preemption import loader_worker_init
 from .samples import SampleProcessor
 from .stats import log, summarize
 from .stream import Plan, SlotStream

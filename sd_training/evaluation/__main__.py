@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             return {"eval/fid_reference_images": stats.n}
         images = Path(args.images) if args.images else Path(args.out).with_name(Path(args.out).stem + "_images")
         if args.pipeline:
-            from ..export import read_prompts
+            from ..outputs.export import read_prompts
             from .generate import generate_images, image_path, load_pipeline
 
             prompts = read_prompts(args.prompts)

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..run_dir import step_name
+from ..run.run_dir import step_name
 from .evaluate import EvalSettings
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ _RANK_VARS = (
 
 # ``python -m sd_training.evaluation ARGS`` whose first argument is the trainer's pid, which it dies with.
 _DIES_WITH_PARENT = (
-    "import signal, sys; from sd_training.preemption import die_with_parent; "
+    "import signal, sys; from sd_training.run.preemption import die_with_parent; "
     "die_with_parent(int(sys.argv.pop(1)), signal.SIGTERM); from sd_training.evaluation.__main__ import main; main()"
 )
 

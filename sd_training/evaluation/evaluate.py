@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..export import read_prompts
+from ..outputs.export import read_prompts
 from .clip_score import ClipScorer, prompts_for
 from .fid import InceptionFeatures, compute_fid, image_files, reference_stats
 

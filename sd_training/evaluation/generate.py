@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..export import eval_mode
+from ..outputs.export import eval_mode
 
 
 def load_pipeline(folder: str, device: torch.device, dtype: torch.dtype = torch.float32):

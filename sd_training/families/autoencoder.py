@@ -17,8 +17,8 @@ from PIL import Image
 from ..config.schema import TrainConfig
 from ..data import build_train_loader
 from ..data.transforms import unit_range
-from ..export import image_grid
-from ..objective import host_seeds
+from ..outputs.export import image_grid
+from .components.ddpm import host_seeds
 from .autoencoder_loss import measure_scaling_factor, vae_loss, validate_vae_stage
 from .base import Family, LossOut, SampleSettings
 

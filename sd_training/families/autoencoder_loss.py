@@ -42,7 +42,7 @@ from ..config import ConfigError
 from ..config.dataset import is_latent_type
 from ..config.schema import ObjectiveConfig
 from ..data.transforms import unit_range
-from ..objective import SampleSeeds, sample_generators
+from .components.ddpm import SampleSeeds, sample_generators
 from .options import VAEObjectiveConfig
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from PIL import Image
 
 from ..config.schema import TrainConfig
 from ..data.latents import StoredText
-from ..flops import StepFlops
+from ..speed.flops import StepFlops
 
 
 class LossOut(NamedTuple):
@@ -85,7 +85,7 @@ class Family(abc.ABC):
     samples_tag = "samples"  # wandb key of the sample grid
     makes_eval_images = True  # experiment.num_eval_images applies
     metric_prefix = ""  # prefix of the named loss terms in the logs
-    card_tags: tuple[str, ...] = ()  # Hub tags of the exports' model cards (sd_training.model_card), as diffusers' own
+    card_tags: tuple[str, ...] = ()  # Hub tags of the exports' model cards (sd_training.outputs.model_card), as diffusers' own
     # FSDP2: (module, distributed.fsdp_unit) -> the submodules sharded separately, innermost first
     shard_units = None
     # The trained module's diffusers class name, for the memory plan at config load of from-scratch
@@ -110,7 +110,7 @@ class Family(abc.ABC):
         self.loss_module: torch.nn.Module | None = None  # what the strategy wraps and the loss calls
         self._encoders: dict[str, torch.nn.Module] = {}  # trained encoders as the loss calls them (maybe DDP)
         self.adapters = None  # sd_training.adapters.Adapters when model.adapter trains adapters (set by build)
-        self.compile_cache = None  # sd_training.compile_cache.CompileCache under model.compile (set by build)
+        self.compile_cache = None  # sd_training.speed.compile_cache.CompileCache under model.compile (set by build)
 
     @property
     def num_timesteps(self) -> int | None:

@@ -32,15 +32,16 @@ from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.transforms import unit_range
-from ..export import export_pipeline, unwrap
-from ..flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
-from ..text_encoders import build_clip_tokenizer, build_text_encoder
-from . import flow_matching, transformer_components
+from ..outputs.export import export_pipeline, unwrap
+from ..speed.flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
+from .components.clip import build_clip_tokenizer, build_text_encoder
+from .components import flow_matching
+from .components import transformer as transformer_components
 from .base import Family, LossOut, SampleSettings, TextEncoding
 from .sd import StableDiffusion, is_latent_data, pipeline_eval_images, pipeline_grid
-from .t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
+from .components.t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
-from .transformer_components import (
+from .components.transformer import (
     build_transformer,
     component_sources,
     encode_latents,
@@ -50,7 +51,7 @@ from .transformer_components import (
     source,
     validate_common,
 )
-from .unet_components import Components
+from .components.unet import Components
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +378,7 @@ class Flux(Family):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
         from transformers import CLIPTextConfig, CLIPTextModel
 
-        from .t5 import tiny_t5_encoder
+        from .components.t5 import tiny_t5_encoder
 
         scratch = tokenizer_folder(out, "tokenizer"), tokenizer_folder(out, "tokenizer_2")
         tokenizer_2 = build_t5_tokenizer(scratch[1], T5_MAX_LENGTH)

@@ -18,11 +18,11 @@ from ..config.schema import TrainConfig
 from ..data.latents import TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
-from ..export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
-from ..flops import StepFlops, count_step_flops
+from ..outputs.export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
+from ..speed.flops import StepFlops, count_step_flops
 from ..loading import load_component
-from ..objective import configure_schedulers, diffusion_loss, encode_images, encode_text, scheduler_tensors_to
-from ..text_encoders import (
+from .components.ddpm import configure_schedulers, diffusion_loss, encode_images, encode_text, scheduler_tensors_to
+from .components.clip import (
     apply_clip_skip,
     build_clip_tokenizer,
     clip_skip_of,
@@ -31,7 +31,7 @@ from ..text_encoders import (
 )
 from .base import Family, LossOut, SampleSettings, TextEncoding
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
-from .unet_components import build_models, component_sources, uses_channels_last
+from .components.unet import build_models, component_sources, uses_channels_last
 
 log = logging.getLogger(__name__)
 

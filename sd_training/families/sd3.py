@@ -34,17 +34,17 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
-from ..export import unwrap
+from ..outputs.export import unwrap
 from ..loading import load_component
-from ..objective import host_seeds, sample_generators
-from ..precision import frozen_text_dtype
-from ..text_encoders import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups
-from . import flow_matching
+from .components.ddpm import host_seeds, sample_generators
+from ..speed.precision import frozen_text_dtype
+from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups
+from .components import flow_matching
 from .base import Family, LossOut, TextEncoding
 from .sd import StableDiffusion
-from .t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
+from .components.t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
-from .transformer_components import (
+from .components.transformer import (
     ADAPTER_PRESETS,
     TrainedLength,
     build_transformer,
@@ -58,7 +58,7 @@ from .transformer_components import (
     transformer_blocks,
     validate_common,
 )
-from .unet_components import Components, frozen
+from .components.unet import Components, frozen
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ class StableDiffusion3(StableDiffusion):
     def step_flops(self):
         """Counted once on the meta device: 3 x one transformer forward over one image's patches and the
         77 + L text tokens (joint attention); hardware FLOPs add the VAE and the encoders unless stored."""
-        from ..flops import count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
+        from ..speed.flops import count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
         from .sd import is_latent_data
 
         m, cfg = self.models, self.cfg
@@ -439,7 +439,7 @@ def _joint_width(pipeline: str) -> int:
 def _pipeline(net, scheduler, vae, encoders: dict, m: SD3Models):
     from diffusers import StableDiffusion3Pipeline
 
-    from ..text_encoders import text_encoder_for_pipeline
+    from .components.clip import text_encoder_for_pipeline
 
     return StableDiffusion3Pipeline(
         transformer=net, scheduler=scheduler, vae=vae,

@@ -30,11 +30,11 @@ from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.samples import SIZE_FIELDS
-from ..export import unwrap
-from ..flops import StepFlops, count_step_flops, text_encode_flops
+from ..outputs.export import unwrap
+from ..speed.flops import StepFlops, count_step_flops, text_encode_flops
 from ..loading import load_component
-from ..precision import frozen_text_dtype
-from ..text_encoders import (
+from ..speed.precision import frozen_text_dtype
+from .components.clip import (
     build_clip_tokenizer,
     place_text_encoder,
     text_encoder_for_pipeline,
@@ -44,7 +44,7 @@ from ..text_encoders import (
 from .base import TextEncoding
 from .sd import StableDiffusion, is_latent_data
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
-from .unet_components import Models, build_models
+from .components.unet import Models, build_models
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..text_encoders import build_clip_tokenizer
+from .components.clip import build_clip_tokenizer
 
 # The sizes below train at ~0.2 s/step for batch 8 at 64x64 on 2 CPU cores.
 TINY_UNET = dict(

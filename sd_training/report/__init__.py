@@ -23,8 +23,8 @@ import yaml
 from ..config.schema import TrainConfig
 from ..families.base import Family
 from ..families.registry import FAMILIES, detect_source
-from ..run_dir import RunDir
-from ..train_state import Plan
+from ..run.run_dir import RunDir
+from ..run.train_state import Plan
 from .page import render, summary_rows
 from .plots import PLOTS_EXTRA, MatplotlibMissing, draw_panel, require_matplotlib
 from .series import panels, read_metrics

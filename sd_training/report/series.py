@@ -1,7 +1,7 @@
 """metrics.jsonl -> the report's panels, as data (no drawing, no matplotlib): which panels a run's metrics
 fill, with each series' points, raw and smoothed.
 
-The keys are the ones the loop logs (``sd_training.metrics.StepMetrics``, ``outputs.RunOutputs``, the
+The keys are the ones the loop logs (``sd_training.outputs.metrics.StepMetrics``, ``outputs.RunOutputs``, the
 loader's counters as ``data/<name>``). A panel whose keys are all missing is left out; a step logged twice
 (a resumed run) keeps its last value; non-finite values (logged as null) are left out of the curves.
 """

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..loading import load_component
-from ..precision import DTYPES
+from ...loading import load_component
+from ...speed.precision import DTYPES
 
 # A tiny T5 encoder for tiny pipelines: 128 channels (wider than the two tiny CLIPs' 64 + 64 states that
 # SD3 pads to T5's width), 2 layers.

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 
 log = logging.getLogger(__name__)
 

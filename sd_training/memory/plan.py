@@ -262,7 +262,7 @@ def trained_state_bytes(n_params: int, optimizer: str, ema: bool, strategy: str,
     return n_params * per_param / (world_size if strategy == "fsdp" else 1)
 
 
-if __name__ == "__main__":  # python -m sd_training.memory_plan --table [--world-size 8] [--resolution 1024]
+if __name__ == "__main__":  # python -m sd_training.memory.plan --table [--world-size 8] [--resolution 1024]
     import argparse
 
     parser = argparse.ArgumentParser(description="Reference memory plans of known diffusion transformers")
@@ -271,6 +271,6 @@ if __name__ == "__main__":  # python -m sd_training.memory_plan --table [--world
     parser.add_argument("--resolution", type=int, default=1024)
     args = parser.parse_args()
     if args.table:
-        from .memory_transformer import reference_table
+        from .transformer import reference_table
 
         print(reference_table(args.world_size, args.resolution))

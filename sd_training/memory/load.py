@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapters import _layer_size, resolve_targets
-from .config import ConfigError
+from ..adapters import _layer_size, resolve_targets
+from ..config import ConfigError
 
 
 def json_file(path: str) -> dict | None:
@@ -64,7 +64,7 @@ def meta_net(kind: str, conf: dict) -> torch.nn.Module | None:
     """The module ``conf`` builds (``kind``: unet, vae or transformer) on the meta device (no memory); None
     if it does not build."""
     if kind == "transformer":
-        from .memory_transformer import meta_module
+        from .transformer import meta_module
 
         return meta_module(conf)
     try:

@@ -8,14 +8,14 @@ import logging
 
 import torch
 
-from . import distributed
-from .config.schema import TrainConfig
-from .distributed import DistInfo
-from .families.base import Family
-from .flops import mfu, peak_flops
-from .progress import PROGRESS
+from .. import distributed
+from ..config.schema import TrainConfig
+from ..distributed import DistInfo
+from ..families.base import Family
+from ..speed.flops import mfu, peak_flops
+from ..run.progress import PROGRESS
 from .trackers import Trackers
-from .train_state import Plan, TrainState, hms
+from ..run.train_state import Plan, TrainState, hms
 
 log = logging.getLogger("sd_training.loop")
 

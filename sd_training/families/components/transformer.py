@@ -15,13 +15,13 @@ import logging
 
 import torch
 
-from ..config import ConfigError
-from ..config.schema import ModelConfig, ObjectiveConfig, TrainConfig, UNetConfig
-from ..loading import load_component
-from ..objective import sample_generators
-from ..precision import frozen_vae_dtype
-from .options import TransformerConfig
-from .unet_components import frozen, load_weights
+from ...config import ConfigError
+from ...config.schema import ModelConfig, ObjectiveConfig, TrainConfig, UNetConfig
+from ...loading import load_component
+from .ddpm import sample_generators
+from ...speed.precision import frozen_vae_dtype
+from ..options import TransformerConfig
+from .unet import frozen, load_weights
 
 log = logging.getLogger(__name__)
 

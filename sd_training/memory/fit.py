@@ -29,11 +29,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .config import ConfigError
-from .families import registry
-from .memory_load import adapter_state_bytes, json_file, meta_params, plan_adapter, safetensors_params
-from .memory_plan import GIB, MemoryRow, activation_bytes, per_trained_param
-from .memory_transformer import activation_elements, image_tokens, is_transformer
+from ..config import ConfigError
+from ..families import registry
+from .load import adapter_state_bytes, json_file, meta_params, plan_adapter, safetensors_params
+from .plan import GIB, MemoryRow, activation_bytes, per_trained_param
+from .transformer import activation_elements, image_tokens, is_transformer
 
 log = logging.getLogger(__name__)
 LOAD_WARN_FRACTION = 0.8  # a plan above this share of the device's memory is logged as a warning

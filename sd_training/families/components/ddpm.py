@@ -36,9 +36,9 @@ from typing import Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
-from .config.schema import ObjectiveConfig
-from .text_encoders import text_model_of
+from ...config import ConfigError
+from ...config.schema import ObjectiveConfig
+from .clip import text_model_of
 
 log = logging.getLogger(__name__)
 

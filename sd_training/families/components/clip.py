@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError
-from .config.schema import TextEncoderConfig
-from .export import unwrap
-from .loading import load_component as _load
-from .optim import param_groups
-from .precision import DTYPES, frozen_text_dtype
+from ...config import ConfigError
+from ...config.schema import TextEncoderConfig
+from ...outputs.export import unwrap
+from ...loading import load_component as _load
+from ...optim import param_groups
+from ...speed.precision import DTYPES, frozen_text_dtype
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import math
 import numpy as np
 import torch
 
-from ..config import ConfigError
-from ..objective import host_seeds, sample_generators, weight_elements
-from .options import FlowMatchingConfig
+from ...config import ConfigError
+from .ddpm import host_seeds, sample_generators, weight_elements
+from ..options import FlowMatchingConfig
 
 SAMPLINGS = ("uniform", "logit_normal", "mode")
 WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")

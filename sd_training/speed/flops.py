@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .export import unwrap
+from ..outputs.export import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def count_step_flops(
     models, resolution: int | tuple[int, int], gradient_checkpointing: bool = False, encode_images: bool = True,
     seq_len: int | None = None,
 ) -> StepFlops:
-    """Count once at start-up for a ``Models`` (``sd_training.families.unet_components``) training at ``resolution`` px.
+    """Count once at start-up for a ``Models`` (``sd_training.families.components.unet``) training at ``resolution`` px.
 
     ``encode_images=False`` when batches carry precomputed latents (the VAE does not run in the step).
     """

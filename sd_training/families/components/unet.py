@@ -23,11 +23,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..config import ConfigError
-from ..config.schema import ModelConfig
-from ..loading import load_component as _load
-from ..precision import frozen_vae_dtype
-from ..text_encoders import build_text_encoder
+from ...config import ConfigError
+from ...config.schema import ModelConfig
+from ...loading import load_component as _load
+from ...speed.precision import frozen_vae_dtype
+from .clip import build_text_encoder
 
 log = logging.getLogger(__name__)
 

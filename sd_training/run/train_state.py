@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .config.schema import TrainConfig
+from ..config import ConfigError
+from ..config.schema import TrainConfig
 
 
 @dataclass

@@ -15,17 +15,17 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..data.checks import check_dataset_inputs
-from ..data.synthetic import COLOURS
-from ..distributed import usable_cpus
-from ..families import options, registry
-from ..families.unet_components import check_unet_params
-from ..memory_fit import check_batch
-from ..objective import validate_objective_config
-from ..text_encoders import validate_text_encoder_config
-from .fields import ConfigError
-from .loading import parse
-from .schema import TrainConfig
+from .data.checks import check_dataset_inputs
+from .data.synthetic import COLOURS
+from .distributed import usable_cpus
+from .families import options, registry
+from .families.components.unet import check_unet_params
+from .memory.fit import check_batch
+from .families.components.ddpm import validate_objective_config
+from .families.components.clip import validate_text_encoder_config
+from .config.fields import ConfigError
+from .config.loading import parse
+from .config.schema import TrainConfig
 
 # Loader workers per device: more than this many per usable CPU (or than the cap) is refused; the loop
 # warns at start-up when the workers and the trainer outnumber the CPUs.

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from .config import ConfigError
-from .run_dir import replace_dir
+from ..config import ConfigError
+from ..run.run_dir import replace_dir
 
 log = logging.getLogger(__name__)
 

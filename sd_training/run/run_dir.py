@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -149,7 +149,7 @@ def enable_bounded_exits() -> None:
 
 def failed(exc: BaseException | None, why: str | None = None) -> None:
     """A failure: the shutdown that follows gets :data:`FAILED_EXIT_S` (the exit code: 2 for a config error)."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     code = 2 if isinstance(exc, ConfigError) else EXIT_FAILED
     what = why or (f"the run failed ({type(exc).__name__}: {str(exc)[:200]})" if exc is not None else "the run failed")

@@ -1,6 +1,6 @@
 """The memory plan's diffusion-transformer parts (``memory_plan`` uses them): the activation estimate of
 a transformer micro-batch, parameter counts from a component config built on the meta device, and the
-reference rows of known models for the README (``python -m sd_training.memory_plan --table``).
+reference rows of known models for the README (``python -m sd_training.memory.plan --table``).
 
 Activations: image tokens (latent pixels / patch^2, or packed 2x2 latents: ``image_tokens``) and text
 tokens run through every block together (joint attention), so one sample saves about ``K x S x D``
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .memory_plan import GIB, MemoryRow, memory_plan
+from .plan import GIB, MemoryRow, memory_plan
 
 JOINT_BLOCK = 25.0  # elements per token x width saved by a joint (two-stream) block
 SINGLE_BLOCK = 21.0  # by a single-stream block (Flux)

@@ -24,9 +24,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
-from .config.schema import TrainConfig
-from .config.secrets import scrub
+from ..config import ConfigError
+from ..config.schema import TrainConfig
+from ..config.secrets import scrub
 
 CARD_FILE = "README.md"
 SAMPLE_FILE = "samples.png"

@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config.secrets import scrub_argument
-from .run_dir import RunDir
+from ..config.secrets import scrub_argument
+from ..run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

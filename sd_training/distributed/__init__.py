@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from ..config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def teardown(failed: bool = False) -> None:
     peer is gone; an abort does not)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from .preemption import EXITS
+    from ..run.preemption import EXITS
 
     EXITS.stage("destroying the process group")
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

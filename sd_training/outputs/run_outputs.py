@@ -12,21 +12,22 @@ from pathlib import Path
 
 import torch
 
-from . import adapters, distributed, model_card, report
-from .config.schema import TrainConfig
-from .data import build_train_loader
-from .distributed import DistInfo
-from .evaluation.async_eval import AsyncEvaluator
-from .evaluation.evaluate import EvalSettings, evaluate_images
-from .evaluation.fid import image_files
+from .. import adapters, distributed, report
+from . import model_card
+from ..config.schema import TrainConfig
+from ..data import build_train_loader
+from ..distributed import DistInfo
+from ..evaluation.async_eval import AsyncEvaluator
+from ..evaluation.evaluate import EvalSettings, evaluate_images
+from ..evaluation.fid import image_files
 from .export import read_prompts
-from .families.base import Family, SampleSettings
-from .optim import in_eval_weights, lr_scale
-from .parallel import Strategy
-from .precision import autocast
-from .run_dir import RunDir, copy_dir_atomically
+from ..families.base import Family, SampleSettings
+from ..optim import in_eval_weights, lr_scale
+from ..distributed.strategy import Strategy
+from ..speed.precision import autocast
+from ..run.run_dir import RunDir, copy_dir_atomically
 from .trackers import Trackers
-from .train_state import Plan, TrainState
+from ..run.train_state import Plan, TrainState
 
 log = logging.getLogger("sd_training.loop")
 

@@ -1,0 +1,1 @@
+"""The memory plan: what a run holds per device, whether it fits, and the settings that would."""

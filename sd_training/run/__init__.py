@@ -1,0 +1,1 @@
+"""The run's lifecycle: its folder, its state, progress, and preemption."""
