@@ -71,14 +71,14 @@ def run_config(ckpt: Path, overrides: list[str]):
     from omegaconf import OmegaConf
 
     from sd_training.checkpoint.layout import CONFIG
-    from sd_training.config.schema import TrainConfig
+    from sd_training.config.schema import train_config_class
 
     saved = OmegaConf.load(ckpt / CONFIG)
     cli = OmegaConf.from_dotlist(overrides)
     bad = [k for k in cli.keys() if k != "model"]
     if bad:
         raise SystemExit(f"--set only changes model.* keys, got {bad[0]}")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved, cli))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(train_config_class()), saved, cli))
 
 
 def pipeline_from_checkpoint(ckpt: Path, ema: bool, overrides: list[str], device: torch.device):

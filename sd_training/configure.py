@@ -1,12 +1,13 @@
-"""The whole config check: the schema's rules (``loading.parse``), then every section owner's checks,
-then what the config asks of this machine.
+"""The run's config, loaded and checked: the schema's rules (``config.loading.parse``), then every section
+owner's checks, then what the config asks of this machine. This layer sits above ``config/`` (the ground
+floor, which imports nothing of ours) and calls the owners.
 
 The owners check what needs their code: the objective its loss, the text-encoder module its encoder,
 the models module the UNet's constructor arguments, the model family its components, the data package
 what needs its readers (filters parse, ``idx_to_prompt`` loads). The machine: every folder the run will
 write can be made, the loader's worker count suits the CPUs, and the memory plan of one micro-batch fits
-the device (``memory_fit.check_batch``). ``load`` is what the training entry point, scripts and tests
-call. Unlike the rest of the package, this module imports torch (through the owners).
+the device (``memory.fit.check_batch``). ``load`` is what the training entry point, scripts and tests
+call. It imports torch (through the owners).
 """
 
 from __future__ import annotations

@@ -181,3 +181,169 @@ def test_the_run_folder_names_are_spelled_in_run_dir_only():
         offenders += [f"{path.relative_to(PKG)}: {s!r}" for s in strings
                       if s.startswith(names) or s == "step_"]  # f"step_{n:08d}"
     assert not offenders, offenders
+
+
+# ---------------------------------------------------------------- layers, cycles, the package's shape
+
+def module_name(path: Path, root: Path = PKG) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path = PKG) -> list[tuple[int, str]]:
+    """(line, module) of every import of the package in a file, deferred ones (inside functions) included:
+    ``from .x import y`` counts as x.y when that is a module, else x."""
+    me = module_name(path, root)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    top = root.name
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod != top and not mod.startswith(top + "."):
+                continue
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                as_path = root.parent / Path(*sub.split("."))
+                is_mod = as_path.with_suffix(".py").exists() or (as_path / "__init__.py").exists()
+                found.append((node.lineno, sub if is_mod else mod))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name == top or a.name.startswith(top + ".")]
+    return found
+
+
+def import_cycles(root: Path = PKG) -> list[list[str]]:
+    """The package's import cycles (strongly connected groups of modules), deferred imports counted."""
+    graph = {module_name(p, root): {m for _, m in imported_modules(p, root)} for p in root.rglob("*.py")}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v] & graph.keys():
+            if w == v:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on.discard(group[-1])
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_config_is_the_ground_floor():
+    """No module of sd_training/config/ imports another part of sd_training (deferred imports included):
+    owners register their fields with the schema and their checks run from sd_training.configure."""
+    outside = [f"{p.relative_to(PKG)}:{line}: {mod}" for p in sorted((PKG / "config").rglob("*.py"))
+               for line, mod in imported_modules(p) if not mod.startswith("sd_training.config")]
+    assert not outside, f"config/ imports from above it: {outside}"
+
+
+def test_no_import_cycle_deferred_imports_counted():
+    assert not import_cycles(), f"import cycles: {import_cycles()}"
+
+
+def test_the_layer_and_cycle_checks_bite(tmp_path):
+    pkg = tmp_path / "sd_training"
+    (pkg / "config").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "__init__.py").write_text("")
+    (pkg / "config" / "schema.py").write_text("def f():\n    from ..memory import plan\n")
+    (pkg / "memory").mkdir()
+    (pkg / "memory" / "__init__.py").write_text("")
+    (pkg / "memory" / "plan.py").write_text("from ..config import schema\n")
+    assert imported_modules(pkg / "config" / "schema.py", pkg) == [(2, "sd_training.memory.plan")]
+    assert import_cycles(pkg) == [["sd_training.config.schema", "sd_training.memory.plan"]]
+
+
+# The root keeps the entry points and the loop; the rest lives in subpackages named for what they hold.
+ROOT_MODULES_MAX = 10
+
+
+def test_the_root_keeps_about_ten_modules():
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_MAX, f"{len(root)} modules at the package root: {root}"
+
+
+MODEL_CLASS = re.compile(r"^[A-Z]\w*(Model|Transformer\w*Model|ForCausalLM|WithProjection|KL|Pipeline)$")
+
+
+def _reads_class_name(node) -> bool:
+    """``type(x).__name__``, ``x.__class__.__name__`` or ``x.__class__``/``type(x)`` compared by name."""
+    return isinstance(node, ast.Attribute) and node.attr == "__name__" and (
+        isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "type"
+        or isinstance(node.value, ast.Attribute) and node.value.attr == "__class__")
+
+
+def _model_class_literals(node) -> list:
+    """String constants naming a model class (UNet2DConditionModel, FluxTransformer2DModel, CLIPTextModel ...)
+    inside ``node`` (a tuple or set of them included)."""
+    return [n for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and MODEL_CLASS.match(n.value)]
+
+
+def class_name_branches(path: Path) -> list[str]:
+    """Where code decides by a model's class name: a comparison (==, !=, in) of ``type(x).__name__`` /
+    ``x.__class__.__name__`` or of a model class name's literal; a table keyed by model class names; an
+    ``isinstance`` or ``.get`` / ``[...]`` lookup by one. Outside families/ the family is asked instead.
+    (Reading a class name for a message, or a config default that names a class, is not a branch.)"""
+    found = []
+    for node in code_nodes(path):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_reads_class_name(o) for o in operands) or any(_model_class_literals(o) for o in operands):
+                found.append(f"{node.lineno}: comparison by class name")
+        elif isinstance(node, ast.Subscript) and (_reads_class_name(node.slice) or _model_class_literals(node.slice)):
+            found.append(f"{node.lineno}: lookup by class name")
+        elif isinstance(node, ast.Dict) and any(k is not None and _model_class_literals(k) for k in node.keys):
+            found.append(f"{node.lineno}: table keyed by class names")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and node.args and (_reads_class_name(node.args[0]) or _model_class_literals(node.args[0]))):
+            found.append(f"{node.lineno}: lookup by class name")
+    return found
+
+
+@pytest.mark.parametrize("path", SCANNED, ids=lambda p: str(p.relative_to(PKG.parent)))
+def test_no_model_class_name_branches_outside_families(path):
+    """Memory plans, FLOP counts, objectives and the loop ask the family for shapes and inputs; they never
+    compare a model's class name."""
+    assert not class_name_branches(path), f"{path.name} decides by a model class name: {class_name_branches(path)}"
+
+
+def test_the_class_name_scan_bites(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('if type(net).__name__ == "x":\n    pass\nif name in ("UNet2DConditionModel", "y"):\n    pass\n'
+                   'SEQ = {"FluxTransformer2DModel": 512}\nn = SEQ.get(net.__class__.__name__)\n'
+                   'raise ValueError(f"{type(net).__name__} is not supported")\ntarget = "UNet2DConditionModel"\n')
+    assert [m.split(":")[0] for m in class_name_branches(bad)] == ["1", "3", "5", "6"]
+
+
+def test_every_registered_family_runs_the_conformance_suite():
+    """tests/test_family_conformance.py is parametrized over the registry: a family registered tomorrow
+    is collected there without new test code."""
+    from sd_training.families import registry
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          str(Path(__file__).parent / "test_family_conformance.py")],
+                         capture_output=True, text=True, cwd=PKG.parent)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    missing = [name for name in registry.FAMILIES if not any(f"[{name}" in i or f"-{name}]" in i or f"-{name}-" in i
+                                                            for i in ids)]
+    assert ids and not missing, f"families without conformance tests: {missing}"

@@ -63,9 +63,9 @@ ABSENT = "<absent>"
 
 def _defaults() -> dict:
     """Every key's schema default, flat (interpolated defaults as their text)."""
-    from ..config.schema import TrainConfig
+    from ..config.schema import train_config_class
 
-    return _flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False))
+    return _flat(OmegaConf.to_container(OmegaConf.structured(train_config_class()), resolve=False))
 
 
 def config_changes(saved_yaml: str, current: dict, saved_global_batch: int | None = None,

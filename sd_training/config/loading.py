@@ -9,6 +9,7 @@ keys and wrong types fail at start-up with the key's full path and the closest v
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import sys
@@ -27,7 +28,7 @@ from omegaconf.errors import (
 from . import secrets
 from .fields import ConfigError
 from .rules import validate
-from .schema import TrainConfig, is_free_dict, schema_entries, unwrap_optional
+from .schema import TrainConfig, is_free_dict, schema_entries, train_config_class, unwrap_optional
 
 # Files that ship inside the package (sd_training/assets/NAME): a config names them ${asset:NAME}, which
 # resolves to an absolute path wherever the package is installed and whatever the working directory.
@@ -68,13 +69,20 @@ def _suggest(bad_path: str) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-_STR_FIELDS = {path for path, tp, _d, _m, is_section in schema_entries() if not is_section and tp is str}
+def _str_fields() -> frozenset[str]:
+    """The schema's string keys (registered owners' included: read when a config is parsed, not at import)."""
+    return _str_fields_of(train_config_class())
+
+
+@functools.cache
+def _str_fields_of(cls) -> frozenset[str]:
+    return frozenset(path for path, tp, _d, _m, is_section in schema_entries(cls) if not is_section and tp is str)
 
 
 def _unbool_strings(user: DictConfig) -> None:
     """YAML 1.1 reads a bare no/yes/off/on as a boolean; a string field (e.g. model.mixed_precision: no)
     gets the word back instead of a type error."""
-    for path in _STR_FIELDS:
+    for path in _str_fields():
         value = OmegaConf.select(user, path, default=None, throw_on_missing=False, throw_on_resolution_failure=False)
         if isinstance(value, bool):
             OmegaConf.update(user, path, "yes" if value else "no", force_add=True)
@@ -86,7 +94,7 @@ _BOOL_WORDS = {"y", "yes", "n", "no", "true", "false", "on", "off"}
 def _quote_bool_words(override: str) -> str:
     """``experiment.name=off``: a string field keeps the word as typed (YAML would read a bool)."""
     key, sep, value = override.partition("=")
-    if sep and value.lower() in _BOOL_WORDS and key.strip() in _STR_FIELDS:
+    if sep and value.lower() in _BOOL_WORDS and key.strip() in _str_fields():
         return f"{key}='{value}'"
     return override
 
@@ -109,7 +117,7 @@ def _check_keys(node: Any, cls, prefix: str = "") -> None:
 def _check_removable(path: str) -> None:
     """``~path`` must name a key of the schema (or one inside a free-form mapping such as model.unet.params)."""
     parts = path.split(".")
-    cls = TrainConfig
+    cls = train_config_class()
     for i, part in enumerate(parts):
         if part not in {fl.name for fl in fields(cls)}:
             raise ConfigError(f"cannot remove '~{path}': unknown config key '{path}'{_suggest(path)}")
@@ -202,7 +210,7 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
     for path in removals:
         _remove(user, path)
     user = OmegaConf.merge(user, cli)
-    _check_keys(user, TrainConfig)
+    _check_keys(user, train_config_class())
     _unbool_strings(user)
     # A ??? that no later layer filled. Checked before the schema merge, where OmegaConf would let a
     # ??? fall back to the schema default instead of stopping.
@@ -211,7 +219,7 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
     except OmegaConfBaseException:
         pass  # an interpolation that does not resolve: named with its key after the schema merge
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), user)
+        cfg = OmegaConf.merge(OmegaConf.structured(train_config_class()), user)
     except ConfigKeyError as e:
         raise ConfigError(f"unknown config key '{e.full_key}'{_suggest(str(e.full_key))}") from None
     except ValidationError as e:

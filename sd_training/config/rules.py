@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from .dataset import check_dataset
 from .fields import ConfigError, check_fields
-from .schema import OptimizerConfig, OptimizerParams, TrainConfig
+from .schema import OptimizerConfig, OptimizerParams, TrainConfig, train_config_class
 
 # Keys of optimizer.params each optimizer reads (learning_rate, weight_decay, max_grad_norm: all).
 _OPTIMIZER_KEYS = {
@@ -127,7 +127,7 @@ def _check_aliases(cfg: TrainConfig) -> None:
         ("dataset.params.num_examples_to_see", "experiment.num_examples_to_see",
          cfg.dataset.params.num_examples_to_see, cfg.experiment.num_examples_to_see),
     ]:
-        if a != b and b == _value_at(TrainConfig(), used) and not (isinstance(a, str) and a.startswith("${")):
+        if a != b and b == _value_at(train_config_class()(), used) and not (isinstance(a, str) and a.startswith("${")):
             # Only the alias was set (an older open-diffusion config): it is the user's value.
             section, key = used.rsplit(".", 1)
             setattr(_value_at(cfg, section), key, a)

@@ -1,6 +1,11 @@
 """The config schema: every section as a plain dataclass, each field ``f(default, help, choices=...,
-ranges)``. Imports no torch and no model, objective or data code; a family's own sections come from
-``sd_training.families.options``.
+ranges)``. The ground floor: imports nothing of sd_training outside ``config/`` (and no torch).
+
+The sections here are the ones every run reads. A part that owns more keys (a family's second text
+encoder, the autoencoder stage's losses, adapters) declares them in a dataclass of its own and hands it to
+:func:`register_fields`; the schema the loader checks and builds (:func:`train_config_class`) is these
+sections plus every registered one. ``sd_training.families.options`` registers the families' fields when
+``sd_training`` is imported, so every entry point sees the whole schema.
 
 Section and key names follow open-diffusion's template config so an existing config runs once its
 ``???`` are filled.
@@ -8,12 +13,12 @@ Section and key names follow open-diffusion's template config so an existing con
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Dict, List, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import MISSING
 
-from ..families.options import FamilyModelFields, FamilySections
 from .dataset import DatasetConfig
 from .fields import ComponentConfig, f
 
@@ -251,8 +256,9 @@ class CommonModelFields:
 
 
 @dataclass
-class ModelConfig(FamilyModelFields, CommonModelFields):
-    """The ``model`` section: the shared fields, then the families' own (``families.options``)."""
+class ModelConfig(CommonModelFields):
+    """The ``model`` section: the shared fields; the loader's class adds the registered owners' fields
+    (:func:`model_config_class`)."""
 
 
 @dataclass
@@ -315,8 +321,74 @@ class CommonSections:
 
 
 @dataclass
-class TrainConfig(FamilySections, CommonSections):
-    """The whole config: the shared sections, then the families' own (``families.options``)."""
+class TrainConfig(CommonSections):
+    """The whole config's shared sections; the loader's class adds the registered owners' sections and
+    ``model`` fields (:func:`train_config_class`). A loaded config is an instance of a subclass of this."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Owners' fields: registered by the part that reads them, composed into the loader's classes.
+# ----------------------------------------------------------------------------------------------
+
+_MODEL_FIELDS: list[type] = []  # dataclasses whose fields join the ``model`` section, in registration order
+_SECTIONS: list[type] = []  # dataclasses whose fields are top-level sections
+_COMPOSED: dict[tuple, tuple[type, type]] = {}
+# Names the composed classes are reachable by in this module (pickling, e.g. a config sent to a spawned
+# worker, stores a class by module and name; the module's ``__getattr__`` below builds them on demand).
+COMPOSED_MODEL = "ComposedModelConfig"
+COMPOSED_TRAIN = "ComposedTrainConfig"
+
+
+def register_fields(*, model: type | None = None, sections: type | None = None) -> None:
+    """Add an owner's keys to the schema: ``model``, a dataclass whose fields join the ``model`` section;
+    ``sections``, a dataclass whose fields are top-level sections. Registering the same class twice is a
+    no-op; a key that is already in the schema is a ``ValueError`` (two owners of one key)."""
+    for cls, into, base in ((model, _MODEL_FIELDS, ModelConfig), (sections, _SECTIONS, TrainConfig)):
+        if cls is None or cls in into:
+            continue
+        if not is_dataclass(cls):
+            raise TypeError(f"register_fields takes dataclasses, got {cls!r}")
+        taken = {f.name for f in fields(base)} | {f.name for c in into for f in fields(c)}
+        clash = sorted(taken & {f.name for f in fields(cls)})
+        if clash:
+            raise ValueError(f"{cls.__qualname__} declares {', '.join(clash)}, already in the schema")
+        into.append(cls)
+
+
+def _compose() -> tuple[type, type]:
+    """(model class, whole-config class) of the shared sections plus every registered owner's fields,
+    built once per set of registrations. Later registrations' fields come after earlier ones', all after
+    the shared fields (the order of ``--help`` and of a run's config.yaml)."""
+    key = (tuple(_MODEL_FIELDS), tuple(_SECTIONS))
+    if key not in _COMPOSED:
+        model_cls = dataclasses.make_dataclass(COMPOSED_MODEL, [], bases=(*reversed(_MODEL_FIELDS), ModelConfig))
+        shared_model = next(f for f in fields(TrainConfig) if f.name == "model")
+        model_field = dataclasses.field(default_factory=model_cls, metadata=shared_model.metadata)
+        train_cls = dataclasses.make_dataclass(COMPOSED_TRAIN, [("model", model_cls, model_field)],
+                                               bases=(*reversed(_SECTIONS), TrainConfig))
+        for cls, doc in ((model_cls, ModelConfig.__doc__), (train_cls, TrainConfig.__doc__)):
+            cls.__module__, cls.__doc__ = __name__, doc
+        _COMPOSED[key] = (model_cls, train_cls)
+    return _COMPOSED[key]
+
+
+def model_config_class() -> type:
+    """The ``model`` section's class: :class:`ModelConfig` plus the registered owners' model fields."""
+    return _compose()[0]
+
+
+def train_config_class() -> type:
+    """The class a loaded config is an instance of: :class:`TrainConfig` plus every registered owner's
+    sections and model fields."""
+    return _compose()[1]
+
+
+def __getattr__(name: str):
+    if name == COMPOSED_MODEL:
+        return model_config_class()
+    if name == COMPOSED_TRAIN:
+        return train_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 
@@ -334,8 +406,10 @@ def unwrap_optional(tp):
     return args[0] if get_origin(tp) is not None and len(args) == 1 and type(None) in get_args(tp) else tp
 
 
-def schema_entries(cls=TrainConfig, prefix: str = ""):
-    """Yield (path, type, default, field metadata, is_section) for every field of the schema, depth first."""
+def schema_entries(cls=None, prefix: str = ""):
+    """Yield (path, type, default, field metadata, is_section) for every field of the schema (None: the
+    whole config, registered owners' fields included), depth first."""
+    cls = train_config_class() if cls is None else cls
     hints = get_type_hints(cls)
     instance = cls()
     for fld in fields(cls):

@@ -1,5 +1,5 @@
-"""Config sections that belong to one family, assembled into the schema by ``sd_training.config.schema``
-(torch-free: imports only ``sd_training.config.fields``). The keys users type stay where they were:
+"""Config sections that belong to one family, registered with the schema (``register_fields`` at the end of
+this module; torch-free: imports only ``sd_training.config``). The keys users type stay where they were:
 ``model.text_encoder_2.pretrained=...`` (SDXL's second encoder), ``vae_training.kl_weight=...`` (the
 autoencoder stage)."""
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from ..config.fields import ComponentConfig, ConfigError, f
+from ..config.schema import register_fields
 
 FLOW_FAMILIES = ("sd3", "flux")  # the families trained with flow matching (families/flow_matching.py)
 
@@ -105,7 +106,7 @@ class AdapterConfig:
 
 @dataclass
 class FamilyModelFields:
-    """Fields of the ``model`` section that one family reads (``ModelConfig`` inherits them)."""
+    """Fields of the ``model`` section that one family reads (registered below)."""
 
     text_encoder_2: ComponentConfig = f(ComponentConfig, "sdxl: the second text encoder (OpenCLIP bigG, CLIPTextModelWithProjection)")
     tokenizer_2: ComponentConfig = f(ComponentConfig, "sdxl: the second tokenizer")
@@ -119,11 +120,14 @@ class FamilyModelFields:
 
 @dataclass
 class FamilySections:
-    """Top-level sections that one family (or training stage) reads (``TrainConfig`` inherits them)."""
+    """Top-level sections that one family (or training stage) reads (registered below)."""
 
     vae_training: VAEObjectiveConfig = f(VAEObjectiveConfig, "autoencoder-stage losses (model.train_target=vae)")
     flow_matching: FlowMatchingConfig = f(FlowMatchingConfig, "sd3/flux: the flow-matching objective")
 
+
+
+register_fields(model=FamilyModelFields, sections=FamilySections)
 
 def check(cfg) -> None:
     """Rules of these sections that need no family code (``cfg``: the whole ``TrainConfig``)."""
