@@ -15,7 +15,7 @@ path (a folder of images), not precomputed latents.
 Each mode runs in its own process (a fresh CUDA context and a clean peak RSS), through the product:
 ``sd_training.loop.Trainer`` after ``setup()`` (the config checks, the memory plan at start-up, the
 family, ``model.adapter``, the optimizer), one batch from its own loader, then ``--steps`` of its
-``_micro_step`` + ``_optimizer_step`` (the first untimed: it allocates the optimizer state). Gradient
+``micro_step`` + ``optimizer_step`` (the first untimed: it allocates the optimizer state). Gradient
 checkpointing on, bf16 mixed precision, AdamW, no EMA (``--ema`` to add it), batch ``--batch``.
 
 Modes (``MODES``; each a set of config overrides): ``full`` (every weight of the net trains: fp32 master
@@ -428,10 +428,10 @@ def child(args) -> dict:
     for step in range(args.steps):
         sync()
         start = time.perf_counter()
-        out = trainer._micro_step(batch, sync=True)
+        out = trainer.micro_step(batch, sync=True)
         if step == args.steps - 1:  # the gradients one step holds, before the optimizer step frees them
             grads = tensor_bytes(p.grad for p in trainer.net.parameters() if p.grad is not None)
-        trainer._optimizer_step()
+        trainer.optimizer_step()
         sync()
         if step:  # the first step allocates the optimizer state (and warms up kernels)
             times.append(time.perf_counter() - start)

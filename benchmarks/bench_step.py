@@ -14,7 +14,7 @@ second is a requeue's warm-up), ``--channels-last auto|on|off`` (model.channels_
 benchmarks/kernel_kinds.py).
 
 Ours: ``sd_training.loop.Trainer`` after ``_setup()`` (tiny config from ``sd_training.configure.load``),
-one ``_micro_step(batch, sync=True)`` then ``_optimizer_step()``. Baseline: what diffusers'
+one ``micro_step(batch, sync=True)`` then ``optimizer_step()``. Baseline: what diffusers'
 train_text_to_image.py does per step - VAE encode, text encode, noise, add_noise, UNet, MSE,
 backward, clip_grad_norm_, AdamW step, LR scheduler step, zero_grad - on its own copy of the same
 models from the same folder. Same batch (already in memory, on the device), precision and device.
@@ -133,8 +133,8 @@ def make_trainer(root: Path, pipeline: Path, shards: str, device: str, precision
 
 
 def ours_step(trainer, batch: dict) -> None:
-    trainer._micro_step(batch, sync=True)
-    trainer._optimizer_step()
+    trainer.micro_step(batch, sync=True)
+    trainer.optimizer_step()
 
 
 class Baseline:

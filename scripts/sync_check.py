@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         def leave():
             counter.active = False
 
-    for method in ("_micro_step", "_optimizer_step"):
+    for method in ("micro_step", "optimizer_step"):
         real = getattr(Trainer, method)
 
         def watched(self, *args, _real=real, **kw):

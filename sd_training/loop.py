@@ -130,8 +130,8 @@ class Trainer:
                 "only applies with SRUN_CPUS_PER_TASK exported, as batch_files/ do) or lower system.workers",
                 cpus, cfg.system.workers, self.device.type.upper() if self.device.type == "cuda" else "step")
 
-    # ------------------------------------------------------------------ the step
-    def _micro_step(self, batch: dict, sync: bool):
+    # ---- the step (public): after setup(), plan.accumulation micro_steps (sync on the last), optimizer_step
+    def micro_step(self, batch: dict, sync: bool):
         """Forward (the family's loss) and backward of one micro-batch; gradients are all-reduced only
         when ``sync``. Returns the family's ``LossOut``. A batch may carry fixed ``noise`` / ``timesteps``
         (tests compare runs at the same ones); else they are drawn."""
@@ -146,7 +146,7 @@ class Trainer:
             self.scaler.scale(out.loss / self.plan.accumulation).backward()
         return out
 
-    def _optimizer_step(self) -> torch.Tensor:
+    def optimizer_step(self) -> torch.Tensor:
         """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted).
 
         With a fused optimizer (the CUDA default) the skip happens on the device: the optimizer gets the
@@ -255,11 +255,11 @@ class Trainer:
                 batch = next(data_iter)
                 window.data_time += time.perf_counter() - t_data
                 keys += batch.get("keys", [])
-                out = self._micro_step(batch, sync=(micro == plan.accumulation - 1))
+                out = self.micro_step(batch, sync=(micro == plan.accumulation - 1))
                 window.add_loss(out.loss.detach(), out.per_sample, out.timesteps, self.family.num_timesteps)
                 if out.parts:
                     window.add_parts(out.parts)
-            window.grad_norm = self._optimizer_step()
+            window.grad_norm = self.optimizer_step()
             state.step += 1
             state.images_seen += plan.global_batch
             window.step_time += time.perf_counter() - t_step

@@ -46,8 +46,8 @@ def train(out: str, argv: list[str], info) -> None:
         # Global index layout: micro-batch m of rank r holds rows [(m * W + r) * b, ... + b).
         for m in range(accum):
             lo = (m * info.world_size + info.rank) * b
-            t._micro_step({k: v[lo : lo + b] for k, v in full.items()}, sync=(m == accum - 1))
-        t._optimizer_step()
+            t.micro_step({k: v[lo : lo + b] for k, v in full.items()}, sync=(m == accum - 1))
+        t.optimizer_step()
     save(t, info, out)
 
 

@@ -347,3 +347,17 @@ def test_every_registered_family_runs_the_conformance_suite():
     missing = [name for name in registry.FAMILIES if not any(f"[{name}" in i or f"-{name}]" in i or f"-{name}-" in i
                                                             for i in ids)]
     assert ids and not missing, f"families without conformance tests: {missing}"
+
+
+def test_benchmarks_and_scripts_use_the_trainers_public_step():
+    """The benchmarks drive ``Trainer.micro_step`` / ``optimizer_step``; no script or benchmark reaches
+    into the Trainer's private methods (which may change with the loop)."""
+    from sd_training.loop import Trainer
+
+    assert callable(Trainer.micro_step) and callable(Trainer.optimizer_step)
+    private = {n for n in vars(Trainer) if n.startswith("_") and not n.startswith("__")}
+    users = [p for d in ("benchmarks", "scripts") for p in sorted((PKG.parent / d).rglob("*.py"))]
+    reached = [f"{p.name}:{n.lineno}: .{n.attr}" for p in users for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Attribute) and n.attr in private]
+    assert not reached, f"private Trainer methods used: {reached}"
+    assert any("micro_step" in p.read_text() for p in users if p.parent.name == "benchmarks")

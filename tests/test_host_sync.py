@@ -33,7 +33,7 @@ def test_no_host_sync_in_the_steps_between_two_checks(tmp_path, tiny_pipeline, s
     checks = []
     real_any_rank = distributed.any_rank
     monkeypatch.setattr(distributed, "any_rank", lambda flag, dev: checks.append(t.state.step) or real_any_rank(flag, dev))
-    for method in ("_micro_step", "_optimizer_step"):
+    for method in ("micro_step", "optimizer_step"):
         real = getattr(Trainer, method)
 
         def watched(self, *a, _real=real, **k):

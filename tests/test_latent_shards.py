@@ -74,7 +74,7 @@ def test_mean_latents_equal_the_online_encoding_of_the_same_images(latent_dir, s
 
 
 def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_dir, shapes_shards, tiny_pipeline, tmp_path):
-    """The issue's check: the loss and gradients of Trainer._micro_step from shard latents (and stored text
+    """The issue's check: the loss and gradients of Trainer.micro_step from shard latents (and stored text
     embeddings) equal those from latents encoded online from the same images (posterior mean)."""
     from sd_training import distributed
     from sd_training.configure import load
@@ -96,7 +96,7 @@ def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_di
 
     def step(batch):
         t.optimizer.zero_grad(set_to_none=True)
-        loss, *_ = t._micro_step(batch, sync=True)
+        loss, *_ = t.micro_step(batch, sync=True)
         return loss, {n: p.grad.clone() for n, p in t.net.named_parameters() if p.grad is not None}
 
     loss_online, grads_online = step(online)

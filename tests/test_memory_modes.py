@@ -51,10 +51,10 @@ def train_steps(t: Trainer, steps: int = STEPS, batch: int = 2) -> dict:
     channels = int(t.models.vae.config.latent_channels)
     norms = []
     for _ in range(steps):
-        t._micro_step({"input_ids": ids, "latents": torch.randn(batch, channels, 8, 8, generator=g),
+        t.micro_step({"input_ids": ids, "latents": torch.randn(batch, channels, 8, 8, generator=g),
                        "noise": torch.randn(batch, channels, 8, 8, generator=g),
                        "timesteps": torch.randint(0, 1000, (batch,), generator=g)}, sync=True)
-        norms.append(float(t._optimizer_step()))
+        norms.append(float(t.optimizer_step()))
     t.trackers.close()
     plain = t.strategy.plain_copy(t.net, torch.device("cpu"))
     return {"weights": {k: v.detach().clone() for k, v in plain.state_dict().items()}, "norms": norms}

@@ -66,10 +66,10 @@ def steps(t: Trainer, n: int, batch: int = 2, seed: int = 1234) -> None:
               truncation=True, return_tensors="pt").input_ids
     channels = int(t.models.vae.config.latent_channels)
     for _ in range(n):
-        t._micro_step({"input_ids": ids, "latents": torch.randn(batch, channels, 8, 8, generator=g),
+        t.micro_step({"input_ids": ids, "latents": torch.randn(batch, channels, 8, 8, generator=g),
                        "noise": torch.randn(batch, channels, 8, 8, generator=g),
                        "timesteps": torch.randint(0, 1000, (batch,), generator=g)}, sync=True)
-        t._optimizer_step()
+        t.optimizer_step()
         t.state.step += 1
 
 

@@ -175,7 +175,7 @@ def test_vae_fp16_overflow_falls_back_to_fp32(tmp_path, tiny_pipeline, shapes_sh
 def test_vae_dtype_auto_follows_bf16(tmp_path, tiny_pipeline, shapes_shards):
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.mixed_precision": "bf16"})
     assert t.models.vae.dtype == torch.bfloat16
-    loss, *_ = t._micro_step(fixed_batch(t), sync=True)
+    loss, *_ = t.micro_step(fixed_batch(t), sync=True)
     assert torch.isfinite(loss)
 
 
@@ -185,7 +185,7 @@ def test_sliced_attention_and_channels_last(tmp_path, tiny_pipeline, shapes_shar
     assert procs == {"SlicedAttnProcessor"}
     conv = t.net.conv_in.weight
     assert conv.is_contiguous(memory_format=torch.channels_last)
-    loss, *_ = t._micro_step(fixed_batch(t), sync=True)
+    loss, *_ = t.micro_step(fixed_batch(t), sync=True)
     assert torch.isfinite(loss)
 
 
@@ -201,8 +201,8 @@ def test_compile_wrapper_never_leaks_into_saved_keys(tmp_path, tiny_pipeline, sh
     monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend="eager"))
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, **{"model.compile": "true"})
     assert type(t.model).__name__ == "OptimizedModule"
-    t._micro_step(fixed_batch(t), sync=True)
-    t._optimizer_step()
+    t.micro_step(fixed_batch(t), sync=True)
+    t.optimizer_step()
     assert not any("_orig_mod" in k for k in t.checkpoints.plain_objects()["unet"].state_dict())
 
 
@@ -233,17 +233,17 @@ def test_nonfinite_steps_are_skipped_then_the_run_saves_and_stops(tmp_path, tiny
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="nan", **{
         "experiment.max_nonfinite_steps": 2, "optimizer.implementation": implementation})
     assert t.device_side_skip == (implementation == "fused")
-    t._micro_step(fixed_batch(t), sync=True)
-    t._optimizer_step()  # one good step first, so the optimizer has state to protect
+    t.micro_step(fixed_batch(t), sync=True)
+    t.optimizer_step()  # one good step first, so the optimizer has state to protect
     before = {k: v.clone() for k, v in t.net.state_dict().items()}
     moments = [s["exp_avg"].clone() for s in t.optimizer.state.values()]
-    t._micro_step(fixed_batch(t, nan=True), sync=True)
-    t._optimizer_step()
+    t.micro_step(fixed_batch(t, nan=True), sync=True)
+    t.optimizer_step()
     assert int(t.nonfinite_streak) == 1 and int(t.nonfinite_total) == 1
     assert all(torch.equal(v, t.net.state_dict()[k]) for k, v in before.items())  # no update
     assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, t.optimizer.state.values()))
-    t._micro_step(fixed_batch(t), sync=True)
-    t._optimizer_step()
+    t.micro_step(fixed_batch(t), sync=True)
+    t.optimizer_step()
     assert int(t.nonfinite_streak) == 0  # a good step resets the streak
     t._check_nonfinite(None)  # read at log time: counted once
     assert t.state.nonfinite_steps == 1 and int(t.nonfinite_total) == 0

@@ -198,7 +198,7 @@ def test_sdxl_latent_shards_give_the_same_step_as_pixels(sdxl_latents, sdxl_pipe
 
     def step(batch):
         t.optimizer.zero_grad(set_to_none=True)
-        loss, *_ = t._micro_step(batch, sync=True)
+        loss, *_ = t.micro_step(batch, sync=True)
         return loss, {n: p.grad.clone() for n, p in t.net.named_parameters() if p.grad is not None}
 
     with torch.no_grad():

@@ -239,13 +239,13 @@ if stage == "data":  # the loader worker raises on the batch of step FAIL_AT
     loader._ReaderDataset.__iter__ = failing
 elif stage == "step":
     from sd_training import loop
-    real = loop.Trainer._micro_step
+    real = loop.Trainer.micro_step
     def failing(self, batch, sync):
         if self.state.step + 1 >= at:
             mark()
             raise RuntimeError("injected: the step failed")
         return real(self, batch, sync)
-    loop.Trainer._micro_step = failing
+    loop.Trainer.micro_step = failing
 elif stage == "log":  # metrics.jsonl on a full disk: the write fails, and its close fails again
     from sd_training import trackers
     real = trackers.JsonlTracker.log
