@@ -130,7 +130,8 @@ def render(entries=None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 when the page differs from the schema")
-    ap.add_argument("--out", type=Path, default=PAGE, help=f"the page to write or check (default {PAGE.relative_to(ROOT)})")
+    ap.add_argument("--out", type=Path, default=PAGE,
+                    help=f"the page to write or check (default {PAGE.relative_to(ROOT)})")
     args = ap.parse_args(argv)
     text = render()
     if args.check:

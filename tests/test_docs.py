@@ -163,7 +163,8 @@ def _schema():
 
 SCHEMA_PATHS, FREE_DICTS = _schema()
 SECTIONS = {p.split(".")[0] for p in SCHEMA_PATHS}
-FILE_EXTENSIONS = {"pt", "py", "yaml", "yml", "json", "jsonl", "png", "md", "safetensors", "npy", "txt", "tar", "log", "sh"}
+FILE_EXTENSIONS = {"pt", "py", "yaml", "yml", "json", "jsonl", "png", "md", "safetensors", "npy", "txt", "tar",
+                   "log", "sh"}  # optimizer.pt is a file, not a key
 # A key quoted as in an error message ('system.batch_sise'; did you mean ...) may be wrong on purpose.
 KEY_RE = re.compile(r"(?<![\w./$'-])~?([a-z_][a-z0-9_]*(?:\.(?:[A-Za-z0-9_]+\*?|\*))+)(?![\w(])")
 
@@ -291,4 +292,5 @@ def test_architecture_maps_every_module():
 
 def test_architecture_check_bites():
     text = "- `loop.py`: the Trainer\n- `memory/fit.py`: will it fit\nprose naming `cli.py` is not a map line\n"
-    assert unmapped_modules(text, ["cli.py", "loop.py", "memory/fit.py", "memory/new.py"]) == ["cli.py", "memory/new.py"]
+    modules = ["cli.py", "loop.py", "memory/fit.py", "memory/new.py"]
+    assert unmapped_modules(text, modules) == ["cli.py", "memory/new.py"]
