@@ -115,6 +115,25 @@ def missing_paths(text: str) -> list[str]:
     return bad
 
 
+BARE_PY_RE = re.compile(r"(?<![\w/.-])([\w-]+\.py)\b")
+
+
+def _repo_file_names() -> set[str]:
+    # the repository's own folders only: walking .venv would read thousands of files
+    folders = [ROOT / d for d in ("scripts", "benchmarks", "batch_files", "sd_training", "tests")]
+    return {p.name for p in ROOT.glob("*.py")} | {p.name for d in folders for p in d.rglob("*.py")}
+
+
+def unknown_file_names(text: str, names: set[str]) -> list[str]:
+    """Bare script or module names (`bench_memory.py`, `loop.py`) that no file of the repository has; a name
+    said to be diffusers' own (its example scripts) is not ours to check."""
+    bad = []
+    for match in BARE_PY_RE.finditer(text):
+        if match.group(1) not in names and "diffusers'" not in text[max(0, match.start() - 80):match.start()]:
+            bad.append(match.group(1))
+    return bad
+
+
 LINK_RE = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -134,6 +153,8 @@ def test_named_paths_exist(page):
     text = page.read_text(encoding="utf-8")
     assert not missing_paths(text), f"{_rel(page)} names paths that do not exist: {missing_paths(text)}"
     assert not broken_links(text, page), f"{_rel(page)} has broken links: {broken_links(text, page)}"
+    bare = unknown_file_names(text, _repo_file_names())
+    assert not bare, f"{_rel(page)} names files no folder of the repository has: {bare}"
 
 
 def test_path_check_bites(tmp_path):
@@ -142,6 +163,9 @@ def test_path_check_bites(tmp_path):
             "`data/tables.py`, `data/no_such_module.py`, data/fashion")
     assert missing_paths(text) == ["scripts/no_such_script.py", "configs/laion/nope.yaml", "data/no_such_module.py"]
     page = tmp_path / "page.md"
+    names = _repo_file_names()
+    text = "`bench_memory.py`, `loop.py`, `bench_nothing.py`; diffusers' `train_text_to_image.py`"
+    assert unknown_file_names(text, names) == ["bench_nothing.py"]
     page.write_text("")
     assert broken_links("[ok](page.md) [gone](nowhere.md) [web](https://example.org)", page) == ["nowhere.md"]
 
