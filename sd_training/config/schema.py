@@ -143,7 +143,7 @@ class ExperimentConfig:
     sample_steps: int = f(25, "denoising steps per sample", ge=1)
     sample_guidance_scale: float = f(7.5, "classifier-free guidance scale of the samples")
     sample_resolution: Optional[int] = f(None, "pixels of the samples, a multiple of 8, at most 8192 (None: dataset.params.resolution)", ge=8, le=8192)
-    model_card_template: Optional[str] = f(None, "Jinja2 template file of the model card (README.md) written into every export, with the variables of the shipped one (None: sd_training/templates/model_card.md); rendered at start-up, so an error names the file and line before training")
+    model_card_template: Optional[str] = f(None, "Jinja2 template file of the model card (README.md) written into every export, with the variables of the shipped one (None: sd_training/outputs/templates/model_card.md); rendered at start-up, so an error names the file and line before training")
     model_card_license: Optional[str] = f(None, "license id in the exports' model cards, e.g. apache-2.0 or creativeml-openrail-m (None: the base pipeline's, read from its README.md card when it has one; else none)")
 
 
