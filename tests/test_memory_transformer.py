@@ -7,9 +7,13 @@ batch that cannot fit refused) at config load."""
 import pytest
 import torch
 
-from sd_training.memory import transformer as mt
+from sd_training.families import reference_models
+from sd_training.families.components.transformer import transformer_blocks as blocks
+from sd_training.memory import plan as mt
+from sd_training.memory.activations import image_tokens
+from sd_training.memory.activations import transformer_activation_elements as activation_elements
+from sd_training.memory.load import meta_module
 from sd_training.memory.plan import GIB
-from sd_training.memory.transformer import activation_elements, blocks, image_tokens, meta_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,7 +84,7 @@ def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
     assert [r.strategy for r in rows] == ["ddp", "fsdp", "fsdp_offload"]
     assert ddp.weights == pytest.approx(n * 4 / GIB) and ddp.optimizer == pytest.approx(n * 8 / GIB)
     assert ddp.ema == ddp.weights and fsdp.weights == pytest.approx(ddp.weights / 8) and offload.weights == 0
-    net = meta_module(mt.REFERENCE["Flux.1-dev"][1], "FluxTransformer2DModel")
+    net = meta_module(mt.reference_models()["Flux.1-dev"][1].config, "FluxTransformer2DModel")
     largest = max(sum(p.numel() for p in b.parameters()) for b in blocks(net))
     assert fsdp.gathered == offload.gathered == pytest.approx(2 * largest * 2 / GIB)  # two units in bf16
     vae = sum(p.numel() for p in meta_module(
@@ -91,7 +95,7 @@ def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
     assert ddp.frozen == pytest.approx(frozen / GIB)
     assert 0 < offload.activations and offload.total == pytest.approx(
         offload.gathered + offload.frozen + offload.activations)
-    assert set(mt.ENCODERS) == {"T5-XXL", "CLIP-L", "CLIP-G"}
+    assert set(reference_models.ENCODERS) == {"T5-XXL", "CLIP-L", "CLIP-G"}
 
 
 def test_the_readme_table():
