@@ -44,11 +44,17 @@ ADVICE_FRACTION = 0.9  # advised settings leave this share of the memory for wha
 # What the config says about the trained module, read without building it
 # ----------------------------------------------------------------------------------------------
 
-def _planned_class(cfg, conf: dict) -> str | None:
+def _family(cfg):
+    """The family class whose module the run trains; the default family's while the pipeline cannot be
+    read (a hub id not in the cache: its components are read as the default family's)."""
+    return registry.trained_family(cfg) or registry.FAMILIES[registry.DEFAULT_FAMILY]
+
+
+def _planned_class(cfg, conf: dict, family=None) -> str | None:
     """The class of the trained module ``conf`` (its config) when its family's estimate knows it: the class
-    the family names for this run, which a config.json's ``_class_name`` must match; else None."""
-    fam = registry.trained_family(cfg)
-    name = fam.planned_net_class(cfg) if fam is not None else None
+    the family (``family``, else the run's) names for this run, which a config.json's ``_class_name`` must
+    match; else None."""
+    name = (family or _family(cfg)).planned_net_class(cfg)
     return name if name and conf.get("_class_name") in (None, "", name) else None
 
 
@@ -89,8 +95,8 @@ def _trained_config(cfg) -> tuple[str | None, dict | None]:
     """(weights folder, config) of the trained module as the config names it: the family's trained
     component (``model.<net_name>``: its params, or its folder's config.json); a from-scratch module's
     params are read as the class its family names."""
-    m, fam = cfg.model, registry.trained_family(cfg)
-    comp = getattr(m, fam.net_name, None) if fam is not None else None
+    m, fam = cfg.model, _family(cfg)
+    comp = getattr(m, fam.net_name, None)
     if comp is None:
         return None, None
     if getattr(comp, "params", None):
@@ -100,13 +106,13 @@ def _trained_config(cfg) -> tuple[str | None, dict | None]:
     return _component_folder(comp.pretrained or m.pretrained, fam.net_name, m.revision)
 
 
-def sample_activations(cfg, conf: dict, checkpointing: bool, text_tokens: int | None = None) -> float:
+def sample_activations(cfg, conf: dict, checkpointing: bool, text_tokens: int | None = None, family=None) -> float:
     """Bytes one sample's activations take in the trained module ``conf`` (its config) at the run's
     resolution and precision, as its family estimates them; 0 when the family's estimate does not know
     the module. ``text_tokens``: per sample, beside the image (None: the family's ``Family.text_tokens``,
-    else CLIP's 77)."""
-    fam = registry.trained_family(cfg)
-    if fam is None or _planned_class(cfg, conf) is None:
+    else CLIP's 77); ``family``: the run's family class when it is built (None: told from ``cfg``)."""
+    fam = family or _family(cfg)
+    if _planned_class(cfg, conf, fam) is None:
         return 0.0
     compute = 2 if cfg.model.mixed_precision in ("bf16", "fp16") else 4
     vae = _vae_config(cfg)
@@ -116,12 +122,13 @@ def sample_activations(cfg, conf: dict, checkpointing: bool, text_tokens: int | 
 
 
 def micro_batch_activations(cfg, net: torch.nn.Module | None = None, config: dict | None = None,
-                            text_tokens: int | None = None) -> float:
+                            text_tokens: int | None = None, family=None) -> float:
     """Bytes of one micro-batch's activations for the run ``cfg`` (``system.batch_size`` samples at
     ``dataset.params.resolution``, as ``model.gradient_checkpointing`` says), from the trained module's
-    config (``net.config`` or ``config``)."""
+    config (``net.config`` or ``config``), as ``family`` (the built family's class; None: the run's, told
+    from ``cfg``) estimates them."""
     conf = dict(config if config is not None else getattr(net, "config", None) or {})
-    per_sample = sample_activations(cfg, conf, cfg.model.gradient_checkpointing, text_tokens)
+    per_sample = sample_activations(cfg, conf, cfg.model.gradient_checkpointing, text_tokens, family)
     return cfg.system.batch_size * per_sample
 
 
@@ -183,7 +190,7 @@ def load_plan(cfg) -> LoadPlan | None:
     class_name = _planned_class(cfg, conf) if conf is not None else None
     if class_name is None:
         return None
-    fam = registry.trained_family(cfg)
+    fam = _family(cfg)
     per_sample = (sample_activations(cfg, conf, False), sample_activations(cfg, conf, True))
     n_params = (safetensors_params(folder) if folder else None) or meta_params(conf, class_name)
     if not cfg.model.adapter.enabled:
