@@ -138,3 +138,19 @@ def test_peak_flops_table_and_mfu():
         flops.precision_key("int8")
     assert flops.mfu(100.0, 2.4e12, 989e12) == pytest.approx(100 * 2.4e12 / 989e12)
     assert flops.mfu(100.0, 2.4e12, None) is None
+
+
+def test_the_family_lays_out_the_unets_inputs():
+    """SDXL's UNet takes added conditioning (pooled text, 6 size ids): its family's inputs add them, and a
+    config is counted only with the class that builds it."""
+    from sd_training.families.sdxl import TINY_SDXL_UNET, StableDiffusionXL
+
+    with pytest.raises(ValueError, match="class"):
+        flops.meta_copy(dict(TINY_UNET))
+    unet = unet_flops.meta_unet(TINY_SDXL_UNET).eval()
+    _args, kwargs = StableDiffusionXL.flop_inputs(unet, 8, 77, 2)
+    assert {k: tuple(v.shape) for k, v in kwargs["added_cond_kwargs"].items()} == {
+        "text_embeds": (2, TINY_SDXL_UNET["projection_class_embeddings_input_dim"] - 6 * 8), "time_ids": (2, 6)}
+    assert StableDiffusion.flop_inputs(unet, 8, 77, 2)[1] == {}
+    fwd = unet_flops.unet_forward_flops(TINY_SDXL_UNET, 8, inputs=StableDiffusionXL.flop_inputs)
+    assert fwd > unet_flops.unet_forward_flops(TINY_UNET, 8) > 0  # SDXL's layout is wider (128-channel context)

@@ -131,3 +131,34 @@ def test_a_from_scratch_transformer_is_planned_at_config_load(monkeypatch, tmp_p
         check_batch(parse([*args, "system.batch_size=10000000"]))
     ckpt = parse([*args, "system.batch_size=4", "model.gradient_checkpointing=true"])
     assert micro_batch_activations(ckpt, config=conf) < micro_batch_activations(cfg, config=conf) / 2
+
+
+def test_a_from_scratch_sd3_transformer_counts_its_parameters_at_config_load(tmp_path):
+    """The family names the class its params build (SD3Transformer2DModel): the plan counts its weights."""
+    from diffusers import SD3Transformer2DModel
+
+    from sd_training.config.loading import parse
+    from sd_training.memory.fit import load_plan
+
+    params = "{" + ", ".join(f"{k}: {v}" for k, v in SD3.items()) + "}"
+    cfg = parse(["experiment.name=x", f"experiment.log_dir={tmp_path}", "experiment.num_examples_to_see=64",
+                 "dataset.params.path=/data/{0..3}.tar", "system.device=cpu", "model.family=sd3",
+                 "model.pretrained=/models/sd3", f"model.transformer.params={params}", "dataset.params.resolution=128"])
+    plan = load_plan(cfg)
+    assert plan is not None and plan.kind == "transformer"
+    assert plan.params == sum(p.numel() for p in SD3Transformer2DModel(**SD3).parameters())
+    conf = {**SD3, "_class_name": "SD3Transformer2DModel"}
+    tokens = image_tokens(conf, 128 / 8, 128 / 8, 16)  # 16-channel latents in 2x2 patches
+    assert plan.per_sample[False] == pytest.approx(4 * activation_elements(conf, tokens, 77 + 256, False))
+
+
+def test_every_reference_model_is_its_familys():
+    """The README's table plans what the families name: each with its family's shard units and estimate."""
+    from sd_training.families import registry
+
+    refs = mt.reference_models()
+    assert {name: fam.name for name, (fam, _m) in refs.items()} == {
+        "SD3.5-medium": "sd3", "SD3.5-large": "sd3", "Flux.1-dev": "flux"}
+    for name, (fam, model) in refs.items():
+        assert registry.FAMILIES[fam.name] is fam and model.net_class == fam.net_class
+        assert set(model.encoders) <= set(reference_models.ENCODERS)
