@@ -149,7 +149,8 @@ def test_a_from_scratch_sd3_transformer_counts_its_parameters_at_config_load(tmp
     assert plan.params == sum(p.numel() for p in SD3Transformer2DModel(**SD3).parameters())
     conf = {**SD3, "_class_name": "SD3Transformer2DModel"}
     tokens = image_tokens(conf, 128 / 8, 128 / 8, 16)  # 16-channel latents in 2x2 patches
-    assert plan.per_sample[False] == pytest.approx(4 * activation_elements(conf, tokens, 77 + 256, False))
+    want = 4 * activation_elements(conf, tokens, 77 + 256, False)  # fp32, CLIP's and T5's default tokens
+    assert plan.per_sample[False] == pytest.approx(want)
 
 
 def test_every_reference_model_is_its_familys():

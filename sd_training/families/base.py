@@ -90,8 +90,8 @@ class Family(abc.ABC):
     card_tags: tuple[str, ...] = ()  # Hub tags of the exports' model cards (sd_training.outputs.model_card), as diffusers' own
     # FSDP2: (module, distributed.fsdp_unit) -> the submodules sharded separately, innermost first
     shard_units = None
-    # The trained module's diffusers class name, for the memory plan at config load of from-scratch
-    # ``model.<net_name>.params`` (None: a UNet's params are read as before; other nets are not planned)
+    # The trained module's diffusers class name: what the memory plan at config load builds from-scratch
+    # ``model.<net_name>.params`` as, and the class a config.json must name (None: not planned at load)
     net_class: str | None = None
     # model.adapter (sd_training.adapters): preset name -> a full-match regular expression over the net's layer
     # names (only Linear / Conv2d layers are adapted); {}: the family takes explicit targets only

@@ -10,7 +10,8 @@ from typing import NamedTuple
 # Frozen text encoders: name -> (transformers class, its config)
 ENCODERS: dict[str, tuple[str, dict]] = {
     "CLIP-L": ("CLIPTextModelWithProjection", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                                   num_attention_heads=12, projection_dim=768, hidden_act="quick_gelu")),
+                                                   num_attention_heads=12, projection_dim=768,
+                                                   hidden_act="quick_gelu")),
     "CLIP-G": ("CLIPTextModelWithProjection", dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
                                                    num_attention_heads=20, projection_dim=1280, hidden_act="gelu")),
     "T5-XXL": ("T5EncoderModel", dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,

@@ -3,7 +3,7 @@ it will not fit.
 
 ``check_batch`` (called by the config check) counts the trained module's parameters from its weight
 files' headers or on the meta device (``memory.load``), adds one micro-batch's activations (the rough
-lower estimate its family gives: ``Family.sample_activation_elements``, ``memory.activations``) and compares the total with
+lower estimate its family gives: ``Family.sample_activation_elements``) and compares the total with
 the device's memory: above it the config is refused, above 80% of it a warning is logged. Either way,
 when the run does not fit, :func:`advise` says which settings would: it tries the memory levers a user of
 one GPU reaches for, alone and together, and names the cheapest sets that fit with 10% to spare (the

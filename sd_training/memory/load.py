@@ -1,8 +1,8 @@
 """The memory plan at config load (``memory.fit.check_batch`` uses it), before anything is built: the
 trained module's parameters counted from its weight files' headers or built on the meta device (no
-memory: the class its family names, ``Family.planned_net_class``), and with ``model.adapter`` the adapter's parameters: its layers resolved
-as ``sd_training.adapters`` resolves them (the family's preset, ``target_modules`` or ``target_regex``),
-and the adapter's parameters counted from the layers' shapes: a LoRA of rank r on a layer with ``in``
+memory: as the class its family names, ``Family.planned_net_class``), and with ``model.adapter`` the
+adapter's parameters: its layers resolved as ``sd_training.adapters`` resolves them (the family's preset,
+``target_modules`` or ``target_regex``), and the adapter's parameters counted from the layers' shapes: a LoRA of rank r on a layer with ``in``
 inputs (a convolution's in_channels x kernel area) and ``out`` outputs holds ``r x (in + out)``
 parameters (``lora_A``, ``lora_B``), plus ``out`` with DoRA (its magnitude vector). Once the modules
 are built, the start-up plan counts the adapter's real parameters instead (``memory.plan.memory_plan``).

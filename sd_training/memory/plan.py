@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..families.reference_models import ENCODERS, ReferenceModel
-from .activations import SampleShape, activation_bytes  # noqa: F401 -- activation_bytes: the estimate by kind, for tests
+from .activations import SampleShape, activation_bytes  # noqa: F401 -- activation_bytes: by kind, for tests
 from .load import meta_module
 
 GIB = 2**30
