@@ -2,10 +2,11 @@
 trained module's parameters counted from its weight files' headers or built on the meta device (no
 memory: as the class its family names, ``Family.planned_net_class``), and with ``model.adapter`` the
 adapter's parameters: its layers resolved as ``sd_training.adapters`` resolves them (the family's preset,
-``target_modules`` or ``target_regex``), and the adapter's parameters counted from the layers' shapes: a LoRA of rank r on a layer with ``in``
-inputs (a convolution's in_channels x kernel area) and ``out`` outputs holds ``r x (in + out)``
-parameters (``lora_A``, ``lora_B``), plus ``out`` with DoRA (its magnitude vector). Once the modules
-are built, the start-up plan counts the adapter's real parameters instead (``memory.plan.memory_plan``).
+``target_modules`` or ``target_regex``), and the adapter's parameters counted from the layers' shapes: a
+LoRA of rank r on a layer with ``in`` inputs (a convolution's in_channels x kernel area) and ``out``
+outputs holds ``r x (in + out)`` parameters (``lora_A``, ``lora_B``), plus ``out`` with DoRA (its
+magnitude vector). Once the modules are built, the start-up plan counts the adapter's real parameters
+instead (``memory.plan.memory_plan``).
 
 The frozen base is stored in the training precision (2 bytes under bf16 / fp16, fp32 under FSDP, which
 shards it), with no gradients and no optimizer state; the adapter's parameters train in fp32 with
