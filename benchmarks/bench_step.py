@@ -379,7 +379,7 @@ def sd_row(trainer, args, device: torch.device, res: int, batch: int) -> dict:
     override = args.peak_tflops * 1e12 if args.peak_tflops else None
     peak = flops.peak_flops(device, args.precision if args.precision != "no" else torch.float32, override)
     # The trainer counts them at start-up (for its own MFU metric); counted here when it does not.
-    step_flops = trainer.metrics.step_flops or flops.count_step_flops(trainer.models, res, encode_images=False)
+    step_flops = trainer.metrics.step_flops or trainer.family.step_flops()
     if step_flops.vae_encode:  # the trainer counted the VAE, which this in-memory-latents step does not run
         step_flops = flops.StepFlops(step_flops.unet_forward, step_flops.unet_train, 0, step_flops.text_encode)
     data = make_batch(trainer.models.tokenizer, batch, res, device, latents=res // 8)

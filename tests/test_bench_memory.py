@@ -26,7 +26,7 @@ def test_the_full_size_model_has_sdxl_shapes():
     import yaml
     from diffusers import UNet2DConditionModel
 
-    from sd_training.memory.transformer import meta_module
+    from sd_training.memory.load import meta_module
 
     spec = yaml.safe_load(bench_memory.MODELS.read_text())["sdxl"]
     net = meta_module(spec["net"], "UNet2DConditionModel")

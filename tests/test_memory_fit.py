@@ -86,3 +86,35 @@ def test_plan_memory_script_says_what_fits_which_gpu():
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_memory.py"), *ARGS, "optimizer.nmae=adamw"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "optimizer.nmae" in bad.stderr
+
+
+# ---------------------------------------------------------------- the estimate is the family's
+
+def test_the_plan_asks_the_family_for_the_activations_and_the_class(monkeypatch):
+    """memory.fit names no model: the trained module's class and one sample's activations come from the
+    family the config trains (the autoencoder under model.train_target=vae)."""
+    from sd_training.families import registry
+    from sd_training.memory.fit import micro_batch_activations
+
+    fam = registry.FAMILIES["sdxl"]
+    seen = []
+
+    def elements(cls, conf, sample, checkpointing):
+        seen.append((cls, conf.get("_class_name"), sample, checkpointing))
+        return 1000.0
+
+    monkeypatch.setattr(fam, "sample_activation_elements", classmethod(elements))
+    cfg, plan = _plan(["model.gradient_checkpointing=true", "system.batch_size=3"])
+    assert registry.trained_family(cfg) is fam and plan.kind == fam.net_name
+    assert plan.per_sample == (1000.0 * 2, 1000.0 * 2)  # bf16: 2 bytes an element, with and without checkpointing
+    cls, name, sample, _ckpt = seen[0]
+    assert cls is fam and name == fam.net_class == "UNet2DConditionModel"
+    assert (sample.resolution, sample.text_tokens) == (1024, 77)  # sdxl: no text_tokens of its own -> CLIP's 77
+    assert micro_batch_activations(cfg, config=dict(SDXL["net"])) == 3 * 2 * 1000.0
+    assert seen[-1][3] is True  # model.gradient_checkpointing
+    # A config.json of another class than the family names is not planned, nor a family that names none.
+    assert micro_batch_activations(cfg, config={**SDXL["net"], "_class_name": "UNet2DModel"}) == 0
+    monkeypatch.setattr(fam, "planned_net_class", classmethod(lambda cls, cfg: None))
+    assert _plan([])[1] is None
+    vae = parse([*ARGS, "model.train_target=vae"])
+    assert registry.trained_family(vae).net_name == "vae"

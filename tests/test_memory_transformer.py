@@ -7,9 +7,13 @@ batch that cannot fit refused) at config load."""
 import pytest
 import torch
 
-from sd_training.memory import transformer as mt
+from sd_training.families import reference_models
+from sd_training.families.components.transformer import transformer_blocks as blocks
+from sd_training.memory import plan as mt
+from sd_training.memory.activations import image_tokens
+from sd_training.memory.activations import transformer_activation_elements as activation_elements
+from sd_training.memory.load import meta_module
 from sd_training.memory.plan import GIB
-from sd_training.memory.transformer import activation_elements, blocks, image_tokens, meta_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,7 +84,7 @@ def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
     assert [r.strategy for r in rows] == ["ddp", "fsdp", "fsdp_offload"]
     assert ddp.weights == pytest.approx(n * 4 / GIB) and ddp.optimizer == pytest.approx(n * 8 / GIB)
     assert ddp.ema == ddp.weights and fsdp.weights == pytest.approx(ddp.weights / 8) and offload.weights == 0
-    net = meta_module(mt.REFERENCE["Flux.1-dev"][1], "FluxTransformer2DModel")
+    net = meta_module(mt.reference_models()["Flux.1-dev"][1].config, "FluxTransformer2DModel")
     largest = max(sum(p.numel() for p in b.parameters()) for b in blocks(net))
     assert fsdp.gathered == offload.gathered == pytest.approx(2 * largest * 2 / GIB)  # two units in bf16
     vae = sum(p.numel() for p in meta_module(
@@ -91,7 +95,7 @@ def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
     assert ddp.frozen == pytest.approx(frozen / GIB)
     assert 0 < offload.activations and offload.total == pytest.approx(
         offload.gathered + offload.frozen + offload.activations)
-    assert set(mt.ENCODERS) == {"T5-XXL", "CLIP-L", "CLIP-G"}
+    assert set(reference_models.ENCODERS) == {"T5-XXL", "CLIP-L", "CLIP-G"}
 
 
 def test_the_readme_table():
@@ -127,3 +131,35 @@ def test_a_from_scratch_transformer_is_planned_at_config_load(monkeypatch, tmp_p
         check_batch(parse([*args, "system.batch_size=10000000"]))
     ckpt = parse([*args, "system.batch_size=4", "model.gradient_checkpointing=true"])
     assert micro_batch_activations(ckpt, config=conf) < micro_batch_activations(cfg, config=conf) / 2
+
+
+def test_a_from_scratch_sd3_transformer_counts_its_parameters_at_config_load(tmp_path):
+    """The family names the class its params build (SD3Transformer2DModel): the plan counts its weights."""
+    from diffusers import SD3Transformer2DModel
+
+    from sd_training.config.loading import parse
+    from sd_training.memory.fit import load_plan
+
+    params = "{" + ", ".join(f"{k}: {v}" for k, v in SD3.items()) + "}"
+    cfg = parse(["experiment.name=x", f"experiment.log_dir={tmp_path}", "experiment.num_examples_to_see=64",
+                 "dataset.params.path=/data/{0..3}.tar", "system.device=cpu", "model.family=sd3",
+                 "model.pretrained=/models/sd3", f"model.transformer.params={params}", "dataset.params.resolution=128"])
+    plan = load_plan(cfg)
+    assert plan is not None and plan.kind == "transformer"
+    assert plan.params == sum(p.numel() for p in SD3Transformer2DModel(**SD3).parameters())
+    conf = {**SD3, "_class_name": "SD3Transformer2DModel"}
+    tokens = image_tokens(conf, 128 / 8, 128 / 8, 16)  # 16-channel latents in 2x2 patches
+    want = 4 * activation_elements(conf, tokens, 77 + 256, False)  # fp32, CLIP's and T5's default tokens
+    assert plan.per_sample[False] == pytest.approx(want)
+
+
+def test_every_reference_model_is_its_familys():
+    """The README's table plans what the families name: each with its family's shard units and estimate."""
+    from sd_training.families import registry
+
+    refs = mt.reference_models()
+    assert {name: fam.name for name, (fam, _m) in refs.items()} == {
+        "SD3.5-medium": "sd3", "SD3.5-large": "sd3", "Flux.1-dev": "flux"}
+    for name, (fam, model) in refs.items():
+        assert registry.FAMILIES[fam.name] is fam and model.net_class == fam.net_class
+        assert set(model.encoders) <= set(reference_models.ENCODERS)

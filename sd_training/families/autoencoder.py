@@ -18,6 +18,7 @@ from ..config.schema import TrainConfig
 from ..data import build_train_loader
 from ..data.transforms import unit_range
 from ..outputs.export import image_grid
+from ..memory import activations
 from .components.ddpm import host_seeds
 from .autoencoder_loss import measure_scaling_factor, vae_loss, validate_vae_stage
 from .base import Family, LossOut, SampleSettings
@@ -125,3 +126,11 @@ class Autoencoder(Family):
 
     def sample_image(self, net, settings: SampleSettings) -> Image.Image:
         return reconstruction_grid(net, self.fixed_images.to(self.device))
+
+    # memory and FLOP estimates -------------------------------------------------------------------
+    net_class = "AutoencoderKL"
+
+    @classmethod
+    def sample_activation_elements(cls, conf: dict, sample: activations.SampleShape, checkpointing: bool) -> float:
+        """Encoder and decoder trained, at the image's resolution."""
+        return activations.convolutional(activations.vae_activation_elements(conf, sample.resolution), checkpointing)

@@ -23,7 +23,9 @@ from PIL import Image
 
 from ..config.schema import TrainConfig
 from ..data.latents import StoredText
+from ..memory.activations import SampleShape
 from ..speed.flops import StepFlops
+from .reference_models import ReferenceModel
 
 
 class LossOut(NamedTuple):
@@ -88,8 +90,8 @@ class Family(abc.ABC):
     card_tags: tuple[str, ...] = ()  # Hub tags of the exports' model cards (sd_training.outputs.model_card), as diffusers' own
     # FSDP2: (module, distributed.fsdp_unit) -> the submodules sharded separately, innermost first
     shard_units = None
-    # The trained module's diffusers class name, for the memory plan at config load of from-scratch
-    # ``model.<net_name>.params`` (None: a UNet's params are read as before; other nets are not planned)
+    # The trained module's diffusers class name: what the memory plan at config load builds from-scratch
+    # ``model.<net_name>.params`` as, and the class a config.json must name (None: not planned at load)
     net_class: str | None = None
     # model.adapter (sd_training.adapters): preset name -> a full-match regular expression over the net's layer
     # names (only Linear / Conv2d layers are adapted); {}: the family takes explicit targets only
@@ -235,3 +237,23 @@ class Family(abc.ABC):
         their output. ``clip_skip`` / ``max_length``: as ``model.text_encoder`` would set them (0 / None:
         the pipeline's own); a family raises ``ValueError`` for settings it cannot apply."""
         raise NotImplementedError(f"the {cls.name or cls.__name__} family stores no text embeddings")
+
+    # memory and FLOP estimates -------------------------------------------------------------------
+    # What sd_training.memory asks the family before anything is built (the plan at config load,
+    # scripts/plan_memory.py, the README's table); ``net_class`` names the trained module's class.
+    @classmethod
+    def planned_net_class(cls, cfg: TrainConfig) -> str | None:
+        """The diffusers class of the run's trained module that :meth:`sample_activation_elements` knows (a
+        config.json naming another class is not planned at load); None: no plan at config load."""
+        return cls.net_class
+
+    @classmethod
+    def sample_activation_elements(cls, conf: dict, sample: SampleShape, checkpointing: bool) -> float:
+        """Elements one ``sample``'s forward saves for the backward in the trained module ``conf`` builds (its
+        config.json or ``model.<net_name>.params``): a rough lower estimate (``memory.activations``); 0: none."""
+        return 0.0
+
+    @classmethod
+    def reference_models(cls) -> dict[str, ReferenceModel]:
+        """Published models of this family that the README's memory table plans, by name."""
+        return {}

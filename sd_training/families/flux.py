@@ -37,6 +37,8 @@ from ..speed.flops import StepFlops, count_net_flops, encoder_flops, latent_size
 from .components.clip import build_clip_tokenizer, build_text_encoder
 from .components import flow_matching
 from .components import transformer as transformer_components
+from ..memory import activations
+from . import reference_models as references
 from .base import Family, LossOut, SampleSettings, TextEncoding
 from .sd import StableDiffusion, is_latent_data, pipeline_eval_images, pipeline_grid
 from .components.t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
@@ -410,3 +412,17 @@ class Flux(Family):
         return TextEncoding(cls.text_storage_tag(), [tokenizer_2, tokenizer], [text_encoder_2, text_encoder],
                             lambda encoders, ids: encode_prompts(encoders[1], encoders[0], ids[1], ids[0]),
                             storage_dtype="bf16")
+
+    # memory and FLOP estimates -------------------------------------------------------------------
+    @classmethod
+    def sample_activation_elements(cls, conf: dict, sample: activations.SampleShape, checkpointing: bool) -> float:
+        """2x2-packed 16-channel latents and T5's tokens through the double- and single-stream blocks."""
+        return activations.transformer_sample_elements(conf, sample, checkpointing, latent_channels=16)
+
+    @classmethod
+    def reference_models(cls) -> dict[str, references.ReferenceModel]:
+        """FLUX.1-dev (its transformer's config.json), CLIP-L and T5-XXL, 512 T5 tokens."""
+        dev = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                   num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                   axes_dims_rope=(16, 56, 56))
+        return {"Flux.1-dev": references.ReferenceModel(cls.net_class, dev, ("CLIP-L", "T5-XXL"), T5_MAX_LENGTH)}

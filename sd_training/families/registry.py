@@ -119,3 +119,16 @@ def make_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, scaling_factor
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return FAMILIES[family].make_tiny_pipeline(Path(out_dir), scaling_factor)
+
+
+# memory and FLOP estimates ---------------------------------------------------------------------
+def trained_family(cfg: TrainConfig) -> type[Family] | None:
+    """The family class whose module ``cfg`` trains, told from the config alone (the autoencoder under
+    ``model.train_target=vae``); None when the pipeline cannot be read yet (``detect(must=False)``)."""
+    if cfg.model.train_target == "vae":
+        return Autoencoder
+    try:
+        name = detect(cfg.model, must=False)
+    except ConfigError:  # a pipeline the config checks report
+        return None
+    return FAMILIES.get(name or "")

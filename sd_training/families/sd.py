@@ -19,7 +19,7 @@ from ..data.latents import TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
 from ..outputs.export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
-from ..speed.flops import StepFlops, count_step_flops
+from ..speed.flops import StepFlops
 from ..loading import load_component
 from .components.ddpm import configure_schedulers, diffusion_loss, encode_images, encode_text, scheduler_tensors_to
 from .components.clip import (
@@ -29,9 +29,11 @@ from .components.clip import (
     text_encoder_for_pipeline,
     text_encoder_param_groups,
 )
+from ..memory import activations
 from .base import Family, LossOut, SampleSettings, TextEncoding
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
 from .components.unet import build_models, component_sources, uses_channels_last
+from .components.unet_flops import count_step_flops, unet_inputs
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +289,7 @@ class StableDiffusion(Family):
         # Counted once, on the meta device (no compute): model FLOPs = 3 x UNet forward per image;
         # hardware FLOPs add the frozen encoders and the recomputation of gradient checkpointing.
         return count_step_flops(self.models, self.cfg.dataset.params.resolution, self.cfg.model.gradient_checkpointing,
-                                encode_images=not is_latent_data(self.cfg))
+                                encode_images=not is_latent_data(self.cfg), inputs=self.flop_inputs)
 
     # -- artifacts --------------------------------------------------------------------------------
     def pipeline(self, unet: torch.nn.Module, for_export: bool = False, vae: torch.nn.Module | None = None):
@@ -359,3 +361,17 @@ class StableDiffusion(Family):
         apply_clip_skip(text_encoder, clip_skip)
         return TextEncoding(cls.text_storage_tag(), [tokenizer], [text_encoder],
                             lambda encoders, ids: (encode_text(encoders[0], ids[0]), None))
+
+    # memory and FLOP estimates -------------------------------------------------------------------
+    net_class = "UNet2DConditionModel"
+    # (meta UNet, latent (h, w), text tokens, batch) -> its forward's (args, kwargs) on meta: what step_flops counts
+    flop_inputs = staticmethod(unet_inputs)
+
+    @classmethod
+    def planned_net_class(cls, cfg: TrainConfig) -> str | None:
+        """diffusers' UNet, unless ``model.unet.target`` names another class (not estimated)."""
+        return cls.net_class if str(cfg.model.unet.target).rsplit(".", 1)[-1] == cls.net_class else None
+
+    @classmethod
+    def sample_activation_elements(cls, conf: dict, sample: activations.SampleShape, checkpointing: bool) -> float:
+        return activations.convolutional(activations.unet_activation_elements(conf, sample.latent), checkpointing)

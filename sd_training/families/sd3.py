@@ -40,6 +40,8 @@ from .components.ddpm import host_seeds, sample_generators
 from ..speed.precision import frozen_text_dtype
 from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups
 from .components import flow_matching
+from ..memory import activations
+from . import reference_models as references
 from .base import Family, LossOut, TextEncoding
 from .sd import StableDiffusion
 from .components.t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
@@ -426,6 +428,32 @@ class StableDiffusion3(StableDiffusion):
                                   ids[2] if has_t5 else None, length, width)
 
         return TextEncoding(cls.text_storage_tag(), toks, encs, encode_ids, storage_dtype="bf16")
+
+
+    # memory and FLOP estimates -------------------------------------------------------------------
+    net_class = "SD3Transformer2DModel"
+
+    @classmethod
+    def planned_net_class(cls, cfg: TrainConfig) -> str | None:
+        return cls.net_class
+
+    @classmethod
+    def sample_activation_elements(cls, conf: dict, sample: activations.SampleShape, checkpointing: bool) -> float:
+        """Patches of the 16-channel latents and the CLIP + T5 tokens through the joint blocks."""
+        return activations.transformer_sample_elements(conf, sample, checkpointing, latent_channels=16)
+
+    @classmethod
+    def reference_models(cls) -> dict[str, references.ReferenceModel]:
+        """SD3.5 medium and large (their transformers' config.json), CLIP-L, CLIP-G and T5-XXL, 77 + 256 tokens."""
+        common = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, attention_head_dim=64,
+                      joint_attention_dim=4096, pooled_projection_dim=2048, qk_norm="rms_norm")
+        encoders, tokens = ("CLIP-L", "CLIP-G", "T5-XXL"), CLIP_LENGTH + T5_LENGTH
+        medium = dict(common, num_layers=24, num_attention_heads=24, caption_projection_dim=1536,
+                      pos_embed_max_size=384, dual_attention_layers=tuple(range(13)))
+        large = dict(common, num_layers=38, num_attention_heads=38, caption_projection_dim=2432, pos_embed_max_size=192)
+        return {"SD3.5-medium": references.ReferenceModel(cls.net_class, medium, encoders, tokens),
+                "SD3.5-large": references.ReferenceModel(cls.net_class, large, encoders, tokens)}
+
 
 
 def _joint_width(pipeline: str) -> int:

@@ -31,7 +31,7 @@ from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
 from ..data.samples import SIZE_FIELDS
 from ..outputs.export import unwrap
-from ..speed.flops import StepFlops, count_step_flops, text_encode_flops
+from ..speed.flops import StepFlops
 from ..loading import load_component
 from ..speed.precision import frozen_text_dtype
 from .components.clip import (
@@ -45,6 +45,7 @@ from .base import TextEncoding
 from .sd import StableDiffusion, is_latent_data
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
 from .components.unet import Models, build_models
+from .components.unet_flops import count_step_flops, text_encode_flops, unet_inputs
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +240,7 @@ class StableDiffusionXL(StableDiffusion):
 
     def step_flops(self) -> StepFlops:
         flops = count_step_flops(self.models, self.cfg.dataset.params.resolution, self.cfg.model.gradient_checkpointing,
-                                 encode_images=not is_latent_data(self.cfg))
+                                 encode_images=not is_latent_data(self.cfg), inputs=self.flop_inputs)
         seq = int(self.models.tokenizer_2.model_max_length)
         return replace(flops, text_encode=flops.text_encode + text_encode_flops(self.models.text_encoder_2, seq))
 
@@ -300,3 +301,14 @@ class StableDiffusionXL(StableDiffusion):
         return TextEncoding(cls.text_storage_tag(), [tokenizer, tokenizer_2],
                             [text_encoder, text_encoder_2.to(device).eval().requires_grad_(False)],
                             lambda encoders, ids: encode_prompts(*encoders, *ids, eos))
+
+    # memory and FLOP estimates -------------------------------------------------------------------
+    @staticmethod
+    def flop_inputs(unet: torch.nn.Module, latent_size, seq_len: int, batch: int) -> tuple[tuple, dict]:
+        """SD's UNet arguments plus the added conditioning: the pooled text embeddings and 6 size/crop ids."""
+        args, kwargs = unet_inputs(unet, latent_size, seq_len, batch)
+        c = unet.config
+        n_text = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+        kwargs["added_cond_kwargs"] = {"text_embeds": torch.empty(batch, n_text, device="meta"),
+                                       "time_ids": torch.empty(batch, 6, device="meta")}
+        return args, kwargs

@@ -2,8 +2,8 @@
 it will not fit.
 
 ``check_batch`` (called by the config check) counts the trained module's parameters from its weight
-files' headers or on the meta device (``memory_load``), adds one micro-batch's activations (the rough
-lower estimate of ``memory_plan.activation_bytes`` / ``memory_transformer``) and compares the total with
+files' headers or on the meta device (``memory.load``), adds one micro-batch's activations (the rough
+lower estimate its family gives: ``Family.sample_activation_elements``) and compares the total with
 the device's memory: above it the config is refused, above 80% of it a warning is logged. Either way,
 when the run does not fit, :func:`advise` says which settings would: it tries the memory levers a user of
 one GPU reaches for, alone and together, and names the cheapest sets that fit with 10% to spare (the
@@ -31,9 +31,9 @@ import torch
 
 from ..config import ConfigError
 from ..families import registry
+from .activations import SampleShape
 from .load import adapter_state_bytes, json_file, meta_params, plan_adapter, safetensors_params
-from .plan import GIB, MemoryRow, activation_bytes, per_trained_param
-from .transformer import activation_elements, image_tokens, is_transformer
+from .plan import GIB, MemoryRow, per_trained_param
 
 log = logging.getLogger(__name__)
 LOAD_WARN_FRACTION = 0.8  # a plan above this share of the device's memory is logged as a warning
@@ -44,32 +44,18 @@ ADVICE_FRACTION = 0.9  # advised settings leave this share of the memory for wha
 # What the config says about the trained module, read without building it
 # ----------------------------------------------------------------------------------------------
 
-def _family_class(cfg):
-    """The run's family class; None when it cannot be told yet."""
-    try:
-        name = registry.detect(cfg.model, must=False)
-    except Exception:  # noqa: BLE001 -- a pipeline the config checks already reported
-        name = None
-    return registry.FAMILIES.get(name or "")
+def _family(cfg):
+    """The family class whose module the run trains; the default family's while the pipeline cannot be
+    read (a hub id not in the cache: its components are read as the default family's)."""
+    return registry.trained_family(cfg) or registry.FAMILIES[registry.DEFAULT_FAMILY]
 
 
-def _family_of(cfg) -> tuple[str, str | None, int]:
-    """(the trained module's component name, its class name when the family names one, text tokens per
-    sample) of the run's family; ("unet", None, 77) when the family cannot be told yet."""
-    fam = _family_class(cfg)
-    if fam is None:
-        return "unet", None, 77
-    return fam.net_name, getattr(fam, "net_class", None), int(fam.text_tokens(cfg) or 77)
-
-
-def _kind(cfg, conf: dict) -> str | None:
-    name = str(conf.get("_class_name") or "")
-    if cfg.model.train_target != "vae" and is_transformer(conf):
-        return "transformer"
-    if cfg.model.train_target == "vae":
-        return "vae" if name in ("", "AutoencoderKL") else None
-    target = str(cfg.model.unet.target).rsplit(".", 1)[-1]
-    return "unet" if name in ("", "UNet2DConditionModel") and target == "UNet2DConditionModel" else None
+def _planned_class(cfg, conf: dict, family=None) -> str | None:
+    """The class of the trained module ``conf`` (its config) when its family's estimate knows it: the class
+    the family (``family``, else the run's) names for this run, which a config.json's ``_class_name`` must
+    match; else None."""
+    name = (family or _family(cfg)).planned_net_class(cfg)
+    return name if name and conf.get("_class_name") in (None, "", name) else None
 
 
 def _component_folder(src: str | None, sub: str, revision: str | None) -> tuple[str | None, dict | None]:
@@ -106,48 +92,43 @@ def _vae_factor(cfg) -> int:
 
 
 def _trained_config(cfg) -> tuple[str | None, dict | None]:
-    """(weights folder, config) of the trained module as the config names it: the VAE (train_target vae),
-    else the family's trained component (``model.<net_name>``: its params, or its folder's config.json)."""
-    m = cfg.model
-    if m.train_target == "vae":
-        return _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)
-    net_name, net_class, _text = _family_of(cfg)
-    comp = getattr(m, net_name, None)
+    """(weights folder, config) of the trained module as the config names it: the family's trained
+    component (``model.<net_name>``: its params, or its folder's config.json); a from-scratch module's
+    params are read as the class its family names."""
+    m, fam = cfg.model, _family(cfg)
+    comp = getattr(m, fam.net_name, None)
     if comp is None:
         return None, None
     if getattr(comp, "params", None):
         conf = dict(comp.params)
-        if net_class or net_name != "unet":  # a family that names no class: not read as a UNet's params
-            conf.setdefault("_class_name", net_class or f"<{net_name}>")
+        conf.setdefault("_class_name", fam.planned_net_class(cfg) or f"<{fam.net_name}>")
         return None, conf
-    return _component_folder(comp.pretrained or m.pretrained, net_name, m.revision)
+    return _component_folder(comp.pretrained or m.pretrained, fam.net_name, m.revision)
 
 
-def sample_activations(cfg, conf: dict, checkpointing: bool, text_tokens: int | None = None) -> float:
+def sample_activations(cfg, conf: dict, checkpointing: bool, text_tokens: int | None = None, family=None) -> float:
     """Bytes one sample's activations take in the trained module ``conf`` (its config) at the run's
-    resolution and precision; 0 when its architecture is not one the estimate knows (a
-    UNet2DConditionModel, an AutoencoderKL, or a diffusion transformer: ``text_tokens`` per sample through
-    its joint attention, None: the family's ``Family.text_tokens``)."""
-    kind = _kind(cfg, conf)
-    if kind is None:
+    resolution and precision, as its family estimates them; 0 when the family's estimate does not know
+    the module. ``text_tokens``: per sample, beside the image (None: the family's ``Family.text_tokens``,
+    else CLIP's 77); ``family``: the run's family class when it is built (None: told from ``cfg``)."""
+    fam = family or _family(cfg)
+    if _planned_class(cfg, conf, fam) is None:
         return 0.0
     compute = 2 if cfg.model.mixed_precision in ("bf16", "fp16") else 4
-    resolution = cfg.dataset.params.resolution
-    if kind == "transformer":
-        latent = resolution / _vae_factor(cfg)
-        channels = int(_vae_config(cfg).get("latent_channels") or 16)
-        text = text_tokens if text_tokens is not None else _family_of(cfg)[2]
-        return activation_elements(conf, image_tokens(conf, latent, latent, channels), text, checkpointing) * compute
-    return activation_bytes(conf, kind, resolution, compute, checkpointing, _vae_factor(cfg))
+    vae = _vae_config(cfg)
+    text = text_tokens if text_tokens is not None else int(fam.text_tokens(cfg) or 77)
+    sample = SampleShape(cfg.dataset.params.resolution, _vae_factor(cfg), vae.get("latent_channels"), text)
+    return fam.sample_activation_elements(conf, sample, checkpointing) * compute
 
 
 def micro_batch_activations(cfg, net: torch.nn.Module | None = None, config: dict | None = None,
-                            text_tokens: int | None = None) -> float:
+                            text_tokens: int | None = None, family=None) -> float:
     """Bytes of one micro-batch's activations for the run ``cfg`` (``system.batch_size`` samples at
     ``dataset.params.resolution``, as ``model.gradient_checkpointing`` says), from the trained module's
-    config (``net.config`` or ``config``)."""
+    config (``net.config`` or ``config``), as ``family`` (the built family's class; None: the run's, told
+    from ``cfg``) estimates them."""
     conf = dict(config if config is not None else getattr(net, "config", None) or {})
-    per_sample = sample_activations(cfg, conf, cfg.model.gradient_checkpointing, text_tokens)
+    per_sample = sample_activations(cfg, conf, cfg.model.gradient_checkpointing, text_tokens, family)
     return cfg.system.batch_size * per_sample
 
 
@@ -172,11 +153,11 @@ class Setting:
 class LoadPlan:
     """The trained module as read at load: bytes per device for any :class:`Setting`."""
 
-    kind: str
+    kind: str  # the trained module's component name (its family's net_name), for messages
     params: int  # trained parameters (the adapter's with model.adapter)
     what: str  # how they were counted, for messages
     per_sample: tuple[float, float]  # one sample's activations (without, with gradient checkpointing)
-    planned_adapter: object | None  # memory_load.PlannedAdapter
+    planned_adapter: object | None  # memory.load.PlannedAdapter
 
     def activations(self, s: Setting) -> float:
         return s.batch * self.per_sample[s.checkpointing]
@@ -203,23 +184,23 @@ def current_setting(cfg) -> Setting:
 
 def load_plan(cfg) -> LoadPlan | None:
     """The trained module of ``cfg`` counted without building it; None when its config cannot be read
-    yet (a hub id not in the cache, a pipeline the quickstart builds at start-up), its architecture is
-    unknown to the estimate, or an adapter's targets resolve to nothing (the build reports that)."""
+    yet (a hub id not in the cache, a pipeline the quickstart builds at start-up), its family's estimate
+    does not know it, or an adapter's targets resolve to nothing (the build reports that)."""
     folder, conf = _trained_config(cfg)
-    if conf is None or _kind(cfg, conf) is None:
+    class_name = _planned_class(cfg, conf) if conf is not None else None
+    if class_name is None:
         return None
-    kind = _kind(cfg, conf)
+    fam = _family(cfg)
     per_sample = (sample_activations(cfg, conf, False), sample_activations(cfg, conf, True))
-    n_params = (safetensors_params(folder) if folder else None) or meta_params(kind, conf)
+    n_params = (safetensors_params(folder) if folder else None) or meta_params(conf, class_name)
     if not cfg.model.adapter.enabled:
-        return LoadPlan(kind, n_params, f"{n_params / 1e6:,.1f}M parameters", per_sample, None)
-    fam = _family_class(cfg)
-    planned = plan_adapter(cfg, kind, conf, getattr(fam, "adapter_presets", {}), _family_of(cfg)[0])
+        return LoadPlan(fam.net_name, n_params, f"{n_params / 1e6:,.1f}M parameters", per_sample, None)
+    planned = plan_adapter(cfg, conf, class_name, fam.adapter_presets, fam.net_name)
     if planned is None:
         return None
     what = (f"a LoRA of {planned.trained / 1e6:,.2f}M parameters on {planned.layers:,} layers; the frozen base's "
             f"{planned.base / 1e6:,.1f}M parameters at {planned.base_bytes} bytes")
-    return LoadPlan(kind, planned.trained, what, per_sample, planned)
+    return LoadPlan(fam.net_name, planned.trained, what, per_sample, planned)
 
 
 # (keys to set, how it changes the setting, what it costs: lower is tried first)

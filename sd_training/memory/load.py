@@ -1,11 +1,12 @@
-"""The memory plan at config load (``memory_fit.check_batch`` uses it), before anything is built: the
+"""The memory plan at config load (``memory.fit.check_batch`` uses it), before anything is built: the
 trained module's parameters counted from its weight files' headers or built on the meta device (no
-memory), and with ``model.adapter`` the adapter's parameters: its layers resolved
-as ``sd_training.adapters`` resolves them (the family's preset, ``target_modules`` or ``target_regex``),
-and the adapter's parameters counted from the layers' shapes: a LoRA of rank r on a layer with ``in``
-inputs (a convolution's in_channels x kernel area) and ``out`` outputs holds ``r x (in + out)``
-parameters (``lora_A``, ``lora_B``), plus ``out`` with DoRA (its magnitude vector). Once the modules
-are built, the start-up plan counts the adapter's real parameters instead (``memory_plan.memory_plan``).
+memory: as the class its family names, ``Family.planned_net_class``), and with ``model.adapter`` the
+adapter's parameters: its layers resolved as ``sd_training.adapters`` resolves them (the family's preset,
+``target_modules`` or ``target_regex``), and the adapter's parameters counted from the layers' shapes: a
+LoRA of rank r on a layer with ``in`` inputs (a convolution's in_channels x kernel area) and ``out``
+outputs holds ``r x (in + out)`` parameters (``lora_A``, ``lora_B``), plus ``out`` with DoRA (its
+magnitude vector). Once the modules are built, the start-up plan counts the adapter's real parameters
+instead (``memory.plan.memory_plan``).
 
 The frozen base is stored in the training precision (2 bytes under bf16 / fp16, fp32 under FSDP, which
 shards it), with no gradients and no optimizer state; the adapter's parameters train in fp32 with
@@ -60,26 +61,29 @@ def safetensors_params(folder: str) -> int | None:
     return total
 
 
-def meta_net(kind: str, conf: dict) -> torch.nn.Module | None:
-    """The module ``conf`` builds (``kind``: unet, vae or transformer) on the meta device (no memory); None
-    if it does not build."""
-    if kind == "transformer":
-        from .transformer import meta_module
+def meta_module(conf: dict, class_name: str | None = None) -> torch.nn.Module | None:
+    """The module ``conf`` builds (``class_name``, else its ``_class_name``: a diffusers or transformers
+    class, named by the family that trains it) on the meta device (no memory); None when it does not build."""
+    import diffusers
+    import transformers
 
-        return meta_module(conf)
+    name = class_name or conf.get("_class_name")
+    cls = getattr(diffusers, str(name), None) or getattr(transformers, str(name), None)
+    if cls is None:
+        return None
+    args = {k: v for k, v in conf.items() if not k.startswith("_")}
     try:
-        import diffusers
-
-        cls = diffusers.AutoencoderKL if kind == "vae" else diffusers.UNet2DConditionModel
         with torch.device("meta"):
-            return cls.from_config({k: v for k, v in conf.items() if not k.startswith("_")})
+            if hasattr(cls, "config_class") and not hasattr(cls, "from_config"):  # transformers: Config object
+                return cls(cls.config_class(**args))
+            return cls.from_config(args)
     except Exception:  # noqa: BLE001 -- a config the class refuses is reported when the run builds it
         return None
 
 
-def meta_params(kind: str, conf: dict) -> int:
+def meta_params(conf: dict, class_name: str | None = None) -> int:
     """Parameters of the module ``conf`` builds, counted on the meta device; 0 if it does not build."""
-    module = meta_net(kind, conf)
+    module = meta_module(conf, class_name)
     return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
 
@@ -101,11 +105,12 @@ def lora_params(module: torch.nn.Module, targets: list[str], rank: int, dora: bo
     return total
 
 
-def plan_adapter(cfg, kind: str, conf: dict, presets: dict[str, str], net_name: str) -> PlannedAdapter | None:
-    """The adapter ``cfg.model.adapter`` would put on the net ``conf`` builds; None when the net does not
-    build on the meta device or the targets resolve to nothing (the run reports that when it builds)."""
+def plan_adapter(cfg, conf: dict, class_name: str, presets: dict[str, str], net_name: str) -> PlannedAdapter | None:
+    """The adapter ``cfg.model.adapter`` would put on the net ``conf`` builds (a ``class_name``); None when
+    the net does not build on the meta device or the targets resolve to nothing (the run reports that when
+    it builds)."""
     a = cfg.model.adapter
-    net = meta_net(kind, conf)
+    net = meta_module(conf, class_name)
     if net is None:
         return None
     try:

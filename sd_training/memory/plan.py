@@ -4,13 +4,14 @@ before the first step whether a model fits in 24, 40 or 80 GB.
 
 Counted from the modules as built (exact bytes of the tensors), not estimated from a model name.
 Activations (what autograd keeps for the backward of one micro-batch) are an estimate, rough but
-monotonic in the batch, the resolution and the width (``activation_bytes``): fitted to the tensors that
-diffusers' UNet2DConditionModel and AutoencoderKL save (tiny, SD 1.x and 2.x widths; within 5% in fp32;
-78-96% of them under bf16 autocast on an H200), memory-efficient attention assumed, the forward's
-temporaries and the backward's gradients not counted, so it is a lower bound of the peak
+monotonic in the batch, the resolution and the width, that the trained module's family gives
+(``Family.sample_activation_elements``, from ``memory.activations``): a lower bound of the peak
 (``peak_memory_gb`` in the logs is the measured total).
 
-At config load, before anything is built, ``memory_fit`` runs the same arithmetic on the trained module
+The reference rows (``python -m sd_training.memory.plan --table``, the README's table) plan the published
+models the families name (``Family.reference_models``) on the meta device.
+
+At config load, before anything is built, ``memory.fit`` runs the same arithmetic on the trained module
 counted from its weight files (refusing a batch that cannot fit, and saying which settings would).
 
 - ``ddp``: every GPU holds the fp32 weights, their fp32 gradients, the optimizer state and the EMA.
@@ -23,7 +24,7 @@ With ``model.adapter`` only the adapter's parameters train (weights, gradients, 
 rows: the adapter's); the net's frozen base is its own column (``base``: stored in the training
 precision, no gradients, no optimizer state), and text encoders with an adapter count in ``frozen``
 (their adapter's state plus their frozen weights). At config load the adapter is counted from the
-layers' shapes (``memory_load``).
+layers' shapes (``memory.load``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ..families.reference_models import ENCODERS, ReferenceModel
+from .activations import SampleShape, activation_bytes  # noqa: F401 -- activation_bytes: by kind, for tests
+from .load import meta_module
 
 GIB = 2**30
 # Optimizer state bytes per trained parameter (fp32 state tensors shaped like the parameter): AdamW's two
@@ -166,85 +171,6 @@ def as_dicts(rows: list[MemoryRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-# ----------------------------------------------------------------------------------------------
-# Activations: a rough estimate, stated as such.
-# ----------------------------------------------------------------------------------------------
-
-# Elements autograd saves per channel x pixel of a level, per block: fitted (least squares) to the saved
-# tensors of diffusers' UNet2DConditionModel (tiny, SD 1.x and 2.x configs, 8-32 latent pixels, fp32,
-# SDPA attention) and AutoencoderKL (tiny and SD's, 64-128 px): predictions within 5% of the measurement.
-# On an H200 under bf16 autocast (flash attention), the estimate at 2 bytes per element was 78% (SD 1.5,
-# 512 px, batch 1-4: 0.91 of 1.16-1.20 GiB per sample) and 96% (SDXL, 1024 px: 7.26 of 7.54 GiB) of what
-# the forward kept beyond autocast's weight copies (some saved tensors stay fp32): a lower bound.
-UNET_RESNET = 9.0  # per resnet block
-UNET_TRANSFORMER = 33.0  # per transformer layer (self- and cross-attention, feed-forward)
-VAE_BLOCK = 7.3  # AutoencoderKL: per resnet block of the encoder and decoder
-# What gradient checkpointing keeps: diffusers checkpoints whole blocks, measured 0.16-0.19 of the above on
-# the CPU (tiny, SD 1.x) and 0.09 (SDXL, 1024 px) to 0.25 (SD 1.5, 512 px) on an H200 in bf16: the lowest.
-CHECKPOINTED = 0.08
-UNET_DEFAULTS = dict(  # UNet2DConditionModel's defaults (SD 1.x's layout)
-    block_out_channels=(320, 640, 1280, 1280),
-    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-    layers_per_block=2, transformer_layers_per_block=1, mid_block_type="UNetMidBlock2DCrossAttn",
-)
-VAE_DEFAULTS = dict(block_out_channels=(64,), layers_per_block=1)
-
-
-def _per_block(value, n: int) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value] * n
-
-
-def _layers(value) -> int:
-    """transformer_layers_per_block entries may be lists (one per layer of a block: SDXL refiner-style)."""
-    return max(value) if isinstance(value, (list, tuple)) else int(value)
-
-
-def unet_activation_elements(config: dict, latent: float) -> float:
-    """Elements one sample saves for the backward in a UNet2DConditionModel (``config``: its config.json or
-    model.unet.params; missing keys take diffusers' defaults) at ``latent`` x ``latent`` latent pixels."""
-    c = {**UNET_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-    widths = list(c["block_out_channels"])
-    levels = len(widths)
-    down, up = list(c["down_block_types"]), list(c["up_block_types"])
-    lpb = _per_block(c["layers_per_block"], levels)
-    tl = [_layers(v) for v in _per_block(c["transformer_layers_per_block"], levels)]
-    total = 0.0
-    for level, width in enumerate(widths):
-        area = width * (latent / 2**level) ** 2
-        n_down, n_up = lpb[level], list(reversed(lpb))[levels - 1 - level] + 1
-        attn_down = "Attn" in str(down[level]) if level < len(down) else False
-        attn_up = "Attn" in str(up[levels - 1 - level]) if levels - 1 - level < len(up) else False
-        total += area * (UNET_RESNET * (n_down + n_up)
-                         + UNET_TRANSFORMER * tl[level] * (n_down * attn_down + n_up * attn_up))
-    area = widths[-1] * (latent / 2 ** (levels - 1)) ** 2
-    if c.get("mid_block_type"):
-        total += area * (2 * UNET_RESNET + UNET_TRANSFORMER * tl[-1] * ("Attn" in str(c["mid_block_type"])))
-    return total
-
-
-def vae_activation_elements(config: dict, resolution: float) -> float:
-    """Elements one sample saves for the backward in an AutoencoderKL (encoder and decoder trained) at
-    ``resolution`` x ``resolution`` pixels."""
-    c = {**VAE_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-    widths, lpb = list(c["block_out_channels"]), int(c["layers_per_block"])
-    total = sum(w * (resolution / 2**level) ** 2 * (2 * lpb + 1) for level, w in enumerate(widths))
-    area = widths[-1] * (resolution / 2 ** (len(widths) - 1)) ** 2
-    return VAE_BLOCK * (total + 4 * area)
-
-
-def activation_bytes(config: dict, kind: str, resolution: int, compute_bytes: int, checkpointing: bool,
-                     vae_factor: int = 8) -> float:
-    """Bytes one sample's activations take (a rough estimate, lower than the peak: see the module doc).
-    ``kind``: ``unet`` (at ``resolution / vae_factor`` latent pixels) or ``vae`` (at ``resolution``);
-    ``compute_bytes``: 2 under bf16/fp16 autocast, 4 in fp32."""
-    if kind == "vae":
-        elements = vae_activation_elements(config, resolution)
-    else:
-        elements = unet_activation_elements(config, resolution / vae_factor)
-    return elements * compute_bytes * (CHECKPOINTED if checkpointing else 1.0)
-
-
 def per_trained_param(optimizer: str, ema: bool, in_backward: bool = False) -> int:
     """Bytes per trained parameter: fp32 weight, fp32 gradient (none with ``optimizer.in_backward``: each is
     freed once its parameter is updated, so only the largest tensor's exists at a time), optimizer state,
@@ -262,6 +188,63 @@ def trained_state_bytes(n_params: int, optimizer: str, ema: bool, strategy: str,
     return n_params * per_param / (world_size if strategy == "fsdp" else 1)
 
 
+# ----------------------------------------------------------------------------------------------
+# Reference rows: the published models the families name, counted from their configs on the meta device.
+# ----------------------------------------------------------------------------------------------
+
+def reference_models() -> dict[str, tuple[type, ReferenceModel]]:
+    """name -> (the family class, the model) of every registered family's ``reference_models()``."""
+    from ..families import registry
+
+    return {name: (fam, model) for fam in registry.FAMILIES.values() for name, model in fam.reference_models().items()}
+
+
+def reference_activations(name: str, resolution: int = 1024, batch: int = 1, checkpointing: bool = True) -> float:
+    """Bytes of ``batch`` samples' activations of reference model ``name`` in bf16 (a rough lower estimate),
+    as its family estimates them (16-channel latents of an 8x VAE, the pipeline's default text tokens)."""
+    fam, model = reference_models()[name]
+    sample = SampleShape(resolution, 8, int(model.vae.get("latent_channels") or 16), model.text_tokens)
+    return batch * 2 * fam.sample_activation_elements(model.config, sample, checkpointing)
+
+
+def reference_rows(name: str, world_size: int = 8, resolution: int = 1024, batch: int = 1, optimizer: str = "adamw",
+                   ema: bool = True, checkpointing: bool = True) -> tuple[int, list[MemoryRow]]:
+    """(trained parameters, one row per strategy) of reference model ``name`` per GPU: bf16 mixed
+    precision (fp32 master weights, bf16 gathered units: the family's shard units at ``block`` level), the
+    frozen encoders in bf16 and the VAE in fp32 on every GPU, ``batch`` samples of ``resolution`` px (text
+    tokens: the pipeline's defaults)."""
+    fam, model = reference_models()[name]
+    net = meta_module(model.config, model.net_class)
+    frozen = [meta_module(ENCODERS[e][1], ENCODERS[e][0]).to(torch.bfloat16) for e in model.encoders]
+    frozen.append(meta_module(model.vae))
+    acts = reference_activations(name, resolution, batch, checkpointing)
+    rows = memory_plan(net, frozen, optimizer, world_size, ema, False, 2, fam.shard_units, "block", activations=acts)
+    return sum(p.numel() for p in net.parameters()), rows
+
+
+def reference_table(world_size: int = 8, resolution: int = 1024) -> str:
+    """A markdown table of the reference rows (GiB per GPU) for the README."""
+    head = ("| model (trained params) | strategy | weights | grads | AdamW | EMA | gathered | frozen encoders + VAE "
+            "| activations (ckpt / none) | total (ckpt) | fits 80 GB |")
+    lines = [f"Per GPU, {world_size} GPUs, {resolution} px, batch 1, bf16, AdamW, EMA on the GPU; frozen T5-XXL, "
+             "CLIPs in bf16, VAE in fp32; activations a rough lower estimate with / without gradient checkpointing.",
+             "", head, "|" + "---|" * (head.count("|") - 1)]
+    for name in reference_models():
+        n, rows = reference_rows(name, world_size, resolution)
+        full = reference_activations(name, resolution, checkpointing=False) / GIB
+        for row in rows:
+            lines.append(f"| {name} ({n / 1e9:.2f}B) | {row.strategy} | {row.weights:.1f} | {row.gradients:.1f} | "
+                         f"{row.optimizer:.1f} | {row.ema:.1f} | {row.gathered:.2f} | {row.frozen:.1f} | "
+                         f"{row.activations:.1f} / {full:.1f} | {row.total:.1f} | "
+                         f"{'yes' if row.total < 0.9 * 80e9 / GIB else 'no'} |")
+    return "\n".join(lines)
+
+
+def encoder_params() -> dict[str, int]:
+    """Parameters of the reference frozen encoders (counted on meta)."""
+    return {e: sum(p.numel() for p in meta_module(conf, cls).parameters()) for e, (cls, conf) in ENCODERS.items()}
+
+
 if __name__ == "__main__":  # python -m sd_training.memory.plan --table [--world-size 8] [--resolution 1024]
     import argparse
 
@@ -271,6 +254,4 @@ if __name__ == "__main__":  # python -m sd_training.memory.plan --table [--world
     parser.add_argument("--resolution", type=int, default=1024)
     args = parser.parse_args()
     if args.table:
-        from .transformer import reference_table
-
         print(reference_table(args.world_size, args.resolution))

@@ -7,6 +7,10 @@ is what FlopCounterMode counts: matmuls (``mm``/``addmm``/``bmm``/``baddbmm``), 
 attention, 2 FLOPs per multiply-add. Normalisations, activations, softmax and element-wise ops are not
 counted (by convention; they are a few percent and memory-bound).
 
+Nothing here knows a model: the family's ``step_flops()`` hands over its trained module and one image's
+meta inputs as it calls the module (``count_net_flops``; the UNet families through
+``families.components.unet_flops``), and its frozen encoders.
+
 Why meta and not a real forward on a tiny input: on CPU, PyTorch's fused SDPA kernel
 (``_scaled_dot_product_flash_attention_for_cpu``) has no FlopCounterMode formula, so a CPU forward
 counts 0 FLOPs for attention. On meta, SDPA decomposes into two ``bmm`` whose count equals the
@@ -14,13 +18,13 @@ formula FlopCounterMode uses for the CUDA flash / efficient / cuDNN kernels (4 *
 
 Conventions (as in PaLM's appendix B and torchtitan):
 
-* **Model FLOPs** per image = 3 x one UNet forward (forward + backward, the backward being twice the
-  forward). It depends only on the UNet architecture and resolution, not on the implementation; MFU
-  uses it.
-* **Hardware FLOPs** per image = the UNet's forward + backward as PyTorch actually runs it (traced on
-  meta, so it includes the recomputation of gradient checkpointing, which in diffusers covers the
-  resnet/attention blocks: ~0.74 of a forward for SD 1.x, not a whole forward), plus one forward of
-  the frozen VAE encoder (unless latents are precomputed) and of the frozen text encoder. HFU uses it.
+* **Model FLOPs** per image = 3 x one forward of the trained module (forward + backward, the backward
+  being twice the forward). It depends only on the architecture and resolution, not on the
+  implementation; MFU uses it.
+* **Hardware FLOPs** per image = the trained module's forward + backward as PyTorch actually runs it
+  (traced on meta, so it includes the recomputation of gradient checkpointing, which in diffusers covers
+  the resnet/attention blocks: ~0.74 of a forward for SD 1.x, not a whole forward), plus one forward of
+  the frozen VAE encoder (unless latents are precomputed) and of the frozen text encoders. HFU uses it.
 * Peaks are **dense** tensor-core peaks (NVIDIA's datasheets quote 2:4-sparsity figures, twice these).
   MFU = images/s per device x FLOPs per image / peak FLOP/s per device.
 """
@@ -56,19 +60,23 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 # ----------------------------------------------------------------------------------------------
 
 
-def _meta_copy(module_or_config: Any, default_cls) -> torch.nn.Module:
-    """An uninitialised copy on the meta device, built from ``module.config`` (or from a config)."""
+def meta_copy(module_or_config: Any, cls=None) -> torch.nn.Module:
+    """An uninitialised copy on the meta device, built from ``module.config`` (its own class), or from a
+    config and the class ``cls`` that takes it (the family's component class)."""
     if isinstance(module_or_config, torch.nn.Module):
         cls, config = type(module_or_config), module_or_config.config
+    elif cls is None:
+        raise ValueError("counting FLOPs of a config needs the class that builds it (cls=)")
     else:
-        cls, config = default_cls, module_or_config
+        config = module_or_config
     with torch.device("meta"):
         if isinstance(config, Mapping):  # diffusers: the config is a (frozen) dict
             return cls.from_config(dict(config))
         return cls(config)  # transformers: PreTrainedModel(PretrainedConfig)
 
 
-def _count(fn) -> int:
+def count_flops(fn) -> int:
+    """FLOPs FlopCounterMode counts while ``fn()`` runs (on meta tensors: no compute)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -77,92 +85,33 @@ def _count(fn) -> int:
     return int(counter.get_total_flops())
 
 
-def _hw(size: int | tuple[int, int]) -> tuple[int, int]:
+def height_width(size: int | tuple[int, int]) -> tuple[int, int]:
+    """(h, w) of a square side or an (h, w) pair."""
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
-def _unet_inputs(unet: torch.nn.Module, latent_size, seq_len: int, batch: int) -> tuple[tuple, dict]:
-    cfg = unet.config
-    h, w = _hw(latent_size)
-    ctx_dim = cfg.encoder_hid_dim or cfg.cross_attention_dim
-    kwargs: dict = {}
-    if cfg.get("addition_embed_type") == "text_time":  # SDXL: pooled text embeds + 6 size/crop ids
-        n_text = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        kwargs["added_cond_kwargs"] = {
-            "text_embeds": torch.empty(batch, n_text, device="meta"),
-            "time_ids": torch.empty(batch, 6, device="meta"),
-        }
-    args = (
-        torch.empty(batch, cfg.in_channels, h, w, device="meta"),
-        torch.zeros(batch, dtype=torch.long, device="meta"),
-        torch.empty(batch, seq_len, ctx_dim, device="meta"),
-    )
-    return args, kwargs
-
-
-def _meta_unet(unet, gradient_checkpointing: bool = False) -> torch.nn.Module:
-    from diffusers import UNet2DConditionModel
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    m = _meta_copy(unet, UNet2DConditionModel)
-    # xformers has no meta kernels; its FLOPs equal SDPA's, so SDPA is counted whatever the backend.
-    m.set_attn_processor(AttnProcessor2_0())
-    if gradient_checkpointing:
-        m.enable_gradient_checkpointing()
-    return m
-
-
-def unet_forward_flops(unet, latent_size: int | tuple[int, int], seq_len: int = 77) -> int:
-    """FLOPs of one UNet forward for one image. ``unet``: a module or its config dict (UNet2DConditionModel).
-
-    ``latent_size``: latent pixels (64 for SD 1.x at 512 px); ``seq_len``: text tokens (77 for CLIP).
-    """
-    m = _meta_unet(unet).eval()
-    args, kwargs = _unet_inputs(m, latent_size, seq_len, batch=1)
-    with torch.no_grad():
-        return _count(lambda: m(*args, **kwargs, return_dict=False))
-
-
-def unet_train_flops(unet, latent_size, seq_len: int = 77, gradient_checkpointing: bool = False) -> int:
-    """FLOPs of the UNet's forward + backward for one image, as autograd runs it (with recomputation)."""
-    m = _meta_unet(unet, gradient_checkpointing).train()
-    args, kwargs = _unet_inputs(m, latent_size, seq_len, batch=1)
-    return _count(lambda: m(*args, **kwargs, return_dict=False)[0].sum().backward())
-
-
-def vae_encode_flops(vae, resolution: int | tuple[int, int]) -> int:
-    """FLOPs of the VAE encoder (with its quant conv) for one image of ``resolution`` pixels."""
-    from diffusers import AutoencoderKL
-
-    m = _meta_copy(vae, AutoencoderKL).eval()
-    h, w = _hw(resolution)
+def vae_encode_flops(vae, resolution: int | tuple[int, int], cls=None) -> int:
+    """FLOPs of a diffusers autoencoder's encoder (with its quant conv) for one image of ``resolution``
+    pixels: ``vae`` a module, or a config with the class ``cls`` that builds it."""
+    m = meta_copy(vae, cls).eval()
+    h, w = height_width(resolution)
     x = torch.empty(1, m.config.in_channels, h, w, device="meta")
     with torch.no_grad():
-        return _count(lambda: m.encode(x).latent_dist.mode())
-
-
-def text_encode_flops(text_encoder, seq_len: int = 77) -> int:
-    """FLOPs of the text encoder for one caption of ``seq_len`` tokens (a module, or a CLIPTextConfig)."""
-    from transformers import CLIPTextModel
-
-    m = _meta_copy(text_encoder, CLIPTextModel).eval()
-    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    with torch.no_grad():
-        return _count(lambda: m(ids, return_dict=False))
+        return count_flops(lambda: m.encode(x).latent_dist.mode())
 
 
 @dataclass(frozen=True)
 class StepFlops:
     """FLOPs per training image, counted once (see the module docstring for the conventions)."""
 
-    unet_forward: int  # one forward of the trained module (a UNet, a transformer)
+    unet_forward: int  # one forward of the trained module (a UNet, a transformer: the name is historical)
     unet_train: int  # its forward + backward as run (incl. gradient-checkpointing recomputation)
     vae_encode: int  # frozen VAE encoder forward (0 when the batch carries precomputed latents)
     text_encode: int  # frozen text encoder forward
 
     @property
     def model(self) -> int:
-        """Model FLOPs per image: 3 x UNet forward (what MFU counts)."""
+        """Model FLOPs per image: 3 x the trained module's forward (what MFU counts)."""
         return 3 * self.unet_forward
 
     @property
@@ -174,27 +123,8 @@ class StepFlops:
 def latent_size_of(vae, resolution: int | tuple[int, int]) -> tuple[int, int]:
     """Latent pixels for ``resolution`` image pixels: the VAE halves them once per extra level."""
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    h, w = _hw(resolution)
+    h, w = height_width(resolution)
     return h // factor, w // factor
-
-
-def count_step_flops(
-    models, resolution: int | tuple[int, int], gradient_checkpointing: bool = False, encode_images: bool = True,
-    seq_len: int | None = None,
-) -> StepFlops:
-    """Count once at start-up for a ``Models`` (``sd_training.families.components.unet``) training at ``resolution`` px.
-
-    ``encode_images=False`` when batches carry precomputed latents (the VAE does not run in the step).
-    """
-    seq_len = seq_len or int(getattr(models.tokenizer, "model_max_length", 77))
-    latent = latent_size_of(models.vae, resolution)
-    unet = unwrap(models.unet)
-    return StepFlops(
-        unet_forward=unet_forward_flops(unet, latent, seq_len),
-        unet_train=unet_train_flops(unet, latent, seq_len, gradient_checkpointing),
-        vae_encode=vae_encode_flops(models.vae, resolution) if encode_images else 0,
-        text_encode=text_encode_flops(models.text_encoder, seq_len),
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,7 +135,7 @@ MetaInputs = Callable[[torch.nn.Module], dict]  # the meta copy -> forward kwarg
 
 
 def _meta_net(net, gradient_checkpointing: bool = False) -> torch.nn.Module:
-    m = _meta_copy(unwrap(net), None)
+    m = meta_copy(unwrap(net))
     if gradient_checkpointing:
         m.enable_gradient_checkpointing()
     return m
@@ -222,7 +152,7 @@ def net_forward_flops(net, inputs: MetaInputs) -> int:
     m = _meta_net(net).eval()
     kwargs = inputs(m)
     with torch.no_grad():
-        return _count(lambda: m(**kwargs, return_dict=False))
+        return count_flops(lambda: m(**kwargs, return_dict=False))
 
 
 def net_train_flops(net, inputs: MetaInputs, gradient_checkpointing: bool = False) -> int:
@@ -230,7 +160,7 @@ def net_train_flops(net, inputs: MetaInputs, gradient_checkpointing: bool = Fals
     gradient checkpointing, which diffusers' transformers apply per block)."""
     m = _meta_net(net, gradient_checkpointing).train()
     kwargs = inputs(m)
-    return _count(lambda: _first(m(**kwargs, return_dict=False)).sum().backward())
+    return count_flops(lambda: _first(m(**kwargs, return_dict=False)).sum().backward())
 
 
 def count_net_flops(net, inputs: MetaInputs, gradient_checkpointing: bool = False, vae_encode: int = 0,
@@ -248,32 +178,10 @@ def count_net_flops(net, inputs: MetaInputs, gradient_checkpointing: bool = Fals
 def encoder_flops(encoder, seq_len: int) -> int:
     """FLOPs of a frozen transformers text encoder (CLIP, CLIP with projection, T5 encoder) for one
     caption of ``seq_len`` tokens, counted on a meta copy of its class and config."""
-    m = _meta_copy(encoder, None).eval()
+    m = meta_copy(encoder).eval()
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     with torch.no_grad():
-        return _count(lambda: m(input_ids=ids, return_dict=False))
-
-
-def model_flops_per_image(unet, latent_size: int | tuple[int, int], seq_len: int = 77) -> int:
-    """Model FLOPs per training image: 3 x one UNet forward (dense convention, implementation-free)."""
-    return 3 * unet_forward_flops(unet, latent_size, seq_len)
-
-
-def hardware_flops_per_image(
-    unet, latent_size: int | tuple[int, int], seq_len: int = 77, *, gradient_checkpointing: bool = False,
-    vae=None, resolution: int | tuple[int, int] | None = None, text_encoder=None,
-) -> int:
-    """Hardware FLOPs per training image: UNet forward + backward as run (with recomputation when
-    ``gradient_checkpointing``), plus the VAE encoder at ``resolution`` when ``vae`` is given (omit it for
-    precomputed latents) and the text encoder when given."""
-    total = unet_train_flops(unet, latent_size, seq_len, gradient_checkpointing)
-    if vae is not None:
-        if resolution is None:
-            raise ValueError("hardware_flops_per_image: pass the image resolution with the vae")
-        total += vae_encode_flops(vae, resolution)
-    if text_encoder is not None:
-        total += text_encode_flops(text_encoder, seq_len)
-    return total
+        return count_flops(lambda: m(input_ids=ids, return_dict=False))
 
 
 # ----------------------------------------------------------------------------------------------
