@@ -24,6 +24,7 @@ from pathlib import Path
 import forked
 import pytest
 import torch
+from helpers import ready_trainer
 
 from sd_training import distributed
 from sd_training.checkpoint import CheckpointDamaged, Checkpointer, CheckpointManager, complete_steps, verify
@@ -175,8 +176,7 @@ def worker(prefix: str, argv: list[str]) -> None:
 
 
 def resumed(args) -> Trainer:
-    t = Trainer(load(args), distributed.setup("cpu"))
-    t.setup()
+    t = ready_trainer(load(args))
     t._lock.close()  # the run folder is free again for the next run in it
     return t
 

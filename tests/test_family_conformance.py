@@ -1,7 +1,7 @@
 """Every family in ``sd_training.families.registry.FAMILIES`` passes the same end-to-end checks, with no test
 code of its own: from its tiny pipeline (``registry.make_tiny_pipeline``)
 
-- a bf16 run with a loader worker (EMA, validation, sample grid, eval images, caption dropout, gradient
+- a bf16 run with loader workers (EMA, validation, sample grid, eval images, caption dropout, gradient
   checkpointing) trains, and its raw and EMA exports load in plain diffusers (``DiffusionPipeline``, offline)
   and generate; the frozen components are exported in fp32 as loaded, the trained net moved;
 - that run killed (SIGKILL) after its first checkpoint and restarted ends bit-identical to it;
@@ -109,10 +109,10 @@ def bf16_args(tmp, pipeline, shards, keys, run_name):
     prompts = tmp / "prompts.txt"
     prompts.write_text("a red circle\na blue square\n")
     return args(tmp, pipeline, shards, name=run_name, **keys, **{
-        "model.mixed_precision": "bf16", "system.workers": 1, "system.batch_size": BATCH,
+        "model.mixed_precision": "bf16", "system.workers": 2, "system.batch_size": BATCH,
         "experiment.num_examples_to_see": STEPS * BATCH, "experiment.checkpoint_every": CKPT,
         "experiment.keep_last_checkpoints": 10, "experiment.checkpoint_async": "false",
-        "experiment.save_every": STEPS, "model.use_ema": "true", "model.ema.decay": 0.9,
+        "experiment.save_every": CKPT, "model.use_ema": "true", "model.ema.decay": 0.9,
         "validation.path": shards, "validation.num_batches": 1, "experiment.num_eval_images": 2,
         "experiment.eval_caption_file": str(prompts), "dataset.params.caption_dropout": 0.5,
         "dataset.params.resampled": "false", "model.gradient_checkpointing": "true"})
@@ -137,10 +137,11 @@ def test_a_bf16_run_with_a_loader_worker_trains_validates_and_samples(bf16_runs,
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in rows if "loss" in r) == list(range(1, STEPS + 1))
     assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
-    assert [r["step"] for r in rows if "val/loss" in r] == [0, STEPS]
+    assert [r["step"] for r in rows if "val/loss" in r] == list(range(0, STEPS + 1, CKPT))
     assert any(r.get("model_tflops_per_image", 0) > 0 for r in rows), f"{name}: no MFU"
-    assert (run / "samples" / f"step_{STEPS:08d}.png").is_file()
-    assert len(list((run / "eval" / f"step_{STEPS:08d}").glob("*.png"))) == 2
+    for step in range(CKPT, STEPS + 1, CKPT):
+        assert (run / "samples" / f"step_{step:08d}.png").is_file()
+        assert len(list((run / "eval" / f"step_{step:08d}").glob("*.png"))) == 2
 
 
 @pytest.mark.slow
@@ -305,7 +306,7 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     from data_fixtures import make_cfg
 
     from sd_training.data import DatasetConfigError, build_train_loader
-    from sd_training.data.latents import check_latents_match
+    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, check_latents_match, from_stored
     from sd_training.data.transforms import unit_range
 
     def family(shards, **over):
@@ -318,6 +319,20 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     vae = online.models.vae.config
     assert info["text_family"] == type(online).text_storage_tag() and info["latent_channels"] == vae.latent_channels
     assert abs(info["latent_shift_factor"] - (vae.shift_factor or 0.0)) < 1e-9
+    # The stored text is the family's own encoding, in the layout and dtype it asks for; the empty caption's
+    # arrays (caption dropout) are its encoding of "" (zeros where the pipeline zeroes it, as SDXL's).
+    encoding = type(online).text_encoding(str(pipeline), torch.device("cpu"), 0, keys.get("model.t5.max_length"))
+    states, pooled = encoding.encode([""])
+    assert info["text_shape"] == list(states.shape[1:])
+    assert info.get("pooled_shape") == (None if pooled is None else list(pooled.shape[1:]))
+    if encoding.storage_dtype == "bf16":
+        assert info["text_dtype"] == "bfloat16"
+    rounding = {"rtol": 1e-2, "atol": 1e-5} if info.get("text_dtype") == "bfloat16" else {"rtol": 1e-5, "atol": 1e-6}
+    np.testing.assert_allclose(from_stored(np.load(latents / EMPTY_TEXT_FILE), info.get("text_dtype")), states[0],
+                               **rounding)
+    if pooled is not None:
+        np.testing.assert_allclose(from_stored(np.load(latents / EMPTY_POOLED_FILE), info.get("text_dtype")),
+                                   pooled[0], **rounding)
 
     def first(path, **params):
         cfg = make_cfg(str(path), resolution=RES, **params)
