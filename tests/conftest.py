@@ -137,7 +137,10 @@ def assert_shard_step_equals_online(online, from_shards, latents, shard, ids: di
 SPREAD = {"test_resume", "test_precision_matrix", "test_elastic", "test_distributed", "test_faults",
           "test_flow_families_distributed"}
 SLURM = {"test_slurm_cluster", "test_slurm_train"}
-FIRST = ["test_quickstart", "test_quickstart_mmdit", "test_resume", "test_precision_matrix", "test_optimizers",
+# Modules parametrized by a module fixture ``name`` (the family): each family's tests stay on one worker (its
+# runs are built once and shared by its checks), the families spread over the workers.
+BY_FAMILY = {"test_family_conformance"}
+FIRST = ["test_family_conformance", "test_quickstart", "test_quickstart_mmdit", "test_resume", "test_precision_matrix", "test_optimizers",
          "test_elastic", "test_slurm_train", "test_slurm_cluster", "test_faults", "test_data_mixture", "test_sdxl",
          "test_recipe", "test_reshard", "test_distributed", "test_bench_memory", "test_model_card",
          # Long modules whose names sort late: left to the end they keep one worker busy after the other is done.
@@ -158,6 +161,9 @@ def pytest_collection_modifyitems(config, items):
         name = module(item)
         if name in SLURM:
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif name in BY_FAMILY:
+            family = getattr(item, "callspec", None) and item.callspec.params.get("name")
+            item.add_marker(pytest.mark.xdist_group(f"{name}[{family}]"))
         elif name not in SPREAD:
             item.add_marker(pytest.mark.xdist_group(name))
 
