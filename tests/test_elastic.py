@@ -119,7 +119,7 @@ def test_killed_run_resumed_on_2_then_3_ranks_trains_on_the_same_samples(tmp_pat
     # differs (4, 6 or 4 micro-batches per rank, all-reduced over 4, 2 or 3 ranks).
     a, b = final(ref_run), final(run)
     for name in ("unet", "ema", "optimizer"):
-        diff, scale = max_diff(a[name], b[name], same_dtype=True), largest(a[name])
+        diff, scale = max_diff(a[name], b[name], strict=True), largest(a[name])
         print(f"{name}: max abs difference {diff:.3g} (largest magnitude {scale:.3g})")
         assert diff <= TOL[precision][name], f"{name} differs by {diff:.3g} > {TOL[precision][name]}"
     ref_losses = {r["step"]: r["loss"] for r in map(json.loads, (ref_run / "metrics.jsonl").read_text().splitlines())
