@@ -11,11 +11,12 @@ def dotted(over: dict) -> dict:
     return {k.replace("__", "."): v for k, v in over.items()}
 
 
-def args_with(defaults: dict):
-    """A module's ``args(tmp_path, pipeline, shards, name="run", **over)``: ``conftest.train_args`` with
+def args_with(defaults: dict, name: str = "run"):
+    """A module's ``args(tmp_path, pipeline, shards, name=name, **over)``: ``conftest.train_args`` with
     ``defaults`` (dotted keys) under the call's overrides (dotted keys, or ``__`` for the dots)."""
+    default_name = name
 
-    def args(tmp_path, pipeline, shards, name="run", **over):
+    def args(tmp_path, pipeline, shards, name=default_name, **over):
         return train_args(tmp_path, pipeline, shards, name=name, **{**dotted(defaults), **dotted(over)})
 
     return args

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
-from helpers import run_trainer
+from helpers import args_with, run_trainer
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
@@ -33,10 +32,9 @@ PUSH = ROOT / "scripts" / "push_to_hub.py"
 FILTER = "in [circle, square]"
 
 
-def run_args(tmp_path, pipeline, shards, name, **over):
-    kw = {"dataset.params.resolution": 32, "experiment.num_examples_to_see": 8, "model.mixed_precision": "bf16",
-          "system.workers": 1, "experiment.save_every": 1, "experiment.save_only_most_recent": "false", **over}
-    return train_args(tmp_path, pipeline, shards, name=name, **{k.replace(".", "__"): v for k, v in kw.items()})
+run_args = args_with({"dataset.params.resolution": 32, "experiment.num_examples_to_see": 8,
+                      "model.mixed_precision": "bf16", "system.workers": 1, "experiment.save_every": 1,
+                      "experiment.save_only_most_recent": "false"})
 
 
 def lora_on_two_ranks(root: Path, pipeline, shards) -> Path:
