@@ -39,7 +39,6 @@ from sd_training.configure import load
 from sd_training.families import registry
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 RES = 32
 STEPS, BATCH, CKPT = 4, 2, 2  # the bf16 run: checkpoints at 2 and 4; the killed run restarts from 2
