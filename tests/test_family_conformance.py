@@ -356,6 +356,8 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     ids = {k: v for k, v in image.items() if isinstance(v, torch.Tensor) and k not in ("pixel_values", "sample_seeds")}
     for k, v in ids.items():
         assert torch.equal(shard[k], v), k
+    if "original_size" in image:  # size conditioning (SDXL's): the shards' images are 64 px, trained at 32
+        assert image["original_size"].tolist()[0] == [64, 64] and image["target_size"].tolist()[0] == [RES, RES]
     with torch.no_grad():
         want = online.latents({"pixel_values": unit_range(image["pixel_values"])})
     torch.testing.assert_close(shard["latents"], want, rtol=1e-5, atol=1e-5)
