@@ -104,26 +104,30 @@ def generate(pipe, keys, prompt="a red circle on a blue background", **kw):
 
 
 # ------------------------------------------------------------------------------ bf16 run, export, resume
-def bf16_args(tmp, pipeline, shards, keys, run_name):
+def bf16_args(tmp, pipeline, shards, keys, run_name, outputs=True):
+    """The bf16 run; ``outputs``: with validation, sample grids, eval images and an export at each checkpoint
+    (the killed run leaves them out: what it trains must not depend on them)."""
     prompts = tmp / "prompts.txt"
     prompts.write_text("a red circle\na blue square\n")
-    return args(tmp, pipeline, shards, name=run_name, **keys, **{
+    extra = {"experiment.save_every": CKPT, "validation.path": shards, "validation.num_batches": 1,
+             "experiment.num_eval_images": 2, "experiment.eval_caption_file": str(prompts)}
+    if not outputs:
+        extra = {"experiment.save_every": 1000, "experiment.sample_per_prompt": 0}
+    return args(tmp, pipeline, shards, name=run_name, **keys, **extra, **{
         "model.mixed_precision": "bf16", "system.workers": 2, "system.batch_size": BATCH,
         "experiment.num_examples_to_see": STEPS * BATCH, "experiment.checkpoint_every": CKPT,
         "experiment.keep_last_checkpoints": 10, "experiment.checkpoint_async": "false",
-        "experiment.save_every": CKPT, "model.use_ema": "true", "model.ema.decay": 0.9,
-        "validation.path": shards, "validation.num_batches": 1, "experiment.num_eval_images": 2,
-        "experiment.eval_caption_file": str(prompts), "dataset.params.caption_dropout": 0.5,
+        "model.use_ema": "true", "model.ema.decay": 0.9, "dataset.params.caption_dropout": 0.5,
         "dataset.params.resampled": "false", "model.gradient_checkpointing": "true"})
 
 
 @pytest.fixture(scope="module")
 def bf16_runs(pipeline, shapes_shards, keys, tmp_path_factory):
-    """The bf16 run straight through, and the same run killed after checkpoint 2 and restarted:
-    (runs folder, the killed run's complete checkpoints before the restart, the restart's output)."""
+    """The bf16 run straight through, and the same run (without validation and samples) killed after checkpoint
+    2 and restarted: (runs folder, the killed run's complete checkpoints before the restart, the restart's output)."""
     tmp = tmp_path_factory.mktemp("bf16")
     finish(launch(tmp, bf16_args(tmp, pipeline, shapes_shards, keys, "straight")))
-    resumed = bf16_args(tmp, pipeline, shapes_shards, keys, "resumed")
+    resumed = bf16_args(tmp, pipeline, shapes_shards, keys, "resumed", outputs=False)
     run = tmp / "runs" / "resumed"
     kill_after_checkpoint(launch(tmp, resumed), run / "checkpoints", CKPT)
     first = complete_steps(run / "checkpoints")
