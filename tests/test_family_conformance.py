@@ -182,7 +182,9 @@ def final_state(run: Path):
 
 
 @pytest.mark.slow
-def test_kill_and_resume_is_bit_identical(bf16_runs):
+def test_kill_and_resume_is_bit_identical(bf16_runs, name):
+    from diffusers import DiffusionPipeline
+
     runs, first, out = bf16_runs
     assert CKPT in first and max(first) < STEPS, first  # the killed run left steps for the restart to train
     assert "resumed from" in out
@@ -192,6 +194,12 @@ def test_kill_and_resume_is_bit_identical(bf16_runs):
     net = next(k for k in ("transformer", "unet") if k in a)
     for part in (net, "ema", "optimizer", "lr_scheduler"):
         assert_same(a[part], b[part], part)
+    # The restarted run's export (plain diffusers) holds the final weights.
+    exported = getattr(DiffusionPipeline.from_pretrained(runs / "resumed" / "current_pipeline"),
+                       registry.FAMILIES[name].net_name).state_dict()
+    assert exported.keys() == a[net].keys()
+    for k, v in exported.items():
+        assert torch.equal(v, a[net][k].to(v.dtype)), k
     la, lb = losses(runs / "straight"), losses(runs / "resumed")
     for s in range(max(first) + 1, STEPS + 1):
         assert la[s] == lb[s], (s, la[s], lb[s])
