@@ -9,24 +9,21 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import train_args
+from helpers import args_with, run_trainer
 from PIL import Image
 
-from sd_training import adapters, distributed
+from sd_training import adapters
 from sd_training.checkpoint import Checkpointer
 from sd_training.configure import load
 from sd_training.families import registry as families
-from sd_training.loop import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LORA = {"model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.alpha": 8}
 DECAY = 0.9
 
 
-def args(tmp_path, pipeline, shards, name="run", **over):
-    kw = {"dataset.params.resolution": 32, "experiment.num_examples_to_see": 8, "model.mixed_precision": "bf16",
-          **LORA, **over}
-    return train_args(tmp_path, pipeline, shards, name=name, **{k.replace(".", "__"): v for k, v in kw.items()})
+args = args_with({"dataset.params.resolution": 32, "experiment.num_examples_to_see": 8, "model.mixed_precision": "bf16",
+                  **LORA})
 
 
 def lora_params(net: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -46,11 +43,7 @@ def test_ema_holds_only_the_adapters_and_exports_base_plus_ema_adapters(tiny_pip
     fam = families.create(cfg, torch.device("cpu"), cfg.system.seed, True)
     adapters.apply(cfg, fam, torch.bfloat16)
     start = lora_params(fam.net)  # the run's adapter before any step (drawn from the run's seed)
-    t = Trainer(cfg, distributed.setup("cpu"))
-    try:
-        t.run()
-    finally:
-        distributed.teardown()
+    t = run_trainer(cfg)
     run = t.run_dir.root
 
     # The EMA is the adapters' only: their parameter count, their names, fp32.

@@ -24,6 +24,7 @@ from pathlib import Path
 import forked
 import pytest
 import torch
+from helpers import args_with, ready_trainer
 
 from sd_training import distributed
 from sd_training.checkpoint import CheckpointDamaged, Checkpointer, CheckpointManager, complete_steps, verify
@@ -41,13 +42,9 @@ STEPS = 6  # checkpoints at 2, 4, 6
 NEWEST, OLDER = "step_00000006", "step_00000004"
 
 
-def run_args(tmp, pipeline, shards, **kw):
-    from conftest import train_args
-
-    return train_args(tmp, pipeline, shards, name="run", **{
-        "dataset.params.resolution": 32, "experiment.num_examples_to_see": 4 * STEPS,
-        "experiment.checkpoint_every": 2, "experiment.keep_last_checkpoints": 5, "experiment.sample_per_prompt": 0,
-        **kw})
+run_args = args_with({"dataset.params.resolution": 32, "experiment.num_examples_to_see": 4 * STEPS,
+                      "experiment.checkpoint_every": 2, "experiment.keep_last_checkpoints": 5,
+                      "experiment.sample_per_prompt": 0})
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -175,8 +172,7 @@ def worker(prefix: str, argv: list[str]) -> None:
 
 
 def resumed(args) -> Trainer:
-    t = Trainer(load(args), distributed.setup("cpu"))
-    t.setup()
+    t = ready_trainer(load(args))
     t._lock.close()  # the run folder is free again for the next run in it
     return t
 

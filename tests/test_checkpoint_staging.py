@@ -10,12 +10,11 @@ import threading
 import pytest
 import torch
 from conftest import train_args
+from helpers import run_trainer
 
-from sd_training import distributed
 from sd_training.checkpoint import Checkpointer, complete_steps
 from sd_training.checkpoint.store import Snapshot
 from sd_training.configure import load
-from sd_training.loop import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,11 +58,7 @@ def test_a_training_run_reserves_after_its_first_step_and_its_first_save_allocat
                           experiment__checkpoint_every=2, experiment__checkpoint_async="true",
                           model__mixed_precision="bf16", model__use_ema="true", experiment__sample_per_prompt=0,
                           dataset__params__resolution=32))  # bf16 convolutions are slow kernels on this CPU
-    t = Trainer(cfg, distributed.setup("cpu"))
-    try:
-        t.run()
-    finally:
-        distributed.teardown()
+    t = run_trainer(cfg)
     assert complete_steps(t.run_dir.checkpoints)[-1] == 4
     background = [shape for name, shape in counted_buffers if name == "checkpoint-staging"]
     n_params = len(list(t.net.parameters()))

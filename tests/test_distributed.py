@@ -9,6 +9,7 @@ import forked
 import pytest
 import torch
 from conftest import train_args
+from helpers import max_diff  # noqa: F401 -- also imported from here by test_memory_modes
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,10 +37,6 @@ def run_worker(tmp_path, nproc, pipeline, shards, out, *more, **overrides):
     return torch.load(out)
 
 
-def max_diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 # Gradients all-reduced in bf16 (half the traffic) against fp32 in one process. Tolerance: bf16 keeps 8
 # mantissa bits, so each reduced gradient is off by up to 2^-8 relative; Adam normalises the update, so a
 # weight can move by up to lr x that relative error per step: 3 steps x 1e-3 x 2^-8 x 2 (two ranks'
@@ -55,7 +52,8 @@ BF16_REDUCE = {
 @pytest.mark.slow
 # CPU offload is checked on Flux (the offload path is the strategy's, whatever the family; the SD case took
 # 143 s of the suite's time).
-@pytest.mark.parametrize("strategy, family", [("ddp", "sd"), ("fsdp", "sd"), ("ddp", "sdxl"), ("ddp", "sdxl+text_encoders"),
+# DDP for each family alone (1 rank x 8 == 2 ranks x 4 == 2 ranks x 2 x 2 micro-batches): test_family_conformance.
+@pytest.mark.parametrize("strategy, family", [("ddp", "sd"), ("fsdp", "sd"), ("ddp", "sdxl+text_encoders"),
                                               ("ddp", "sd3+text_encoders"), ("fsdp_offload", "flux"), ("ddp", "sd+lora"),
                                               ("fsdp", "sdxl+lora")])
 def test_two_ranks_equal_one_rank_double_batch(tmp_path, request, shapes_shards, strategy, family):

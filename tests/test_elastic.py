@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import train_args
+from helpers import largest, max_diff
 from test_resume import finish, kill_after_checkpoint, launch
 
 from sd_training.checkpoint import Checkpointer, complete_steps
@@ -84,28 +84,6 @@ def kill_at(p, run: Path, step: int) -> None:
             shutil.rmtree(run / "checkpoints" / f"step_{s:08d}")
 
 
-def max_diff(a, b) -> tuple[float, float]:
-    """Largest absolute difference of two nested state dicts (same structure, same non-tensor values)."""
-    if isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        if not a.is_floating_point():
-            assert torch.equal(a, b)
-            return 0.0, 0.0
-        if a.numel() == 0:
-            return 0.0, 0.0
-        return float((a.double() - b.double()).abs().max()), float(a.double().abs().max())
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        pairs = [max_diff(a[k], b[k]) for k in a]
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        pairs = [max_diff(x, y) for x, y in zip(a, b)]
-    else:
-        assert a == b
-        return 0.0, 0.0
-    return max((d for d, _ in pairs), default=0.0), max((m for _, m in pairs), default=0.0)
-
-
 def final(run: Path) -> dict:
     shared, _, ts = Checkpointer.load(run / "checkpoints" / f"step_{STEPS:08d}", 0)
     assert ts["step"] == STEPS and ts["images_seen"] == STEPS * GLOBAL_BATCH
@@ -141,7 +119,7 @@ def test_killed_run_resumed_on_2_then_3_ranks_trains_on_the_same_samples(tmp_pat
     # differs (4, 6 or 4 micro-batches per rank, all-reduced over 4, 2 or 3 ranks).
     a, b = final(ref_run), final(run)
     for name in ("unet", "ema", "optimizer"):
-        diff, scale = max_diff(a[name], b[name])
+        diff, scale = max_diff(a[name], b[name], strict=True), largest(a[name])
         print(f"{name}: max abs difference {diff:.3g} (largest magnitude {scale:.3g})")
         assert diff <= TOL[precision][name], f"{name} differs by {diff:.3g} > {TOL[precision][name]}"
     ref_losses = {r["step"]: r["loss"] for r in map(json.loads, (ref_run / "metrics.jsonl").read_text().splitlines())

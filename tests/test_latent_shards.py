@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import run_precompute, train_args
 from data_fixtures import make_cfg, take, tokenizer, write_tar
+from helpers import ready_trainer
 
 from sd_training.data import DatasetConfigError, build_train_loader, validate_dataset_config
 from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, npy_bytes
@@ -76,17 +77,13 @@ def test_mean_latents_equal_the_online_encoding_of_the_same_images(latent_dir, s
 def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_dir, shapes_shards, tiny_pipeline, tmp_path):
     """The issue's check: the loss and gradients of Trainer.micro_step from shard latents (and stored text
     embeddings) equal those from latents encoded online from the same images (posterior mean)."""
-    from sd_training import distributed
     from sd_training.configure import load
-    from sd_training.loop import Trainer
 
     # The same config loads with the latent source: the schema and validation know dataset.type=latents.
     load(train_args(tmp_path, tiny_pipeline, str(latent_dir), name="l", **{
         "dataset.type": "latents", "dataset.params.resolution": RES, "dataset.params.latent_sampling": "mean",
         "dataset.params.text_embeddings": "true"}))
-    t = Trainer(load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{"dataset.params.resolution": RES})),
-                distributed.setup("cpu"))
-    t.setup()
+    t = ready_trainer(load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{"dataset.params.resolution": RES})))
     shard = next(iter(latent_loader(latent_dir, latent_sampling="mean", text_embeddings=True)))
     image = next(iter(image_loader(shapes_shards)))
     assert shard["keys"] == image["keys"]

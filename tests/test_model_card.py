@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
+from helpers import args_with, run_trainer
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from sd_training import adapters, distributed
+from sd_training import adapters
 from sd_training.outputs.run_outputs import model_card
 from sd_training.config import ConfigError
 from sd_training.configure import load
-from sd_training.loop import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,10 +32,9 @@ PUSH = ROOT / "scripts" / "push_to_hub.py"
 FILTER = "in [circle, square]"
 
 
-def run_args(tmp_path, pipeline, shards, name, **over):
-    kw = {"dataset.params.resolution": 32, "experiment.num_examples_to_see": 8, "model.mixed_precision": "bf16",
-          "system.workers": 1, "experiment.save_every": 1, "experiment.save_only_most_recent": "false", **over}
-    return train_args(tmp_path, pipeline, shards, name=name, **{k.replace(".", "__"): v for k, v in kw.items()})
+run_args = args_with({"dataset.params.resolution": 32, "experiment.num_examples_to_see": 8,
+                      "model.mixed_precision": "bf16", "system.workers": 1, "experiment.save_every": 1,
+                      "experiment.save_only_most_recent": "false"})
 
 
 def lora_on_two_ranks(root: Path, pipeline, shards) -> Path:
@@ -60,12 +58,7 @@ def full_run(root: Path, pipeline, shards) -> Path:
     """A full fine-tune with an EMA (exports raw + EMA pipelines; samples from the EMA), one filtered source."""
     cfg = load(run_args(root, pipeline, shards, "full", **{
         "model.use_ema": "true", "model.ema.decay": 0.9, "dataset.params.filters": f"{{shape: '{FILTER}'}}"}))
-    t = Trainer(cfg, distributed.setup("cpu"))
-    try:
-        t.run()
-    finally:
-        distributed.teardown()
-    return t.run_dir.root
+    return run_trainer(cfg).run_dir.root
 
 
 @pytest.fixture(scope="module")
@@ -208,11 +201,7 @@ def test_a_broken_template_stops_the_run_before_it_trains(tiny_pipeline, shapes_
     cfg = load(run_args(tmp_path, tiny_pipeline, shapes_shards, "t",
                         **{"experiment.model_card_template": str(missing)}))
     with pytest.raises(ConfigError, match=f"the model card template {missing} does not exist"):
-        t = Trainer(cfg, distributed.setup("cpu"))
-        try:
-            t.run()
-        finally:
-            distributed.teardown()
+        run_trainer(cfg)
     assert not list((tmp_path / "runs" / "t" / "checkpoints").glob("step_*"))
 
 

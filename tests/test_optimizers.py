@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import train_args
+from helpers import max_diff, ready_trainer
 
 from sd_training import distributed
 from sd_training.config import ConfigError
@@ -53,9 +54,7 @@ def args(tmp_path, pipeline, shards, name, optimizer, **kw):
 
 
 def trainer(tmp_path, pipeline, shards, name, optimizer, **kw) -> Trainer:
-    t = Trainer(load(args(tmp_path, pipeline, shards, name, optimizer, **kw)), distributed.setup("cpu"))
-    t.setup()
-    return t
+    return ready_trainer(load(args(tmp_path, pipeline, shards, name, optimizer, **kw)))
 
 
 def steps(t: Trainer, n: int, batch: int = 2, seed: int = 1234) -> None:
@@ -75,10 +74,6 @@ def steps(t: Trainer, n: int, batch: int = 2, seed: int = 1234) -> None:
 
 def weights(module: torch.nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -393,9 +388,7 @@ def test_on_two_ranks_a_resumed_run_is_bit_identical_and_checkpoints_load_elsewh
             assert_same(saved[key], loaded[key], f"{optimizer} {source}->{target}.{key}")
     for optimizer, source in ONE_PROCESS:  # 2 ranks -> one process
         run = runs / f"{optimizer}_{source}"
-        t = Trainer(load(run_args(tmp_path, tiny_pipeline, shapes_shards, optimizer, source, strategy="ddp")),
-                    distributed.setup("cpu"))
-        t.setup()
+        t = ready_trainer(load(run_args(tmp_path, tiny_pipeline, shapes_shards, optimizer, source, strategy="ddp")))
         assert t.state.step == STEPS and not torch.distributed.is_initialized()
         loaded = loaded_state(t)
         saved = saved_state(run / "checkpoints" / f"step_{STEPS:08d}", loaded["names"])

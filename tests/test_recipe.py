@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import train_args
+from helpers import ready_trainer
 
-from sd_training import distributed
 from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.config.schema import LRSchedulerConfig, LRSchedulerParams, OptimizerConfig, OptimizerParams
@@ -22,9 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def make_trainer(tmp_path, pipeline, shards, name="r", **overrides) -> Trainer:
     cfg = load(train_args(tmp_path, pipeline, shards, name=name, **overrides))
-    t = Trainer(cfg, distributed.setup("cpu"))
-    t.setup()
-    return t
+    return ready_trainer(cfg)
 
 
 def fixed_batch(t: Trainer, n=4, nan=False):

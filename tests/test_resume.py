@@ -101,7 +101,7 @@ def losses(run: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, strategy, workers, precision, resampled", [
     (1, "ddp", 0, "no", False),
-    (1, "ddp", 2, "bf16", False),
+    # 1 rank, 2 loader workers, bf16: every family in test_family_conformance (test_kill_and_resume_is_bit_identical).
     pytest.param(2, "ddp", 1, "no", False, marks=pytest.mark.distributed),
     # 3 workers on a rank that holds 2 of the 4 shards: more workers than shards (resampled mode).
     pytest.param(2, "fsdp", 3, "bf16", True, marks=pytest.mark.distributed),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import forked
 import pytest
-from conftest import train_args
+from helpers import args_with
 
 from sd_training.checkpoint import complete_steps
 from sd_training.checkpoint.resume_config import config_changes
@@ -21,11 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.faults]
 
 
-def args(tmp_path, pipeline, shards, **kw):
-    base = {"experiment.num_examples_to_see": 4 * 4, "experiment.checkpoint_every": 2, "experiment.save_every": 100,
-            "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32}
-    base.update(kw)
-    return train_args(tmp_path, pipeline, shards, name="g", **base)
+args = args_with({"experiment.num_examples_to_see": 4 * 4, "experiment.checkpoint_every": 2,
+                  "experiment.save_every": 100, "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32},
+                 name="g")
 
 
 def metric_steps(run: Path) -> list[int]:

@@ -1,14 +1,14 @@
 """SD3 as a family: the T5 tokenizer built offline, conditioning equal to StableDiffusion3Pipeline.encode_prompt
-(with and without T5, empty captions included), one step equal to diffusers' train_dreambooth_sd3.py, per-sample
-randomness, gradient checkpointing, FSDP shard units, and a bf16 run with loader workers and EMA that trains,
-validates, exports a pipeline plain diffusers loads and makes sample grids."""
+(with and without T5, empty captions included), one step equal to diffusers' train_dreambooth_sd3.py, trained
+CLIPs (their gradients, length and export), per-sample randomness, gradient checkpointing, FSDP shard units, and
+its refusals. What every family does (a bf16 run with loader workers that validates, exports and resumes; LoRA;
+2 ranks; latent shards): test_family_conformance.py."""
 
 import copy
-import json
 
 import pytest
 import torch
-from conftest import assert_shard_step_equals_online, train_args
+from helpers import args_with
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
@@ -20,9 +20,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CAPTIONS = ["a red circle on a blue background", "", "a green square", "a yellow triangle on black"]
 
 
+args = args_with({"dataset.params.resolution": 32})
+
+
 def make(tmp_path, pipeline, shards, **overrides):
-    over = {"dataset.params.resolution": 32, **overrides}
-    return load(train_args(tmp_path, pipeline, shards, **{k.replace(".", "__"): v for k, v in over.items()}))
+    return load(args(tmp_path, pipeline, shards, **overrides))
 
 
 def family_of(tmp_path, pipeline, shards, **overrides):
@@ -306,93 +308,8 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_blocks_are_the_shar
     assert flops.unet_train > 2 * flops.unet_forward > 0 and flops.text_encode > 0 and flops.vae_encode > 0
 
 
-@pytest.mark.slow
-def test_sd3_trains_validates_exports_samples_in_bf16_with_workers(sd3_pipeline, shapes_shards, tmp_path):
-    from diffusers import StableDiffusion3Pipeline
-
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red circle\na blue square\n")
-    cfg = make(tmp_path, sd3_pipeline, shapes_shards, **{
-        "experiment.name": "sd3", "model.mixed_precision": "bf16", "system.workers": 2,
-        "experiment.num_examples_to_see": 16, "experiment.save_every": 2, "model.use_ema": "true",
-        "validation.path": shapes_shards, "validation.num_batches": 1, "experiment.num_eval_images": 2,
-        "experiment.eval_caption_file": str(prompts), "dataset.params.caption_dropout": 0.5,
-        "model.t5.max_length": 16, "model.t5.dropout": 0.3, "flow_matching.weighting": "cosmap",
-    })
-    from sd_training.loop import main
-
-    out = main(cfg)
-    run = tmp_path / "runs" / "sd3"
-    assert out["step"] == 4
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
-    assert [r["step"] for r in rows if "val/loss" in r] == [0, 2, 4]
-    assert (run / "samples" / "step_00000004.png").is_file()
-    assert len(list((run / "eval" / "step_00000004").glob("*.png"))) == 2
-    source = StableDiffusion3Pipeline.from_pretrained(sd3_pipeline)
-    for folder in ("current_pipeline", "current_pipeline_ema"):
-        index = json.loads((run / folder / "model_index.json").read_text())
-        assert index["_class_name"] == "StableDiffusion3Pipeline"
-        pipe = StableDiffusion3Pipeline.from_pretrained(run / folder)  # plain diffusers, offline
-        image = pipe("a red circle", height=32, width=32, num_inference_steps=2, max_sequence_length=16,
-                     generator=torch.Generator().manual_seed(0)).images[0]
-        assert image.size == (32, 32)
-        # The frozen encoders and VAE are exported in fp32 as loaded (the run kept them in bf16).
-        for name in ("text_encoder_2", "text_encoder_3", "vae"):
-            a, b = getattr(pipe, name), getattr(source, name)
-            assert a.dtype == torch.float32
-            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())), name
-    trained = StableDiffusion3Pipeline.from_pretrained(run / "current_pipeline").transformer.state_dict()
-    assert any(not torch.equal(v, source.transformer.state_dict()[k]) for k, v in trained.items())
-
-
 @pytest.mark.parametrize("override", [{"flow_matching.shift": 2.0}, {"model.t5.use": "false"},
                                       {"model.transformer.params": "{num_layers: 2}"}])
 def test_the_sd_family_refuses_the_transformer_keys(tiny_pipeline, shapes_shards, tmp_path, override):
     with pytest.raises(ConfigError, match="applies to the transformer families"):
         make(tmp_path, tiny_pipeline, shapes_shards, **override)
-
-
-@pytest.fixture(scope="module")
-def sd3_latents(tmp_path_factory, sd3_pipeline, shapes_shards):
-    """The shapes shards precomputed for SD3 at 32 px: 16-channel shifted latents (mean, std), states of
-    77 + 16 tokens (T5 at --max-length 16) and pooled; text stored as the family asks (bf16)."""
-    from conftest import run_precompute
-
-    out = tmp_path_factory.mktemp("sd3_latents") / "out"
-    run_precompute(["--input", shapes_shards, "--pipeline", str(sd3_pipeline), "--output", str(out), "--resolution",
-                    "32", "--dtype", "fp32", "--text-embeddings", "--max-length", "16", "--batch-size", "16",
-                    "--workers", "0", "--no-progress"])
-    return out
-
-
-def test_sd3_latent_shards_give_the_same_step_as_pixels(sd3_latents, sd3_pipeline, shapes_shards, tmp_path):
-    """One step from shard latents equals the step from the same images encoded online (posterior mean): with
-    the text encoded online exactly; with the stored (bf16) text within bf16 rounding."""
-
-    from data_fixtures import make_cfg
-
-    from sd_training.data import build_train_loader
-
-    info = json.loads((sd3_latents / "latents_info.json").read_text())
-    assert info["text_family"] == "sd3" and info["text_shape"] == [77 + 16, 128] and info["pooled_shape"] == [128]
-    assert info["latent_channels"] == 16 and abs(info["latent_shift_factor"] - 0.0609) < 1e-9
-    assert info["text_dtype"] == "bfloat16"  # the family asks for bf16 (T5 states dominate the size)
-    fam = family_of(tmp_path, sd3_pipeline, str(sd3_latents), **{
-        "dataset.type": "latents", "dataset.params.text_embeddings": "true", "model.t5.max_length": 16})
-    online = family_of(tmp_path, sd3_pipeline, shapes_shards, **{"model.t5.max_length": 16})
-
-    def first(path, **params):
-        cfg = make_cfg(str(path), resolution=32, **params)
-        return next(iter(build_train_loader(cfg, tokenizer=fam.tokenizers, rank=0, world_size=1, seed=3)))
-
-    image = first(shapes_shards)
-    shard = first(sd3_latents, type="latents", latent_sampling="mean", text_embeddings=True)
-    assert shard["keys"] == image["keys"] and torch.equal(shard["input_ids_3"], image["input_ids_3"])
-    g = torch.Generator().manual_seed(0)
-    fixed = {"noise": torch.randn(shard["latents"].shape, generator=g), "timesteps": torch.tensor([100., 400, 700, 1000])}
-    ids = {k: image[k] for k in ("input_ids", "input_ids_2", "input_ids_3")}
-    latents = online.encode(unit_range(image["pixel_values"]), mean=True)
-    torch.testing.assert_close(shard["latents"], latents, rtol=1e-5, atol=1e-5)
-
-    assert_shard_step_equals_online(online, fam, latents, shard, ids, fixed)
