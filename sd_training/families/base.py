@@ -22,7 +22,6 @@ import torch
 from PIL import Image
 
 from ..config.schema import TrainConfig
-from ..data.latents import StoredText
 from ..speed.flops import StepFlops
 
 
@@ -51,7 +50,7 @@ class TextEncoding:
 
     ``encode(captions)`` gives (states [B, L, D], pooled [B, P] or None) as float32 numpy: the shards'
     ``text.npy`` and ``pooled.npy`` members (``data/latents.py``). ``tag`` is what ``latents_info.json``
-    records as ``text_family`` (:meth:`Family.text_storage_tag`), so a run of another family refuses them.
+    records as ``text_family`` (``PipelineFamily.text_tag``), so a run of another family refuses them.
     ``encode_ids(encoders, ids)``: the family's own conditioning from each tokenizer's ids.
     ``storage_dtype``: how the shards store the text arrays by default (``--text-dtype auto``): ``bf16``
     for large states (T5's), None for the script's ``--dtype``."""
@@ -174,10 +173,6 @@ class Family(abc.ABC):
     def check_data(self, loader) -> None:
         """Refuse data made for other models (latent shards of another VAE or text encoder)."""
 
-    def stored_text(self) -> StoredText | None:
-        """What this run expects of text conditioning stored in latent shards; None: it reads none."""
-        return None
-
     def component_sources(self) -> dict:
         """Where each component came from, for the run folder's sources.json."""
         return {}
@@ -222,11 +217,6 @@ class Family(abc.ABC):
         RNG (``registry.make_tiny_pipeline`` seeds it); ``scaling_factor``: the VAE's (None: the
         family's usual one)."""
         raise NotImplementedError(f"the {cls.name or cls.__name__} family has no tiny pipeline")
-
-    @classmethod
-    def text_storage_tag(cls) -> str | None:
-        """``text_family`` in ``latents_info.json``: which family's text conditioning the shards hold."""
-        return cls.name
 
     @classmethod
     def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,

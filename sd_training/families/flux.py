@@ -26,25 +26,18 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from PIL import Image
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
-from ..data.transforms import unit_range
-from ..outputs.export import export_pipeline, unwrap
+from ..data.latents import StoredText
+from ..outputs.export import unwrap
 from ..speed.flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
-from .components.clip import build_clip_tokenizer, build_text_encoder
-from .components import flow_matching
-from .components import transformer as transformer_components
-from .base import Family, LossOut, SampleSettings, TextEncoding
-from .sd import StableDiffusion, is_latent_data, pipeline_eval_images, pipeline_grid
+from .base import SampleSettings, TextEncoding
+from .components.clip import build_clip_tokenizer, build_text_encoder, load_pipeline_clip
 from .components.t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
-from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 from .components.transformer import (
     build_transformer,
     component_sources,
-    encode_latents,
     load_schedulers,
     load_vae,
     reload_vae_fp32,
@@ -52,6 +45,9 @@ from .components.transformer import (
     validate_common,
 )
 from .components.unet import Components
+from .flow_family import FlowFamily
+from .pipeline_family import is_latent_data
+from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +175,7 @@ def check_models(m: FluxModels) -> None:
 
 
 def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
-    """Flux's own refusals (``transformer_components.validate_common`` has the transformer families')."""
+    """Flux's own refusals (``components.transformer.validate_common`` has the transformer families')."""
     m, d = cfg.model, cfg.dataset.params
     return [
         (m.train_target != "unet", "model.train_target=vae trains a UNet pipeline's autoencoder; Flux trains its "
@@ -196,21 +192,17 @@ def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
     ]
 
 
-class Flux(Family):
-    name = "flux"
-    net_name = "transformer"
+class Flux(FlowFamily):
+    name = text_tag = "flux"
+    display_name = "Flux"
     pipeline_classes = ("FluxPipeline",)
     card_tags = ("flux", "flux-diffusers")
     net_class = "FluxTransformer2DModel"
-    shard_units = staticmethod(transformer_components.shard_units)
-    adapter_presets = transformer_components.ADAPTER_PRESETS
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
-        super().__init__(cfg, device, seed, is_main)
-        self.models = build_flux_models(cfg.model, device, seed)
-        check_models(self.models)
-        self.net = unwrap(self.models.transformer)
-        self.loss_module = self.net
+    def build_models(self) -> FluxModels:
+        models = build_flux_models(self.cfg.model, self.device, self.seed)
+        check_models(models)
+        return models
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -225,17 +217,8 @@ class Flux(Family):
         return int(cfg.model.t5.max_length or T5_MAX_LENGTH)
 
     @property
-    def num_timesteps(self) -> int:
-        return int(self.models.noise_scheduler.config.num_train_timesteps)
-
-    def sample_dtype(self, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
-        if autocast_dtype is not None:
-            return autocast_dtype
-        return self.models.vae.dtype if self.models.vae.dtype != torch.float32 else None
-
-    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
-        """``model.compile``: each double- and single-stream block on its own (one graph per block shape)."""
-        return transformer_components.transformer_blocks(net)
+    def max_sequence_length(self) -> int:
+        return int(self.models.tokenizer_2.model_max_length)
 
     @property
     def tokenizers(self):
@@ -247,24 +230,11 @@ class Flux(Family):
         return [m.vae, m.text_encoder, m.text_encoder_2]
 
     # -- the step ---------------------------------------------------------------------------------
-    def condition(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T5 states, CLIP pooled) of the batch on the device, float32: stored in latent shards, or encoded."""
+    def encode_condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T5 states, CLIP pooled), both encoders frozen."""
         dev = self.device
-        if TEXT_STATES_KEY in batch:
-            if POOLED_KEY not in batch:
-                raise ValueError(f"the batch has stored text embeddings but no {POOLED_KEY}: these latent shards were "
-                                 "not made for Flux (scripts/precompute_latents.py with a Flux pipeline)")
-            return (batch[TEXT_STATES_KEY].to(dev, non_blocking=True).float(),
-                    batch[POOLED_KEY].to(dev, non_blocking=True).float())
         return encode_prompts(self.models.text_encoder, self.models.text_encoder_2,
                               batch["input_ids"].to(dev, non_blocking=True), batch["input_ids_2"].to(dev, non_blocking=True))
-
-    def latents(self, batch: dict) -> torch.Tensor:
-        if "latents" in batch:
-            return batch["latents"].to(self.device, non_blocking=True).float()
-        pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
-        mean = self.cfg.model.vae.latent_sampling == "mean"
-        return encode_latents(self.models.vae, pixels, mean=mean, sample_seeds=batch.get("sample_seeds"))
 
     def guidance(self, batch_size: int) -> torch.Tensor | None:
         """The guidance embedding's input (``model.guidance_embed``) when the transformer has one."""
@@ -272,46 +242,29 @@ class Flux(Family):
             return None
         return torch.full((batch_size,), float(self.cfg.model.guidance_embed), device=self.device, dtype=torch.float32)
 
-    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
-        """Flow matching on the packed latents; ``fixed`` noise and timesteps (sigma * 1000) as given."""
-        latents = self.latents(batch)
-        b, _, h, w = latents.shape
-        fixed = fixed or {}
-        sigmas = fixed["timesteps"].float() / self.num_timesteps if "timesteps" in fixed else None
-        with autocast:
-            states, pooled = self.condition(batch)
-            ids = dict(txt_ids=text_ids(states), img_ids=image_ids(latents), guidance=self.guidance(b))
+    def transformer_kwargs(self, latents: torch.Tensor, states: torch.Tensor) -> dict:
+        return dict(txt_ids=text_ids(states), img_ids=image_ids(latents), guidance=self.guidance(len(latents)))
 
-            def predict(noisy, timesteps):
-                out = model(hidden_states=pack(noisy), timestep=timesteps / 1000, pooled_projections=pooled,
-                            encoder_hidden_states=states, return_dict=False, **ids)[0]
-                return unpack(out, h, w)
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return pack(latents)
 
-            loss, per_sample, timesteps = flow_matching.flow_loss(
-                predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
-                sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
-                image_seq_len=image_seq_len(latents), loss_weight=batch.get("loss_weight"))
-        return LossOut(loss, per_sample, timesteps, None)
+    def unpack(self, out: torch.Tensor, latents_shape: torch.Size) -> torch.Tensor:
+        return unpack(out, latents_shape[-2], latents_shape[-1])
 
-    def validation_batch(self, batch, generator, index) -> dict:
-        """Fixed latents (the posterior mean), noise and timesteps spread over (0, 1000)."""
-        b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
-        n = len(b["input_ids"])
-        if "latents" not in b:
-            pixels = unit_range(b.pop("pixel_values").to(self.device))
-            b["latents"] = encode_latents(self.models.vae, pixels, mean=True).cpu()
-        b["timesteps"] = torch.arange(1, n + 1, dtype=torch.float32) * (self.num_timesteps / (n + 1))
-        b["noise"] = torch.randn(b["latents"].shape, generator=generator)
-        return b
+    def transformer_timestep(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return timesteps / 1000  # Flux's transformer takes sigma (its embedding multiplies by 1000)
 
-    def check_data(self, loader) -> None:
-        if is_latent_data(self.cfg):
-            check_latents_match(loader, self.models.vae, self.stored_text())
+    def image_seq_len(self, latents: torch.Tensor) -> int:
+        return image_seq_len(latents)
+
+    def validation_timesteps(self, n: int) -> torch.Tensor:
+        """Spread over (0, 1000) (the resolution shift's table depends on the image size)."""
+        return torch.arange(1, n + 1, dtype=torch.float32) * (self.num_timesteps / (n + 1))
 
     def stored_text(self) -> StoredText:
         m = self.models
         return StoredText(int(m.tokenizer_2.model_max_length), int(m.text_encoder_2.config.d_model), 1,
-                          self.text_storage_tag())
+                          self.text_tag)
 
     def step_flops(self) -> StepFlops:
         """Counted once on the meta device: 3 x one transformer forward over one image's packed tokens and
@@ -351,24 +304,10 @@ class Flux(Family):
         return FluxPipeline(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer,
                             tokenizer_2=m.tokenizer_2, transformer=unwrap(transformer), **parts)
 
-    def inference_pipeline(self, net: torch.nn.Module):
-        return transformer_components.TrainedLength(self.pipeline(net), int(self.models.tokenizer_2.model_max_length))
-
-    def export(self, net, out: Path) -> dict:
-        export_pipeline(self.pipeline(net, for_export=True), out)
-        return {}
-
-    def _sampling(self, settings: SampleSettings) -> SampleSettings:
+    def sampling(self, settings: SampleSettings) -> SampleSettings:
         """Flux samples without classifier-free guidance: the pipeline's guidance_scale is the guidance
         embedding's input, the value trained with (``model.guidance_embed``)."""
         return settings._replace(guidance=float(self.cfg.model.guidance_embed))
-
-    def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
-        return pipeline_grid(self.inference_pipeline(net), self._sampling(settings), self.device)
-
-    def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
-        return pipeline_eval_images(self.inference_pipeline(net), self._sampling(settings), n, out, rank, world_size,
-                                    self.device)
 
     # -- with no run ------------------------------------------------------------------------------
     @classmethod
@@ -404,9 +343,9 @@ class Flux(Family):
             raise ValueError("Flux conditions on CLIP's pooled output: clip skip does not apply")
         if max_length is not None and max_length > T5_MAX_LENGTH:
             raise ValueError(f"Flux's T5 takes at most {T5_MAX_LENGTH} tokens, got max_length {max_length}")
-        tokenizer, text_encoder = StableDiffusion.load_text_encoder(pipeline, device)
+        tokenizer, text_encoder = load_pipeline_clip(pipeline, device)
         tokenizer_2 = load_t5_tokenizer(pipeline, "tokenizer_2", "the pipeline's tokenizer_2/", max_length or T5_MAX_LENGTH)
         text_encoder_2 = load_t5_encoder(pipeline, "text_encoder_2", "the pipeline's text_encoder_2/", device)
-        return TextEncoding(cls.text_storage_tag(), [tokenizer_2, tokenizer], [text_encoder_2, text_encoder],
+        return TextEncoding(cls.text_tag, [tokenizer_2, tokenizer], [text_encoder_2, text_encoder],
                             lambda encoders, ids: encode_prompts(encoders[1], encoders[0], ids[1], ids[0]),
                             storage_dtype="bf16")

@@ -33,32 +33,28 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
-from ..outputs.export import unwrap
+from ..data.latents import StoredText
 from ..loading import load_component
-from .components.ddpm import host_seeds, sample_generators
+from ..outputs.export import unwrap
+from ..speed.flops import count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
 from ..speed.precision import frozen_text_dtype
-from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups
-from .components import flow_matching
-from .base import Family, LossOut, TextEncoding
-from .sd import StableDiffusion
+from .base import TextEncoding
+from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups, text_encoder_for_pipeline
+from .components.ddpm import host_seeds, sample_generators
 from .components.t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
-from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 from .components.transformer import (
-    ADAPTER_PRESETS,
-    TrainedLength,
     build_transformer,
     component_sources,
-    encode_latents,
     load_schedulers,
     load_vae,
     reload_vae_fp32,
-    shard_units,
     source,
-    transformer_blocks,
     validate_common,
 )
-from .components.unet import Components, frozen
+from .components.unet import Components, frozen, uses_channels_last
+from .flow_family import FlowFamily
+from .pipeline_family import is_latent_data
+from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -132,20 +128,13 @@ def t5_keep(batch_size: int, p: float, device: torch.device, sample_seeds=None) 
     return (u >= p).float().to(device, non_blocking=True)
 
 
-class StableDiffusion3(StableDiffusion):
-    name = "sd3"
-    net_name = "transformer"
+class StableDiffusion3(FlowFamily):
+    name = text_tag = "sd3"
+    display_name = "SD3"
     pipeline_classes = ("StableDiffusion3Pipeline",)
     card_tags = ("sd3", "sd3-diffusers")
-    shard_units = staticmethod(shard_units)
-    adapter_presets = ADAPTER_PRESETS
-    kohya_lora_prefixes = {}  # diffusers' kohya converter names UNets and CLIPs only
-
-    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
-        Family.__init__(self, cfg, device, seed, is_main)
-        self.models = self.build_models()
-        self.net = self.models.transformer
-        self.loss_module = self.net
+    # Kept from when SD3 inherited SD's settings: under compile_scope=auto the whole transformer is compiled.
+    compile_scope_auto = "whole"
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -246,91 +235,59 @@ class StableDiffusion3(StableDiffusion):
         return groups
 
     # -- the step ---------------------------------------------------------------------------------
-    def condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(states, pooled) on the device: stored in the latent shards, else encoded; T5 zeroed when left
-        out, and per sample by ``model.t5.dropout`` in training."""
-        m, dev, t5 = self.models, self.device, self.cfg.model.t5
-        if TEXT_STATES_KEY in batch:
-            if POOLED_KEY not in batch:
-                raise ValueError(f"the batch has stored text embeddings but no {POOLED_KEY}: these latent shards "
-                                 "were not made for SD3 (scripts/precompute_latents.py with an SD3 pipeline)")
-            states = batch[TEXT_STATES_KEY].to(dev, non_blocking=True).float()
-            pooled = batch[POOLED_KEY].to(dev, non_blocking=True).float()
-            if not t5.use:
-                states = torch.cat([states[:, :m.clip_length], torch.zeros_like(states[:, m.clip_length:])], dim=1)
-        else:
-            ids3 = batch["input_ids_3"].to(dev, non_blocking=True) if m.text_encoder_3 is not None else None
-            clips = [m.text_encoder, m.text_encoder_2]
-            if not validation:  # trained CLIPs as DDP wraps them (gradient hooks), else the modules
-                clips = [self._encoders.get(n, e) for n, e in zip(("text_encoder", "text_encoder_2"), clips)]
-            states, pooled = encode_prompts(
-                *clips, m.text_encoder_3, batch["input_ids"].to(dev, non_blocking=True),
-                batch["input_ids_2"].to(dev, non_blocking=True), ids3, m.t5_length,
-                int(m.transformer.config.joint_attention_dim))
+    def condition(self, batch: dict, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base's (states, pooled); in training, T5's states zeroed per sample by ``model.t5.dropout``."""
+        states, pooled = super().condition(batch, validation)
+        t5 = self.cfg.model.t5
         if not validation and t5.use and t5.dropout > 0:
-            keep = t5_keep(len(states), t5.dropout, dev, batch.get("sample_seeds"))
-            n = m.clip_length
+            keep = t5_keep(len(states), t5.dropout, self.device, batch.get("sample_seeds"))
+            n = self.models.clip_length
             states = torch.cat([states[:, :n], states[:, n:] * keep[:, None, None]], dim=1)
         return states, pooled
 
-    def encode(self, pixels: torch.Tensor, mean: bool | None = None, sample_seeds=None) -> torch.Tensor:
-        mean = self.cfg.model.vae.latent_sampling == "mean" if mean is None else mean
-        return encode_latents(self.models.vae, pixels, mean=mean, sample_seeds=sample_seeds)
+    def stored_condition(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored states with T5's part zeroed when ``model.t5.use`` is false (as a pipeline without T5)."""
+        states, pooled = super().stored_condition(batch)
+        if not self.cfg.model.t5.use:
+            n = self.models.clip_length
+            states = torch.cat([states[:, :n], torch.zeros_like(states[:, n:])], dim=1)
+        return states, pooled
 
-    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
-        """Flow matching; ``fixed`` noise and timesteps (sigma x 1000) are used as given (validation)."""
-        latents = self.latents(batch)
-        fixed = dict(fixed or {})
-        n = float(self.models.noise_scheduler.config.num_train_timesteps)
-        sigmas = fixed["timesteps"].float() / n if "timesteps" in fixed else None
-        with autocast:
-            states, pooled = self.condition(batch, validation)
+    def encode_condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        m, dev = self.models, self.device
+        ids3 = batch["input_ids_3"].to(dev, non_blocking=True) if m.text_encoder_3 is not None else None
+        clips = [m.text_encoder, m.text_encoder_2]
+        if not validation:  # trained CLIPs as DDP wraps them (gradient hooks), else the modules
+            clips = [self._encoders.get(n, e) for n, e in zip(("text_encoder", "text_encoder_2"), clips)]
+        return encode_prompts(*clips, m.text_encoder_3, batch["input_ids"].to(dev, non_blocking=True),
+                              batch["input_ids_2"].to(dev, non_blocking=True), ids3, m.t5_length,
+                              int(m.transformer.config.joint_attention_dim))
 
-        def predict(noisy, timesteps):
-            with autocast:
-                return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,
-                             pooled_projections=pooled, return_dict=False)[0]
+    def latents(self, batch: dict) -> torch.Tensor:
+        # Kept from when SD3 inherited SD's latents: channels-last where model.channels_last asks it (auto: on
+        # CUDA), a layout only (the values are the same).
+        latents = super().latents(batch)
+        if uses_channels_last(self.cfg.model, self.device):
+            latents = latents.contiguous(memory_format=torch.channels_last)
+        return latents
 
-        loss, per_sample, timesteps = flow_matching.flow_loss(
-            predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
-            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
-            loss_weight=batch.get("loss_weight"))
-        return LossOut(loss, per_sample, timesteps, None)
-
-    def validation_batch(self, batch, generator, index) -> dict:
-        """Fixed latents (posterior mean), noise, and timesteps spread over the training sigma table."""
-        from ..data.transforms import unit_range
-
-        b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
-        if "latents" not in b:
-            b["latents"] = self.encode(unit_range(b.pop("pixel_values").to(self.device)), mean=True).cpu()
-        n = len(b["latents"])
-        table = flow_matching.sigma_table(self.cfg.flow_matching, self.models.noise_scheduler)
-        index = torch.linspace(0, len(table) - 1, n).round().long()
-        b["timesteps"] = table[index] * float(self.models.noise_scheduler.config.num_train_timesteps)
-        b["noise"] = torch.randn(b["latents"].shape, generator=generator)
-        return b
+    @property
+    def max_sequence_length(self) -> int:
+        return self.models.t5_length
 
     def stored_text(self) -> StoredText:
         m = self.models
         return StoredText(m.clip_length + m.t5_length, int(m.transformer.config.joint_attention_dim), 1,
-                          self.text_storage_tag())
+                          self.text_tag)
 
     def component_sources(self) -> dict:
         names = ("transformer", "vae", "text_encoder", "text_encoder_2") + (
             ("text_encoder_3",) if self.models.text_encoder_3 is not None else ())
         return component_sources(self.cfg.model, names)
 
-    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
-        """``model.compile``: each MMDiT block on its own (one graph per block shape)."""
-        return transformer_blocks(net)
-
     def step_flops(self):
         """Counted once on the meta device: 3 x one transformer forward over one image's patches and the
         77 + L text tokens (joint attention); hardware FLOPs add the VAE and the encoders unless stored."""
-        from ..speed.flops import count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
-        from .sd import is_latent_data
-
         m, cfg = self.models, self.cfg
         res = cfg.dataset.params.resolution
         h, w = latent_size_of(m.vae, res)
@@ -353,18 +310,15 @@ class StableDiffusion3(StableDiffusion):
                                vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)
 
     # -- artifacts --------------------------------------------------------------------------------
-    def pipeline(self, net, for_export: bool = False, vae=None):
+    def pipeline(self, net, for_export: bool = False):
         """A ``StableDiffusion3Pipeline`` of the run's components with ``net``; ``for_export``: the frozen
-        components in fp32 as loaded (the bare pipeline); else wrapped for sampling (``TrainedLength``: the
-        trained T5 length)."""
+        components in fp32 as loaded."""
         m = self.models
-        if vae is None:
-            vae = m.full_precision("vae") if for_export else m.vae
+        vae = m.full_precision("vae") if for_export else m.vae
         trained = self.trained_encoders()
         enc = {n: unwrap(trained[n]) if n in trained else (m.full_precision(n) if for_export else getattr(m, n))
                if getattr(m, n) is not None else None for n in ENCODERS}
-        pipe = _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m)
-        return pipe if for_export else TrainedLength(pipe, m.t5_length)
+        return _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m)
 
     # -- with no run ------------------------------------------------------------------------------
     @classmethod
@@ -391,10 +345,6 @@ class StableDiffusion3(StableDiffusion):
             tokenizer_3=tokenizer_3,
         )
         return save(pipe, out, *scratch)
-
-    @classmethod
-    def text_storage_tag(cls) -> str | None:
-        return cls.name
 
     @classmethod
     def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
@@ -425,7 +375,7 @@ class StableDiffusion3(StableDiffusion):
             return encode_prompts(encoders[0], encoders[1], encoders[2] if has_t5 else None, ids[0], ids[1],
                                   ids[2] if has_t5 else None, length, width)
 
-        return TextEncoding(cls.text_storage_tag(), toks, encs, encode_ids, storage_dtype="bf16")
+        return TextEncoding(cls.text_tag, toks, encs, encode_ids, storage_dtype="bf16")
 
 
 def _joint_width(pipeline: str) -> int:
@@ -438,8 +388,6 @@ def _joint_width(pipeline: str) -> int:
 
 def _pipeline(net, scheduler, vae, encoders: dict, m: SD3Models):
     from diffusers import StableDiffusion3Pipeline
-
-    from .components.clip import text_encoder_for_pipeline
 
     return StableDiffusion3Pipeline(
         transformer=net, scheduler=scheduler, vae=vae,

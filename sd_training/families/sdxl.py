@@ -28,10 +28,10 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
 from ..data.samples import SIZE_FIELDS
 from ..outputs.export import unwrap
-from ..speed.flops import StepFlops, count_step_flops, text_encode_flops
+from ..speed.flops import StepFlops, text_encode_flops
 from ..loading import load_component
 from ..speed.precision import frozen_text_dtype
 from .components.clip import (
@@ -42,7 +42,7 @@ from .components.clip import (
     text_model_of,
 )
 from .base import TextEncoding
-from .sd import StableDiffusion, is_latent_data
+from .sd import StableDiffusion
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
 from .components.unet import Models, build_models
 
@@ -116,6 +116,7 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor, input_
 
 class StableDiffusionXL(StableDiffusion):
     name = "sdxl"
+    text_tag = "sdxl"
     pipeline_classes = ("StableDiffusionXLPipeline",)
     card_tags = ("stable-diffusion-xl", "stable-diffusion-xl-diffusers")
     kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
@@ -229,17 +230,13 @@ class StableDiffusionXL(StableDiffusion):
         )
         return states, {"text_embeds": pooled, "time_ids": ids}
 
-    def check_data(self, loader) -> None:
-        if is_latent_data(self.cfg):
-            check_latents_match(loader, self.models.vae, self.stored_text())
-
     def stored_text(self) -> StoredText:
         m = self.models
         return replace(super().stored_text(), width=int(m.text_encoder.config.hidden_size + m.text_encoder_2.config.hidden_size))
 
     def step_flops(self) -> StepFlops:
-        flops = count_step_flops(self.models, self.cfg.dataset.params.resolution, self.cfg.model.gradient_checkpointing,
-                                 encode_images=not is_latent_data(self.cfg))
+        """The UNet base's count with the second encoder's forward added."""
+        flops = super().step_flops()
         seq = int(self.models.tokenizer_2.model_max_length)
         return replace(flops, text_encode=flops.text_encode + text_encode_flops(self.models.text_encoder_2, seq))
 
@@ -279,10 +276,6 @@ class StableDiffusionXL(StableDiffusion):
         return save(pipe, out, *scratch)
 
     @classmethod
-    def text_storage_tag(cls) -> str | None:
-        return cls.name
-
-    @classmethod
     def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
                       max_length: int | None = None) -> TextEncoding:
         """Both encoders' penultimate states concatenated and the second's pooled embedding, zeros for an
@@ -292,11 +285,11 @@ class StableDiffusionXL(StableDiffusion):
         if clip_skip or max_length:
             raise ValueError("SDXL conditions on both encoders' penultimate layers at 77 tokens: clip skip and "
                              "max length do not apply")
-        tokenizer, text_encoder = cls.load_text_encoder(pipeline, device)
+        tokenizer, text_encoder = load_pipeline_clip(pipeline, device)
         tokenizer_2 = load_component(CLIPTokenizer.from_pretrained, pipeline, "tokenizer_2", "the pipeline's tokenizer_2/")
         text_encoder_2 = load_component(CLIPTextModelWithProjection.from_pretrained, pipeline, "text_encoder_2",
                                         "the pipeline's text_encoder_2/")
         eos = int(tokenizer.eos_token_id)
-        return TextEncoding(cls.text_storage_tag(), [tokenizer, tokenizer_2],
+        return TextEncoding(cls.text_tag, [tokenizer, tokenizer_2],
                             [text_encoder, text_encoder_2.to(device).eval().requires_grad_(False)],
                             lambda encoders, ids: encode_prompts(*encoders, *ids, eos))
