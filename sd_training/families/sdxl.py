@@ -36,6 +36,7 @@ from ..loading import load_component
 from ..speed.precision import frozen_text_dtype
 from .components.clip import (
     build_clip_tokenizer,
+    load_pipeline_clip,
     place_text_encoder,
     text_encoder_for_pipeline,
     text_encoder_param_groups,
