@@ -13,7 +13,8 @@ pipeline, and overrides the few hooks where its transformer differs:
 * ``pack`` / ``unpack``: latents -> the transformer's input and its output -> latents (Flux: 2x2 patches);
 * ``transformer_timestep``: the timestep as the transformer takes it (``sigma * 1000``; Flux: sigma);
 * ``image_seq_len``: the image's token count for a resolution-dependent shift (None: no such shift);
-* ``validation_timesteps``: the held-out batch's fixed timesteps (default: spread over the sigma table).
+* ``validation_timesteps``: the held-out batch's fixed timesteps (default: spread over the sigma table);
+* ``flops_inputs`` / ``text_encoder_runs``: one image's forward inputs and the text encoders' runs, for MFU.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch
 
 from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY
+from ..speed.flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
 from .base import LossOut
 from .components import flow_matching
 from .components import vae as vae_encoding
 from .components.transformer import ADAPTER_PRESETS, TrainedLength, shard_units, transformer_blocks, validate_common
-from .pipeline_family import PipelineFamily
+from .pipeline_family import PipelineFamily, is_latent_data
 
 
 class FlowFamily(PipelineFamily):
@@ -129,3 +131,26 @@ class FlowFamily(PipelineFamily):
         table = flow_matching.sigma_table(self.cfg.flow_matching, self.models.noise_scheduler)
         index = torch.linspace(0, len(table) - 1, n).round().long()
         return table[index] * float(self.num_timesteps)
+
+    # -- FLOPs --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def flops_inputs(self, config, h: int, w: int) -> dict:
+        """The transformer's forward inputs for one image of an ``h`` x ``w`` latent grid, on the meta device
+        (``config``: the transformer's)."""
+
+    @abc.abstractmethod
+    def text_encoder_runs(self) -> list[tuple[torch.nn.Module, int, int]]:
+        """(encoder, tokens, passes) of each text encoder a step runs (passes: 1 frozen, 3 trained)."""
+
+    def step_flops(self) -> StepFlops:
+        """Counted once on the meta device: 3 x one transformer forward over one image's tokens and the text
+        tokens (joint attention); hardware FLOPs add the VAE and the text encoders unless stored."""
+        m, cfg = self.models, self.cfg
+        res = cfg.dataset.params.resolution
+        h, w = latent_size_of(m.vae, res)
+        latent = is_latent_data(cfg)
+        stored = latent and bool(cfg.dataset.params.text_embeddings)
+        text = 0 if stored else sum(k * encoder_flops(e, n) for e, n, k in self.text_encoder_runs())
+        return count_net_flops(self.net, lambda meta: self.flops_inputs(meta.config, h, w),
+                               cfg.model.gradient_checkpointing,
+                               vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)

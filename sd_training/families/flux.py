@@ -31,9 +31,9 @@ from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import StoredText
 from ..outputs.export import unwrap
-from ..speed.flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
 from .base import SampleSettings, TextEncoding
 from .components.clip import build_clip_tokenizer, build_text_encoder, load_pipeline_clip
+from .components.packing import image_ids, image_seq_len, pack, text_ids, unpack
 from .components.t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
 from .components.transformer import (
     build_transformer,
@@ -46,7 +46,6 @@ from .components.transformer import (
 )
 from .components.unet import Components
 from .flow_family import FlowFamily
-from .pipeline_family import is_latent_data
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -87,39 +86,6 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor,
     with torch.no_grad():
         pooled = text_encoder(input_ids.to(text_encoder.device), output_hidden_states=False).pooler_output
     return encode_t5(text_encoder_2, input_ids_2), pooled.float()
-
-
-def text_ids(states: torch.Tensor) -> torch.Tensor:
-    """The text tokens' position ids: zeros [L, 3], as ``FluxPipeline.encode_prompt`` makes them."""
-    return torch.zeros(states.shape[1], 3, device=states.device, dtype=states.dtype)
-
-
-def image_ids(latents: torch.Tensor) -> torch.Tensor:
-    """The packed image tokens' position ids [h/2 * w/2, 3]: (0, row, column) of the 2x2-patch grid."""
-    from diffusers import FluxPipeline
-
-    b, _, h, w = latents.shape
-    return FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, h/2 * w/2, 4C] (``FluxPipeline._pack_latents``)."""
-    from diffusers import FluxPipeline
-
-    b, c, h, w = latents.shape
-    return FluxPipeline._pack_latents(latents, b, c, h, w)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, h/2 * w/2, 4C] -> [B, C, h, w] (``FluxPipeline._unpack_latents`` in latent units)."""
-    from diffusers import FluxPipeline
-
-    return FluxPipeline._unpack_latents(tokens, h, w, 1)
-
-
-def image_seq_len(latents: torch.Tensor) -> int:
-    """Packed image tokens of these latents: what Flux's resolution shift reads."""
-    return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
 
 
 def build_flux_models(cfg, device: torch.device, seed: int) -> FluxModels:
@@ -266,29 +232,18 @@ class Flux(FlowFamily):
         return StoredText(int(m.tokenizer_2.model_max_length), int(m.text_encoder_2.config.d_model), 1,
                           self.text_tag)
 
-    def step_flops(self) -> StepFlops:
-        """Counted once on the meta device: 3 x one transformer forward over one image's packed tokens and
-        T5's text tokens (joint attention); hardware FLOPs add the VAE and the encoders unless stored."""
-        m, cfg = self.models, self.cfg
-        res = cfg.dataset.params.resolution
-        h, w = latent_size_of(m.vae, res)
-        n, length = (h // 2) * (w // 2), int(m.tokenizer_2.model_max_length)
+    def flops_inputs(self, config, h: int, w: int) -> dict:
+        n, length = (h // 2) * (w // 2), self.max_sequence_length
+        return dict(hidden_states=torch.empty(1, n, config.in_channels, device="meta"),
+                    encoder_hidden_states=torch.empty(1, length, config.joint_attention_dim, device="meta"),
+                    pooled_projections=torch.empty(1, config.pooled_projection_dim, device="meta"),
+                    timestep=torch.ones(1, device="meta"), img_ids=torch.zeros(n, 3, device="meta"),
+                    txt_ids=torch.zeros(length, 3, device="meta"),
+                    guidance=torch.ones(1, device="meta") if config.guidance_embeds else None)
 
-        def inputs(meta):
-            c = meta.config
-            return dict(hidden_states=torch.empty(1, n, c.in_channels, device="meta"),
-                        encoder_hidden_states=torch.empty(1, length, c.joint_attention_dim, device="meta"),
-                        pooled_projections=torch.empty(1, c.pooled_projection_dim, device="meta"),
-                        timestep=torch.ones(1, device="meta"), img_ids=torch.zeros(n, 3, device="meta"),
-                        txt_ids=torch.zeros(length, 3, device="meta"),
-                        guidance=torch.ones(1, device="meta") if c.guidance_embeds else None)
-
-        latent = is_latent_data(cfg)
-        stored = latent and bool(cfg.dataset.params.text_embeddings)
-        text = 0 if stored else encoder_flops(m.text_encoder, int(m.tokenizer.model_max_length)) + \
-            encoder_flops(m.text_encoder_2, length)
-        return count_net_flops(self.net, inputs, cfg.model.gradient_checkpointing,
-                               vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)
+    def text_encoder_runs(self) -> list[tuple[torch.nn.Module, int, int]]:
+        m = self.models
+        return [(m.text_encoder, int(m.tokenizer.model_max_length), 1), (m.text_encoder_2, self.max_sequence_length, 1)]
 
     def component_sources(self) -> dict:
         return component_sources(self.cfg.model, ("transformer", "vae", "text_encoder", "text_encoder_2"))

@@ -36,7 +36,6 @@ from ..config.schema import TrainConfig
 from ..data.latents import StoredText
 from ..loading import load_component
 from ..outputs.export import unwrap
-from ..speed.flops import count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
 from ..speed.precision import frozen_text_dtype
 from .base import TextEncoding
 from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups, text_encoder_for_pipeline
@@ -53,7 +52,6 @@ from .components.transformer import (
 )
 from .components.unet import Components, frozen, uses_channels_last
 from .flow_family import FlowFamily
-from .pipeline_family import is_latent_data
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -285,29 +283,18 @@ class StableDiffusion3(FlowFamily):
             ("text_encoder_3",) if self.models.text_encoder_3 is not None else ())
         return component_sources(self.cfg.model, names)
 
-    def step_flops(self):
-        """Counted once on the meta device: 3 x one transformer forward over one image's patches and the
-        77 + L text tokens (joint attention); hardware FLOPs add the VAE and the encoders unless stored."""
-        m, cfg = self.models, self.cfg
-        res = cfg.dataset.params.resolution
-        h, w = latent_size_of(m.vae, res)
-        length = m.clip_length + m.t5_length
+    def flops_inputs(self, config, h: int, w: int) -> dict:
+        length = self.models.clip_length + self.models.t5_length
+        return dict(hidden_states=torch.empty(1, config.in_channels, h, w, device="meta"),
+                    encoder_hidden_states=torch.empty(1, length, config.joint_attention_dim, device="meta"),
+                    pooled_projections=torch.empty(1, config.pooled_projection_dim, device="meta"),
+                    timestep=torch.ones(1, device="meta"))
 
-        def inputs(meta):
-            c = meta.config
-            return dict(hidden_states=torch.empty(1, c.in_channels, h, w, device="meta"),
-                        encoder_hidden_states=torch.empty(1, length, c.joint_attention_dim, device="meta"),
-                        pooled_projections=torch.empty(1, c.pooled_projection_dim, device="meta"),
-                        timestep=torch.ones(1, device="meta"))
-
-        latent = is_latent_data(cfg)
-        stored = latent and bool(cfg.dataset.params.text_embeddings)
-        passes = 3 if cfg.model.text_encoder.train else 1  # a trained CLIP's forward and backward
-        text = 0 if stored else sum(k * encoder_flops(e, n) for e, n, k in (
-            (m.text_encoder, m.clip_length, passes), (m.text_encoder_2, m.clip_length, passes),
-            (m.text_encoder_3, m.t5_length, 1)) if e is not None)
-        return count_net_flops(self.net, inputs, cfg.model.gradient_checkpointing,
-                               vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)
+    def text_encoder_runs(self) -> list[tuple[torch.nn.Module, int, int]]:
+        m = self.models
+        passes = 3 if self.cfg.model.text_encoder.train else 1  # a trained CLIP's forward and backward
+        return [(e, n, k) for e, n, k in ((m.text_encoder, m.clip_length, passes), (m.text_encoder_2, m.clip_length, passes),
+                                          (m.text_encoder_3, m.t5_length, 1)) if e is not None]
 
     # -- artifacts --------------------------------------------------------------------------------
     def pipeline(self, net, for_export: bool = False):
