@@ -31,7 +31,8 @@ from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import StoredText
 from ..outputs.export import unwrap
-from .base import SampleSettings, TextEncoding
+from .base import SampleSettings
+from .components.text import TextEncoding
 from .components.clip import build_clip_tokenizer, build_text_encoder, load_pipeline_clip
 from .components.packing import image_ids, image_seq_len, pack, text_ids, unpack
 from .components.t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype

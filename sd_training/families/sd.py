@@ -14,7 +14,7 @@ import torch
 
 from ..data.latents import TEXT_STATES_KEY, StoredText
 from ..outputs.export import unwrap
-from .base import TextEncoding
+from .components.text import TextEncoding
 from .components.clip import (
     apply_clip_skip,
     build_clip_tokenizer,

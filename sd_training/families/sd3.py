@@ -37,7 +37,7 @@ from ..data.latents import StoredText
 from ..loading import load_component
 from ..outputs.export import unwrap
 from ..speed.precision import frozen_text_dtype
-from .base import TextEncoding
+from .components.text import TextEncoding, grad_if_trained
 from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups, text_encoder_for_pipeline
 from .components.ddpm import host_seeds, sample_generators
 from .components.t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
@@ -98,12 +98,9 @@ def encode_prompts(text_encoder, text_encoder_2, text_encoder_3, input_ids, inpu
     None) its L x ``t5_width`` states are zeros. Gradients flow into the CLIPs that train
     (``model.text_encoder.train``: every parameter reaches the conditioning, the last layer and final norm
     through the pooled output); T5 is always frozen."""
-    def trains(module):
-        return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
-
-    with torch.set_grad_enabled(trains(text_encoder)):
+    with grad_if_trained(text_encoder):
         out1 = text_encoder(input_ids, output_hidden_states=True)
-    with torch.set_grad_enabled(trains(text_encoder_2)):
+    with grad_if_trained(text_encoder_2):
         out2 = text_encoder_2(input_ids_2, output_hidden_states=True)
     clip = torch.cat([out1.hidden_states[-2].float(), out2.hidden_states[-2].float()], dim=-1)
     pooled = torch.cat([out1[0].float(), out2[0].float()], dim=-1)

@@ -42,7 +42,7 @@ from .components.clip import (
     text_encoder_param_groups,
     text_model_of,
 )
-from .base import TextEncoding
+from .components.text import TextEncoding, grad_if_trained
 from .sd import StableDiffusion
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
 from .components.unet import Models, build_models
@@ -100,12 +100,9 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor, input_
     """(cross-attention states [B, L, d1 + d2], pooled [B, p]) in fp32, zeros for empty captions.
 
     Gradients flow only into encoders that train (``model.text_encoder.train``)."""
-    def trains(module):
-        return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
-
-    with torch.set_grad_enabled(trains(text_encoder)):
+    with grad_if_trained(text_encoder):
         h1 = text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
-    with torch.set_grad_enabled(trains(text_encoder_2)):
+    with grad_if_trained(text_encoder_2):
         out2 = text_encoder_2(input_ids_2, output_hidden_states=True)
         pooled, h2 = out2[0], out2.hidden_states[-2]
     states = torch.cat([h1.float(), h2.float()], dim=-1)

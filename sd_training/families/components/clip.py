@@ -43,6 +43,7 @@ from ...outputs.export import unwrap
 from ...loading import load_component as _load
 from ...optim import param_groups
 from ...speed.precision import DTYPES, frozen_text_dtype
+from .text import grad_if_trained
 from .open_clip_text import clip_text_model_from_open_clip, load_open_clip_text_tower  # noqa: F401 (type open_clip)
 
 log = logging.getLogger(__name__)
@@ -337,8 +338,7 @@ def encode_text(text_encoder, input_ids: torch.Tensor, clip_skip: int = 0) -> to
     Gradients flow only when the encoder has trainable parameters (text-encoder training); a frozen
     encoder runs under no_grad, as it always did.
     """
-    grad = torch.is_grad_enabled() and any(p.requires_grad for p in text_encoder.parameters())
-    with torch.set_grad_enabled(grad):
+    with grad_if_trained(text_encoder):
         if clip_skip <= 1:
             hidden = text_encoder(input_ids, return_dict=False)[0]
         else:
