@@ -24,6 +24,7 @@ from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
 from ..outputs.export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
 from .base import Family, SampleSettings
+from .components.clip import text_encoder_param_groups
 
 
 def is_latent_data(cfg: TrainConfig) -> bool:
@@ -56,6 +57,9 @@ class PipelineFamily(Family):
     # ``text_family`` in latents_info.json: which family's text conditioning latent shards hold (None: the
     # single-CLIP layout of shards written before latents_info.json named one)
     text_tag: str | None = None
+    # The text encoders that may train with the net (``model.text_encoder.train``) or carry a LoRA
+    # (``model.adapter.text_encoders``), by the names of ``self.models`` and of the pipeline's components
+    text_encoder_names: tuple[str, ...] = ()
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         super().__init__(cfg, device, seed, is_main)
@@ -75,6 +79,22 @@ class PipelineFamily(Family):
     @abc.abstractmethod
     def stored_text(self) -> StoredText:
         """What this run expects of text conditioning stored in latent shards."""
+
+    # -- the text encoders that train -------------------------------------------------------------
+    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
+        return {name: getattr(self.models, name) for name in self.text_encoder_names}
+
+    def trained_encoders(self) -> dict[str, torch.nn.Module]:
+        return self.adapter_text_encoders() if self.cfg.model.text_encoder.train else {}
+
+    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
+        """The trained encoders' groups, one set per encoder named by it (``model.text_encoder.learning_rate``,
+        else the net's peak LR)."""
+        o, groups = self.cfg.optimizer, []
+        for name, encoder in self.trained_encoders().items():
+            groups += [dict(g, name=name) for g in text_encoder_param_groups(
+                encoder, self.cfg.model.text_encoder, peak_lr, o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)]
+        return groups
 
     @property
     def num_timesteps(self) -> int:

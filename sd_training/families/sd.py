@@ -22,7 +22,6 @@ from .components.clip import (
     encode_text,
     load_pipeline_clip,
     text_encoder_for_pipeline,
-    text_encoder_param_groups,
 )
 from .components.unet import build_models
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
@@ -61,24 +60,14 @@ class StableDiffusion(UNetFamily):
     pipeline_classes = ("StableDiffusionPipeline",)
     card_tags = ("stable-diffusion", "stable-diffusion-diffusers")
     kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_"}
+    text_encoder_names = ("text_encoder",)
 
     def build_models(self):
         return build_models(self.cfg.model, self.device, seed=self.seed)
 
     # -- what trains besides the UNet -------------------------------------------------------------
-    def trained_encoders(self) -> dict[str, torch.nn.Module]:
-        return {"text_encoder": self.models.text_encoder} if self.cfg.model.text_encoder.train else {}
-
     def frozen_modules(self) -> list[torch.nn.Module]:
         return [x for x in (self.models.vae, self.models.text_encoder) if not any(p.requires_grad for p in x.parameters())]
-
-    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
-        return {"text_encoder": self.models.text_encoder}
-
-    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
-        o = self.cfg.optimizer
-        return text_encoder_param_groups(self.models.text_encoder, self.cfg.model.text_encoder, peak_lr,
-                                         o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)
 
     # -- the step ---------------------------------------------------------------------------------
     def condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, dict | None]:

@@ -38,7 +38,7 @@ from ..loading import load_component
 from ..outputs.export import unwrap
 from ..speed.precision import frozen_text_dtype
 from .components.text import TextEncoding, grad_if_trained
-from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups, text_encoder_for_pipeline
+from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_for_pipeline
 from .components.ddpm import host_seeds, sample_generators
 from .components.t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
 from .components.transformer import (
@@ -128,6 +128,7 @@ class StableDiffusion3(FlowFamily):
     display_name = "SD3"
     pipeline_classes = ("StableDiffusion3Pipeline",)
     card_tags = ("sd3", "sd3-diffusers")
+    text_encoder_names = ("text_encoder", "text_encoder_2")  # both CLIPs (T5 never trains)
     # Kept from when SD3 inherited SD's settings: under compile_scope=auto the whole transformer is compiled.
     compile_scope_auto = "whole"
 
@@ -207,27 +208,10 @@ class StableDiffusion3(FlowFamily):
         m = self.models
         return (m.tokenizer, m.tokenizer_2) + ((m.tokenizer_3,) if m.tokenizer_3 is not None else ())
 
-    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
-        """Both CLIPs (T5 never takes a LoRA here)."""
-        return {"text_encoder": self.models.text_encoder, "text_encoder_2": self.models.text_encoder_2}
-
-    def trained_encoders(self) -> dict[str, torch.nn.Module]:
-        """``model.text_encoder.train``: both CLIPs (fp32, replicated with DDP); T5 never trains."""
-        m = self.models
-        return {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2} if self.cfg.model.text_encoder.train else {}
-
     def frozen_modules(self) -> list[torch.nn.Module]:
         m, trained = self.models, self.trained_encoders().values()
         return [x for x in (m.vae, m.text_encoder, m.text_encoder_2, m.text_encoder_3)
                 if x is not None and all(x is not t for t in trained)]
-
-    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
-        """The trained CLIPs' groups (``model.text_encoder.learning_rate``, else the transformer's LR)."""
-        o, groups = self.cfg.optimizer, []
-        for name, encoder in self.trained_encoders().items():
-            groups += [dict(g, name=name) for g in text_encoder_param_groups(
-                encoder, self.cfg.model.text_encoder, peak_lr, o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)]
-        return groups
 
     # -- the step ---------------------------------------------------------------------------------
     def condition(self, batch: dict, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

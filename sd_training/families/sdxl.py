@@ -39,7 +39,6 @@ from .components.clip import (
     load_pipeline_clip,
     place_text_encoder,
     text_encoder_for_pipeline,
-    text_encoder_param_groups,
     text_model_of,
 )
 from .components.text import TextEncoding, grad_if_trained
@@ -118,6 +117,7 @@ class StableDiffusionXL(StableDiffusion):
     pipeline_classes = ("StableDiffusionXLPipeline",)
     card_tags = ("stable-diffusion-xl", "stable-diffusion-xl-diffusers")
     kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+    text_encoder_names = ("text_encoder", "text_encoder_2")
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -191,23 +191,9 @@ class StableDiffusionXL(StableDiffusion):
     def tokenizers(self):
         return (self.models.tokenizer, self.models.tokenizer_2)
 
-    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
-        return {"text_encoder": self.models.text_encoder, "text_encoder_2": self.models.text_encoder_2}
-
-    def trained_encoders(self) -> dict[str, torch.nn.Module]:
-        m = self.models
-        return {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2} if self.cfg.model.text_encoder.train else {}
-
     def frozen_modules(self) -> list[torch.nn.Module]:
         second = self.models.text_encoder_2
         return super().frozen_modules() + ([] if any(p.requires_grad for p in second.parameters()) else [second])
-
-    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
-        groups = super().extra_param_groups(peak_lr, lr_scale)
-        o = self.cfg.optimizer
-        second = text_encoder_param_groups(self.models.text_encoder_2, self.cfg.model.text_encoder, peak_lr,
-                                           o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)
-        return groups + [dict(g, name="text_encoder_2") for g in second]
 
     def condition(self, batch: dict, validation: bool):
         dev = self.device
