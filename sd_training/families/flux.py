@@ -12,7 +12,8 @@ As ``FluxPipeline`` conditions at inference, so the transformer trains:
 * the guidance embedding of a guidance-distilled transformer (``transformer.config.guidance_embeds``,
   FLUX.1-dev) is given ``model.guidance_embed`` (3.5); a transformer without one (schnell) gets none.
 
-The loss is flow matching (``families.flow_matching``), with Flux's shift that grows with the image's token
+The loss is flow matching (``components.flow_matching``, around the transformer's forward in
+``flow_family.FlowFamily``), with Flux's shift that grows with the image's token
 count (the scheduler's ``use_dynamic_shifting``) unless ``flow_matching`` sets another. Samples and exports
 are ``FluxPipeline`` folders; the frozen parts are exported in fp32 as loaded.
 """

@@ -16,9 +16,10 @@ As ``StableDiffusion3Pipeline.encode_prompt`` conditions at inference, so the tr
   parameter groups; exports save them), T5 stays frozen; ``model.text_encoder.max_length``: CLIP tokens per
   caption (both tokenizers' ``model_max_length``, which the exported pipeline's encode_prompt reads).
 
-Latents are ``(encode - shift_factor) * scaling_factor`` of the 16-channel VAE; the loss is
-``families.flow_matching``'s. Everything else (sample grids, eval images, exports of a
-``StableDiffusion3Pipeline``, latent-shard checks) is SD's, with this family's pipeline.
+Latents are ``(encode - shift_factor) * scaling_factor`` of the 16-channel VAE; the loss is flow matching
+(``components.flow_matching``). The flow-matching base (``flow_family.FlowFamily``) holds the loss, the
+stored-text plumbing, validation batches, sample grids, eval images and exports; this module declares the
+components, the conditioning above and the ``StableDiffusion3Pipeline``.
 """
 
 from __future__ import annotations
