@@ -9,7 +9,8 @@ checks of the UNet families' keys, and pipelines that pad the text to the traine
 its components (``build_models``), how captions become (states, pooled) (``encode_condition``), its
 pipeline, and overrides the few hooks where its transformer differs:
 
-* ``transformer_kwargs``: extra inputs of the forward (Flux: position ids and the guidance embedding);
+* ``transformer_inputs``: the conditioning as the forward's keyword arguments (default: SD3's and Flux's
+  ``encoder_hidden_states`` and ``pooled_projections``; Flux adds position ids and the guidance embedding);
 * ``pack`` / ``unpack``: latents -> the transformer's input and its output -> latents (Flux: 2x2 patches);
 * ``transformer_timestep``: the timestep as the transformer takes it (``sigma * 1000``; Flux: sigma);
 * ``image_seq_len``: the image's token count for a resolution-dependent shift (None: no such shift);
@@ -81,9 +82,9 @@ class FlowFamily(PipelineFamily):
         """(states, pooled) from the batch's token ids (``input_ids``, ``input_ids_2``, ...)."""
 
     # -- the transformer's forward ------------------------------------------------------------------
-    def transformer_kwargs(self, latents: torch.Tensor, states: torch.Tensor) -> dict:
-        """Inputs of the forward besides the noisy latents, the timestep, the states and pooled."""
-        return {}
+    def transformer_inputs(self, latents: torch.Tensor, states: torch.Tensor, pooled: torch.Tensor | None) -> dict:
+        """The forward's inputs besides the noisy latents and the timestep, for a batch of ``latents``."""
+        return dict(encoder_hidden_states=states, pooled_projections=pooled)
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return latents
@@ -112,12 +113,12 @@ class FlowFamily(PipelineFamily):
         sigmas = fixed["timesteps"].float() / float(self.num_timesteps) if "timesteps" in fixed else None
         with autocast:
             states, pooled = self.condition(batch, validation)
-        extra = self.transformer_kwargs(latents, states)
+        inputs = self.transformer_inputs(latents, states, pooled)
 
         def predict(noisy, timesteps):
             with autocast:
                 out = model(hidden_states=self.pack(noisy), timestep=self.transformer_timestep(timesteps),
-                            encoder_hidden_states=states, pooled_projections=pooled, return_dict=False, **extra)[0]
+                            return_dict=False, **inputs)[0]
             return self.unpack(out, latents.shape)
 
         loss, per_sample, timesteps = flow_matching.flow_loss(

@@ -210,8 +210,9 @@ class Flux(FlowFamily):
             return None
         return torch.full((batch_size,), float(self.cfg.model.guidance_embed), device=self.device, dtype=torch.float32)
 
-    def transformer_kwargs(self, latents: torch.Tensor, states: torch.Tensor) -> dict:
-        return dict(txt_ids=text_ids(states), img_ids=image_ids(latents), guidance=self.guidance(len(latents)))
+    def transformer_inputs(self, latents: torch.Tensor, states: torch.Tensor, pooled: torch.Tensor | None) -> dict:
+        return dict(super().transformer_inputs(latents, states, pooled), txt_ids=text_ids(states),
+                    img_ids=image_ids(latents), guidance=self.guidance(len(latents)))
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return pack(latents)
