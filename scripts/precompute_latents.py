@@ -157,15 +157,15 @@ def load_models(args, device: torch.device):
     return vae, fingerprint.hexdigest(), encoder
 
 
-@torch.no_grad()
 def encode_images(vae, pixels: torch.Tensor, scale: float, shift: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Posterior mean and std in the denoiser's units, ``(mean - shift) * scale`` and ``std * scale``, float32
-    on the CPU (``pixels``: uint8, or float in [-1, 1]); a sample of them is ``(latent - shift) * scale``."""
+    on the CPU (``pixels``: uint8, or float in [-1, 1]); a sample of them is ``(latent - shift) * scale``.
+    The encode is the training's (``families.components.vae.encode``)."""
     from sd_training.data.transforms import unit_range
+    from sd_training.families.components.vae import encode
 
-    param = next(vae.parameters())
-    dist = vae.encode(unit_range(pixels.to(param.device)).to(param.dtype)).latent_dist
-    return ((dist.mean.float() - shift) * scale).cpu(), (dist.std.float() * scale).cpu()
+    mean, std = encode(vae, unit_range(pixels.to(next(vae.parameters()).device)), scale, shift, with_std=True)
+    return mean.cpu(), std.cpu()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def test_compiled_lora_step_equals_eager_and_the_base_stays_frozen():
 
     from sd_training.build import compile_model
     from sd_training.families.options import AdapterConfig
-    from sd_training.families.sd3 import ADAPTER_PRESETS
+    from sd_training.families.components.transformer import ADAPTER_PRESETS
     from sd_training.families.components.transformer import transformer_blocks
 
     def step(net):

@@ -13,7 +13,7 @@ from conftest import train_args
 from sd_training.build import compile_model, new_cuda_graph_step
 from sd_training.config import ConfigError
 from sd_training.configure import load
-from sd_training.families.sd import compile_units
+from sd_training.families.unet_family import compile_units
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILY = types.SimpleNamespace(compile_units=compile_units, net_name="unet")

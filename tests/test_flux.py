@@ -12,7 +12,8 @@ from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.families.components import flow_matching
 from sd_training.families import registry as families
-from sd_training.families.flux import encode_prompts, image_ids, image_seq_len, pack, unpack
+from sd_training.families.components.packing import image_ids, image_seq_len, pack, unpack
+from sd_training.families.flux import encode_prompts
 from sd_training.loop import main
 from sd_training.families.components.ddpm import sample_generators
 

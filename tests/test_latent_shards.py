@@ -107,7 +107,7 @@ def test_a_training_step_on_latent_shards_equals_one_on_online_latents(latent_di
 
 def test_text_embeddings_and_caption_dropout(latent_dir, shapes_shards, models):
     _, te = models
-    from sd_training.families.components.ddpm import encode_text
+    from sd_training.families.components.clip import encode_text
 
     empty = np.load(latent_dir / EMPTY_TEXT_FILE)
     lat = take(latent_loader(latent_dir, text_embeddings=True, caption_dropout=0.5), 4)

@@ -81,7 +81,7 @@ def test_shifted_16_channel_latents_and_bf16_text(bf16_dir, shards, shifted_pipe
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel
 
-    from sd_training.families.components.ddpm import encode_text
+    from sd_training.families.components.clip import encode_text
 
     info = json.loads((bf16_dir / INFO_FILE).read_text())
     assert info["latent_shift_factor"] == SHIFT and info["latent_scaling_factor"] == SCALE

@@ -284,7 +284,7 @@ def test_flow_matching_zero_mask_and_flux_packing(flux_pipeline, sd3_pipeline, s
 
     from sd_training.families.components import flow_matching
     from sd_training.families import registry as families
-    from sd_training.families.flux import pack, unpack
+    from sd_training.families.components.packing import pack, unpack
     from sd_training.families.options import FlowMatchingConfig
 
     net = SD3Transformer2DModel.from_pretrained(sd3_pipeline / "transformer")

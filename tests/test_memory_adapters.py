@@ -14,7 +14,7 @@ from transformers import CLIPTextConfig, CLIPTextModel
 from sd_training.adapters import inject, lora_config, resolve_targets
 from sd_training.config import ConfigError
 from sd_training.config.loading import parse
-from sd_training.families.sd import UNET_ADAPTER_PRESETS, shard_units
+from sd_training.families.unet_family import UNET_ADAPTER_PRESETS, shard_units
 from sd_training.families.tiny import TINY_TEXT_ENCODER, TINY_UNET
 from sd_training.memory.fit import check_batch
 from sd_training.memory.load import lora_params

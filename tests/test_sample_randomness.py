@@ -20,11 +20,11 @@ from conftest import train_args
 from sd_training.configure import load
 from sd_training.families import registry as families
 from sd_training.families.tiny import SD_SCHEDULER
+from sd_training.families.components.vae import encode as encode_images
 from sd_training.families.components.ddpm import (
     STREAMS,
     ObjectiveConfig,
     diffusion_loss,
-    encode_images,
     host_seeds,
     pyramid_noise,
     sample_noise,

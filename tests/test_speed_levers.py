@@ -146,7 +146,7 @@ def test_unet_blocks_compile_one_by_one_in_place_and_equal_eager(request, which)
     from diffusers import UNet2DConditionModel
 
     from sd_training.build import compile_model
-    from sd_training.families.sd import compile_units
+    from sd_training.families.unet_family import compile_units
 
     torch._dynamo.reset()
     pipeline = request.getfixturevalue("tiny_pipeline" if which == "sd" else "sdxl_pipeline")
@@ -175,7 +175,7 @@ def test_whole_scope_compiles_the_wrapped_module_as_one_graph():
     import types
 
     from sd_training.build import compile_model
-    from sd_training.families.sd import compile_units
+    from sd_training.families.unet_family import compile_units
 
     torch._dynamo.reset()
     backend, graphs = counting_backend()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sd_training.config import ConfigError
-from sd_training.families.components.ddpm import encode_text
+from sd_training.families.components.clip import encode_text
 from sd_training.families.components.clip import (
     CLIP_SKIP_KEY,
     TextEncoderConfig,

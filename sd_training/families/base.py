@@ -1,30 +1,33 @@
 """What a model family tells the trainer.
 
 The trainer (``loop.py``), checkpointing, the strategies and the export code name no family: they hold
-a :class:`Family` and call the methods below. A family is one module (``sd.py``, ``sdxl.py``,
-``autoencoder.py``) that says how its components are built from ``model.*``, which module trains, how a
-batch becomes a loss (its conditioning included), what the exported diffusers pipeline is, how samples
-are made, and its FLOPs per image for MFU; and, with no run (classmethods), its tiny random-weight
-pipeline (:meth:`Family.make_tiny_pipeline`) and how its captions are stored in latent shards
-(:meth:`Family.text_encoding`). Adding a family is its module and one line in ``registry.FAMILIES``.
+a :class:`Family` and call the methods below: how its components are built from ``model.*``, which module
+trains, how a batch becomes a loss (its conditioning included), what the exported diffusers pipeline is,
+how samples are made, and its FLOPs per image for MFU; and, with no run (classmethods), its tiny
+random-weight pipeline (:meth:`Family.make_tiny_pipeline`) and how its captions are stored in latent shards
+(:meth:`Family.text_encoding`).
+
+A family is a small module on one of two bases (``pipeline_family.py`` holds what both share):
+``unet_family.UNetFamily`` (SD in ``sd.py``, SDXL in ``sdxl.py``) and ``flow_family.FlowFamily`` (SD3 in
+``sd3.py``, Flux in ``flux.py``), composing the components of ``components/`` (objectives, text encoders,
+the VAE encode, the nets). ``autoencoder.py`` trains a UNet pipeline's VAE on top of its family. Adding a
+family is its module and one line in ``registry.FAMILIES``.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from PIL import Image
 
 from ..config.schema import TrainConfig
-from ..data.latents import StoredText
 from ..memory.activations import SampleShape
 from ..speed.flops import StepFlops
+from .components.text import TextEncoding
 from .reference_models import ReferenceModel
 
 
@@ -45,37 +48,6 @@ class SampleSettings(NamedTuple):
     guidance: float
     resolution: int
     dtype: torch.dtype | None  # autocast dtype of sampling (None: fp32)
-
-
-class TextEncoding:
-    """How a family's captions become the text conditioning latent shards store
-    (``scripts/precompute_latents.py --text-embeddings``): the tensors its training computes online.
-
-    ``encode(captions)`` gives (states [B, L, D], pooled [B, P] or None) as float32 numpy: the shards'
-    ``text.npy`` and ``pooled.npy`` members (``data/latents.py``). ``tag`` is what ``latents_info.json``
-    records as ``text_family`` (:meth:`Family.text_storage_tag`), so a run of another family refuses them.
-    ``encode_ids(encoders, ids)``: the family's own conditioning from each tokenizer's ids.
-    ``storage_dtype``: how the shards store the text arrays by default (``--text-dtype auto``): ``bf16``
-    for large states (T5's), None for the script's ``--dtype``."""
-
-    def __init__(self, tag: str | None, tokenizers: Sequence, encoders: Sequence[torch.nn.Module],
-                 encode_ids: Callable[[Sequence[torch.nn.Module], list[torch.Tensor]], tuple],
-                 storage_dtype: str | None = None):
-        self.tag, self.tokenizers, self.encoders, self._encode_ids = tag, list(tokenizers), list(encoders), encode_ids
-        self.storage_dtype = storage_dtype
-
-    @property
-    def max_length(self) -> int:
-        """Tokens per caption of the first tokenizer."""
-        return int(self.tokenizers[0].model_max_length)
-
-    @torch.no_grad()
-    def encode(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
-        device = next(self.encoders[0].parameters()).device
-        ids = [tok(captions, padding="max_length", truncation=True, max_length=tok.model_max_length,
-                   return_tensors="pt").input_ids.to(device) for tok in self.tokenizers]
-        states, pooled = self._encode_ids(self.encoders, ids)
-        return states.float().cpu().numpy(), None if pooled is None else pooled.float().cpu().numpy()
 
 
 class Family(abc.ABC):
@@ -176,10 +148,6 @@ class Family(abc.ABC):
     def check_data(self, loader) -> None:
         """Refuse data made for other models (latent shards of another VAE or text encoder)."""
 
-    def stored_text(self) -> StoredText | None:
-        """What this run expects of text conditioning stored in latent shards; None: it reads none."""
-        return None
-
     def component_sources(self) -> dict:
         """Where each component came from, for the run folder's sources.json."""
         return {}
@@ -224,11 +192,6 @@ class Family(abc.ABC):
         RNG (``registry.make_tiny_pipeline`` seeds it); ``scaling_factor``: the VAE's (None: the
         family's usual one)."""
         raise NotImplementedError(f"the {cls.name or cls.__name__} family has no tiny pipeline")
-
-    @classmethod
-    def text_storage_tag(cls) -> str | None:
-        """``text_family`` in ``latents_info.json``: which family's text conditioning the shards hold."""
-        return cls.name
 
     @classmethod
     def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,

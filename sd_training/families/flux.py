@@ -12,7 +12,8 @@ As ``FluxPipeline`` conditions at inference, so the transformer trains:
 * the guidance embedding of a guidance-distilled transformer (``transformer.config.guidance_embeds``,
   FLUX.1-dev) is given ``model.guidance_embed`` (3.5); a transformer without one (schnell) gets none.
 
-The loss is flow matching (``families.flow_matching``), with Flux's shift that grows with the image's token
+The loss is flow matching (``components.flow_matching``, around the transformer's forward in
+``flow_family.FlowFamily``), with Flux's shift that grows with the image's token
 count (the scheduler's ``use_dynamic_shifting``) unless ``flow_matching`` sets another. Samples and exports
 are ``FluxPipeline`` folders; the frozen parts are exported in fp32 as loaded.
 """
@@ -26,27 +27,21 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from PIL import Image
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
-from ..data.transforms import unit_range
-from ..outputs.export import export_pipeline, unwrap
-from ..speed.flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
-from .components.clip import build_clip_tokenizer, build_text_encoder
-from .components import flow_matching
-from .components import transformer as transformer_components
+from ..data.latents import StoredText
+from ..outputs.export import unwrap
+from .base import SampleSettings
+from .components.text import TextEncoding
+from .components.clip import build_clip_tokenizer, build_text_encoder, load_pipeline_clip
+from .components.packing import image_ids, image_seq_len, pack, text_ids, unpack
 from ..memory import activations
 from . import reference_models as references
-from .base import Family, LossOut, SampleSettings, TextEncoding
-from .sd import StableDiffusion, is_latent_data, pipeline_eval_images, pipeline_grid
 from .components.t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
-from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 from .components.transformer import (
     build_transformer,
     component_sources,
-    encode_latents,
     load_schedulers,
     load_vae,
     reload_vae_fp32,
@@ -54,6 +49,8 @@ from .components.transformer import (
     validate_common,
 )
 from .components.unet import Components
+from .flow_family import FlowFamily
+from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -93,39 +90,6 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor,
     with torch.no_grad():
         pooled = text_encoder(input_ids.to(text_encoder.device), output_hidden_states=False).pooler_output
     return encode_t5(text_encoder_2, input_ids_2), pooled.float()
-
-
-def text_ids(states: torch.Tensor) -> torch.Tensor:
-    """The text tokens' position ids: zeros [L, 3], as ``FluxPipeline.encode_prompt`` makes them."""
-    return torch.zeros(states.shape[1], 3, device=states.device, dtype=states.dtype)
-
-
-def image_ids(latents: torch.Tensor) -> torch.Tensor:
-    """The packed image tokens' position ids [h/2 * w/2, 3]: (0, row, column) of the 2x2-patch grid."""
-    from diffusers import FluxPipeline
-
-    b, _, h, w = latents.shape
-    return FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, h/2 * w/2, 4C] (``FluxPipeline._pack_latents``)."""
-    from diffusers import FluxPipeline
-
-    b, c, h, w = latents.shape
-    return FluxPipeline._pack_latents(latents, b, c, h, w)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, h/2 * w/2, 4C] -> [B, C, h, w] (``FluxPipeline._unpack_latents`` in latent units)."""
-    from diffusers import FluxPipeline
-
-    return FluxPipeline._unpack_latents(tokens, h, w, 1)
-
-
-def image_seq_len(latents: torch.Tensor) -> int:
-    """Packed image tokens of these latents: what Flux's resolution shift reads."""
-    return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
 
 
 def build_flux_models(cfg, device: torch.device, seed: int) -> FluxModels:
@@ -181,7 +145,7 @@ def check_models(m: FluxModels) -> None:
 
 
 def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
-    """Flux's own refusals (``transformer_components.validate_common`` has the transformer families')."""
+    """Flux's own refusals (``components.transformer.validate_common`` has the transformer families')."""
     m, d = cfg.model, cfg.dataset.params
     return [
         (m.train_target != "unet", "model.train_target=vae trains a UNet pipeline's autoencoder; Flux trains its "
@@ -198,21 +162,17 @@ def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
     ]
 
 
-class Flux(Family):
-    name = "flux"
-    net_name = "transformer"
+class Flux(FlowFamily):
+    name = text_tag = "flux"
+    display_name = "Flux"
     pipeline_classes = ("FluxPipeline",)
     card_tags = ("flux", "flux-diffusers")
     net_class = "FluxTransformer2DModel"
-    shard_units = staticmethod(transformer_components.shard_units)
-    adapter_presets = transformer_components.ADAPTER_PRESETS
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
-        super().__init__(cfg, device, seed, is_main)
-        self.models = build_flux_models(cfg.model, device, seed)
-        check_models(self.models)
-        self.net = unwrap(self.models.transformer)
-        self.loss_module = self.net
+    def build_models(self) -> FluxModels:
+        models = build_flux_models(self.cfg.model, self.device, self.seed)
+        check_models(models)
+        return models
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -227,17 +187,8 @@ class Flux(Family):
         return int(cfg.model.t5.max_length or T5_MAX_LENGTH)
 
     @property
-    def num_timesteps(self) -> int:
-        return int(self.models.noise_scheduler.config.num_train_timesteps)
-
-    def sample_dtype(self, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
-        if autocast_dtype is not None:
-            return autocast_dtype
-        return self.models.vae.dtype if self.models.vae.dtype != torch.float32 else None
-
-    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
-        """``model.compile``: each double- and single-stream block on its own (one graph per block shape)."""
-        return transformer_components.transformer_blocks(net)
+    def max_sequence_length(self) -> int:
+        return int(self.models.tokenizer_2.model_max_length)
 
     @property
     def tokenizers(self):
@@ -249,24 +200,11 @@ class Flux(Family):
         return [m.vae, m.text_encoder, m.text_encoder_2]
 
     # -- the step ---------------------------------------------------------------------------------
-    def condition(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T5 states, CLIP pooled) of the batch on the device, float32: stored in latent shards, or encoded."""
+    def encode_condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T5 states, CLIP pooled), both encoders frozen."""
         dev = self.device
-        if TEXT_STATES_KEY in batch:
-            if POOLED_KEY not in batch:
-                raise ValueError(f"the batch has stored text embeddings but no {POOLED_KEY}: these latent shards were "
-                                 "not made for Flux (scripts/precompute_latents.py with a Flux pipeline)")
-            return (batch[TEXT_STATES_KEY].to(dev, non_blocking=True).float(),
-                    batch[POOLED_KEY].to(dev, non_blocking=True).float())
         return encode_prompts(self.models.text_encoder, self.models.text_encoder_2,
                               batch["input_ids"].to(dev, non_blocking=True), batch["input_ids_2"].to(dev, non_blocking=True))
-
-    def latents(self, batch: dict) -> torch.Tensor:
-        if "latents" in batch:
-            return batch["latents"].to(self.device, non_blocking=True).float()
-        pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
-        mean = self.cfg.model.vae.latent_sampling == "mean"
-        return encode_latents(self.models.vae, pixels, mean=mean, sample_seeds=batch.get("sample_seeds"))
 
     def guidance(self, batch_size: int) -> torch.Tensor | None:
         """The guidance embedding's input (``model.guidance_embed``) when the transformer has one."""
@@ -274,70 +212,43 @@ class Flux(Family):
             return None
         return torch.full((batch_size,), float(self.cfg.model.guidance_embed), device=self.device, dtype=torch.float32)
 
-    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
-        """Flow matching on the packed latents; ``fixed`` noise and timesteps (sigma * 1000) as given."""
-        latents = self.latents(batch)
-        b, _, h, w = latents.shape
-        fixed = fixed or {}
-        sigmas = fixed["timesteps"].float() / self.num_timesteps if "timesteps" in fixed else None
-        with autocast:
-            states, pooled = self.condition(batch)
-            ids = dict(txt_ids=text_ids(states), img_ids=image_ids(latents), guidance=self.guidance(b))
+    def transformer_inputs(self, latents: torch.Tensor, states: torch.Tensor, pooled: torch.Tensor | None) -> dict:
+        return dict(super().transformer_inputs(latents, states, pooled), txt_ids=text_ids(states),
+                    img_ids=image_ids(latents), guidance=self.guidance(len(latents)))
 
-            def predict(noisy, timesteps):
-                out = model(hidden_states=pack(noisy), timestep=timesteps / 1000, pooled_projections=pooled,
-                            encoder_hidden_states=states, return_dict=False, **ids)[0]
-                return unpack(out, h, w)
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return pack(latents)
 
-            loss, per_sample, timesteps = flow_matching.flow_loss(
-                predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
-                sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
-                image_seq_len=image_seq_len(latents), loss_weight=batch.get("loss_weight"))
-        return LossOut(loss, per_sample, timesteps, None)
+    def unpack(self, out: torch.Tensor, latents_shape: torch.Size) -> torch.Tensor:
+        return unpack(out, latents_shape[-2], latents_shape[-1])
 
-    def validation_batch(self, batch, generator, index) -> dict:
-        """Fixed latents (the posterior mean), noise and timesteps spread over (0, 1000)."""
-        b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
-        n = len(b["input_ids"])
-        if "latents" not in b:
-            pixels = unit_range(b.pop("pixel_values").to(self.device))
-            b["latents"] = encode_latents(self.models.vae, pixels, mean=True).cpu()
-        b["timesteps"] = torch.arange(1, n + 1, dtype=torch.float32) * (self.num_timesteps / (n + 1))
-        b["noise"] = torch.randn(b["latents"].shape, generator=generator)
-        return b
+    def transformer_timestep(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return timesteps / 1000  # Flux's transformer takes sigma (its embedding multiplies by 1000)
 
-    def check_data(self, loader) -> None:
-        if is_latent_data(self.cfg):
-            check_latents_match(loader, self.models.vae, self.stored_text())
+    def image_seq_len(self, latents: torch.Tensor) -> int:
+        return image_seq_len(latents)
+
+    def validation_timesteps(self, n: int) -> torch.Tensor:
+        """Spread over (0, 1000) (the resolution shift's table depends on the image size)."""
+        return torch.arange(1, n + 1, dtype=torch.float32) * (self.num_timesteps / (n + 1))
 
     def stored_text(self) -> StoredText:
         m = self.models
         return StoredText(int(m.tokenizer_2.model_max_length), int(m.text_encoder_2.config.d_model), 1,
-                          self.text_storage_tag())
+                          self.text_tag)
 
-    def step_flops(self) -> StepFlops:
-        """Counted once on the meta device: 3 x one transformer forward over one image's packed tokens and
-        T5's text tokens (joint attention); hardware FLOPs add the VAE and the encoders unless stored."""
-        m, cfg = self.models, self.cfg
-        res = cfg.dataset.params.resolution
-        h, w = latent_size_of(m.vae, res)
-        n, length = (h // 2) * (w // 2), int(m.tokenizer_2.model_max_length)
+    def flops_inputs(self, config, h: int, w: int) -> dict:
+        n, length = (h // 2) * (w // 2), self.max_sequence_length
+        return dict(hidden_states=torch.empty(1, n, config.in_channels, device="meta"),
+                    encoder_hidden_states=torch.empty(1, length, config.joint_attention_dim, device="meta"),
+                    pooled_projections=torch.empty(1, config.pooled_projection_dim, device="meta"),
+                    timestep=torch.ones(1, device="meta"), img_ids=torch.zeros(n, 3, device="meta"),
+                    txt_ids=torch.zeros(length, 3, device="meta"),
+                    guidance=torch.ones(1, device="meta") if config.guidance_embeds else None)
 
-        def inputs(meta):
-            c = meta.config
-            return dict(hidden_states=torch.empty(1, n, c.in_channels, device="meta"),
-                        encoder_hidden_states=torch.empty(1, length, c.joint_attention_dim, device="meta"),
-                        pooled_projections=torch.empty(1, c.pooled_projection_dim, device="meta"),
-                        timestep=torch.ones(1, device="meta"), img_ids=torch.zeros(n, 3, device="meta"),
-                        txt_ids=torch.zeros(length, 3, device="meta"),
-                        guidance=torch.ones(1, device="meta") if c.guidance_embeds else None)
-
-        latent = is_latent_data(cfg)
-        stored = latent and bool(cfg.dataset.params.text_embeddings)
-        text = 0 if stored else encoder_flops(m.text_encoder, int(m.tokenizer.model_max_length)) + \
-            encoder_flops(m.text_encoder_2, length)
-        return count_net_flops(self.net, inputs, cfg.model.gradient_checkpointing,
-                               vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)
+    def text_encoder_runs(self) -> list[tuple[torch.nn.Module, int, int]]:
+        m = self.models
+        return [(m.text_encoder, int(m.tokenizer.model_max_length), 1), (m.text_encoder_2, self.max_sequence_length, 1)]
 
     def component_sources(self) -> dict:
         return component_sources(self.cfg.model, ("transformer", "vae", "text_encoder", "text_encoder_2"))
@@ -353,24 +264,10 @@ class Flux(Family):
         return FluxPipeline(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer,
                             tokenizer_2=m.tokenizer_2, transformer=unwrap(transformer), **parts)
 
-    def inference_pipeline(self, net: torch.nn.Module):
-        return transformer_components.TrainedLength(self.pipeline(net), int(self.models.tokenizer_2.model_max_length))
-
-    def export(self, net, out: Path) -> dict:
-        export_pipeline(self.pipeline(net, for_export=True), out)
-        return {}
-
-    def _sampling(self, settings: SampleSettings) -> SampleSettings:
+    def sampling(self, settings: SampleSettings) -> SampleSettings:
         """Flux samples without classifier-free guidance: the pipeline's guidance_scale is the guidance
         embedding's input, the value trained with (``model.guidance_embed``)."""
         return settings._replace(guidance=float(self.cfg.model.guidance_embed))
-
-    def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
-        return pipeline_grid(self.inference_pipeline(net), self._sampling(settings), self.device)
-
-    def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
-        return pipeline_eval_images(self.inference_pipeline(net), self._sampling(settings), n, out, rank, world_size,
-                                    self.device)
 
     # -- with no run ------------------------------------------------------------------------------
     @classmethod
@@ -406,10 +303,10 @@ class Flux(Family):
             raise ValueError("Flux conditions on CLIP's pooled output: clip skip does not apply")
         if max_length is not None and max_length > T5_MAX_LENGTH:
             raise ValueError(f"Flux's T5 takes at most {T5_MAX_LENGTH} tokens, got max_length {max_length}")
-        tokenizer, text_encoder = StableDiffusion.load_text_encoder(pipeline, device)
+        tokenizer, text_encoder = load_pipeline_clip(pipeline, device)
         tokenizer_2 = load_t5_tokenizer(pipeline, "tokenizer_2", "the pipeline's tokenizer_2/", max_length or T5_MAX_LENGTH)
         text_encoder_2 = load_t5_encoder(pipeline, "text_encoder_2", "the pipeline's text_encoder_2/", device)
-        return TextEncoding(cls.text_storage_tag(), [tokenizer_2, tokenizer], [text_encoder_2, text_encoder],
+        return TextEncoding(cls.text_tag, [tokenizer_2, tokenizer], [text_encoder_2, text_encoder],
                             lambda encoders, ids: encode_prompts(encoders[1], encoders[0], ids[1], ids[0]),
                             storage_dtype="bf16")
 

@@ -16,9 +16,10 @@ As ``StableDiffusion3Pipeline.encode_prompt`` conditions at inference, so the tr
   parameter groups; exports save them), T5 stays frozen; ``model.text_encoder.max_length``: CLIP tokens per
   caption (both tokenizers' ``model_max_length``, which the exported pipeline's encode_prompt reads).
 
-Latents are ``(encode - shift_factor) * scaling_factor`` of the 16-channel VAE; the loss is
-``families.flow_matching``'s. Everything else (sample grids, eval images, exports of a
-``StableDiffusion3Pipeline``, latent-shard checks) is SD's, with this family's pipeline.
+Latents are ``(encode - shift_factor) * scaling_factor`` of the 16-channel VAE; the loss is flow matching
+(``components.flow_matching``). The flow-matching base (``flow_family.FlowFamily``) holds the loss, the
+stored-text plumbing, validation batches, sample grids, eval images and exports; this module declares the
+components, the conditioning above and the ``StableDiffusion3Pipeline``.
 """
 
 from __future__ import annotations
@@ -33,34 +34,28 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
-from ..outputs.export import unwrap
+from ..data.latents import StoredText
 from ..loading import load_component
-from .components.ddpm import host_seeds, sample_generators
+from ..outputs.export import unwrap
 from ..speed.precision import frozen_text_dtype
-from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_param_groups
-from .components import flow_matching
+from .components.text import TextEncoding, grad_if_trained
+from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_for_pipeline
+from .components.ddpm import host_seeds, sample_generators
 from ..memory import activations
 from . import reference_models as references
-from .base import Family, LossOut, TextEncoding
-from .sd import StableDiffusion
 from .components.t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
-from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 from .components.transformer import (
-    ADAPTER_PRESETS,
-    TrainedLength,
     build_transformer,
     component_sources,
-    encode_latents,
     load_schedulers,
     load_vae,
     reload_vae_fp32,
-    shard_units,
     source,
-    transformer_blocks,
     validate_common,
 )
-from .components.unet import Components, frozen
+from .components.unet import Components, frozen, uses_channels_last
+from .flow_family import FlowFamily
+from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +101,9 @@ def encode_prompts(text_encoder, text_encoder_2, text_encoder_3, input_ids, inpu
     None) its L x ``t5_width`` states are zeros. Gradients flow into the CLIPs that train
     (``model.text_encoder.train``: every parameter reaches the conditioning, the last layer and final norm
     through the pooled output); T5 is always frozen."""
-    def trains(module):
-        return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
-
-    with torch.set_grad_enabled(trains(text_encoder)):
+    with grad_if_trained(text_encoder):
         out1 = text_encoder(input_ids, output_hidden_states=True)
-    with torch.set_grad_enabled(trains(text_encoder_2)):
+    with grad_if_trained(text_encoder_2):
         out2 = text_encoder_2(input_ids_2, output_hidden_states=True)
     clip = torch.cat([out1.hidden_states[-2].float(), out2.hidden_states[-2].float()], dim=-1)
     pooled = torch.cat([out1[0].float(), out2[0].float()], dim=-1)
@@ -134,20 +126,14 @@ def t5_keep(batch_size: int, p: float, device: torch.device, sample_seeds=None) 
     return (u >= p).float().to(device, non_blocking=True)
 
 
-class StableDiffusion3(StableDiffusion):
-    name = "sd3"
-    net_name = "transformer"
+class StableDiffusion3(FlowFamily):
+    name = text_tag = "sd3"
+    display_name = "SD3"
     pipeline_classes = ("StableDiffusion3Pipeline",)
     card_tags = ("sd3", "sd3-diffusers")
-    shard_units = staticmethod(shard_units)
-    adapter_presets = ADAPTER_PRESETS
-    kohya_lora_prefixes = {}  # diffusers' kohya converter names UNets and CLIPs only
-
-    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
-        Family.__init__(self, cfg, device, seed, is_main)
-        self.models = self.build_models()
-        self.net = self.models.transformer
-        self.loss_module = self.net
+    text_encoder_names = ("text_encoder", "text_encoder_2")  # both CLIPs (T5 never trains)
+    # Kept from when SD3 inherited SD's settings: under compile_scope=auto the whole transformer is compiled.
+    compile_scope_auto = "whole"
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -225,148 +211,85 @@ class StableDiffusion3(StableDiffusion):
         m = self.models
         return (m.tokenizer, m.tokenizer_2) + ((m.tokenizer_3,) if m.tokenizer_3 is not None else ())
 
-    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
-        """Both CLIPs (T5 never takes a LoRA here)."""
-        return {"text_encoder": self.models.text_encoder, "text_encoder_2": self.models.text_encoder_2}
-
-    def trained_encoders(self) -> dict[str, torch.nn.Module]:
-        """``model.text_encoder.train``: both CLIPs (fp32, replicated with DDP); T5 never trains."""
-        m = self.models
-        return {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2} if self.cfg.model.text_encoder.train else {}
-
     def frozen_modules(self) -> list[torch.nn.Module]:
         m, trained = self.models, self.trained_encoders().values()
         return [x for x in (m.vae, m.text_encoder, m.text_encoder_2, m.text_encoder_3)
                 if x is not None and all(x is not t for t in trained)]
 
-    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
-        """The trained CLIPs' groups (``model.text_encoder.learning_rate``, else the transformer's LR)."""
-        o, groups = self.cfg.optimizer, []
-        for name, encoder in self.trained_encoders().items():
-            groups += [dict(g, name=name) for g in text_encoder_param_groups(
-                encoder, self.cfg.model.text_encoder, peak_lr, o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)]
-        return groups
-
     # -- the step ---------------------------------------------------------------------------------
-    def condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(states, pooled) on the device: stored in the latent shards, else encoded; T5 zeroed when left
-        out, and per sample by ``model.t5.dropout`` in training."""
-        m, dev, t5 = self.models, self.device, self.cfg.model.t5
-        if TEXT_STATES_KEY in batch:
-            if POOLED_KEY not in batch:
-                raise ValueError(f"the batch has stored text embeddings but no {POOLED_KEY}: these latent shards "
-                                 "were not made for SD3 (scripts/precompute_latents.py with an SD3 pipeline)")
-            states = batch[TEXT_STATES_KEY].to(dev, non_blocking=True).float()
-            pooled = batch[POOLED_KEY].to(dev, non_blocking=True).float()
-            if not t5.use:
-                states = torch.cat([states[:, :m.clip_length], torch.zeros_like(states[:, m.clip_length:])], dim=1)
-        else:
-            ids3 = batch["input_ids_3"].to(dev, non_blocking=True) if m.text_encoder_3 is not None else None
-            clips = [m.text_encoder, m.text_encoder_2]
-            if not validation:  # trained CLIPs as DDP wraps them (gradient hooks), else the modules
-                clips = [self._encoders.get(n, e) for n, e in zip(("text_encoder", "text_encoder_2"), clips)]
-            states, pooled = encode_prompts(
-                *clips, m.text_encoder_3, batch["input_ids"].to(dev, non_blocking=True),
-                batch["input_ids_2"].to(dev, non_blocking=True), ids3, m.t5_length,
-                int(m.transformer.config.joint_attention_dim))
+    def condition(self, batch: dict, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base's (states, pooled); in training, T5's states zeroed per sample by ``model.t5.dropout``."""
+        states, pooled = super().condition(batch, validation)
+        t5 = self.cfg.model.t5
         if not validation and t5.use and t5.dropout > 0:
-            keep = t5_keep(len(states), t5.dropout, dev, batch.get("sample_seeds"))
-            n = m.clip_length
+            keep = t5_keep(len(states), t5.dropout, self.device, batch.get("sample_seeds"))
+            n = self.models.clip_length
             states = torch.cat([states[:, :n], states[:, n:] * keep[:, None, None]], dim=1)
         return states, pooled
 
-    def encode(self, pixels: torch.Tensor, mean: bool | None = None, sample_seeds=None) -> torch.Tensor:
-        mean = self.cfg.model.vae.latent_sampling == "mean" if mean is None else mean
-        return encode_latents(self.models.vae, pixels, mean=mean, sample_seeds=sample_seeds)
+    def stored_condition(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored states with T5's part zeroed when ``model.t5.use`` is false (as a pipeline without T5)."""
+        states, pooled = super().stored_condition(batch)
+        if not self.cfg.model.t5.use:
+            n = self.models.clip_length
+            states = torch.cat([states[:, :n], torch.zeros_like(states[:, n:])], dim=1)
+        return states, pooled
 
-    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
-        """Flow matching; ``fixed`` noise and timesteps (sigma x 1000) are used as given (validation)."""
-        latents = self.latents(batch)
-        fixed = dict(fixed or {})
-        n = float(self.models.noise_scheduler.config.num_train_timesteps)
-        sigmas = fixed["timesteps"].float() / n if "timesteps" in fixed else None
-        with autocast:
-            states, pooled = self.condition(batch, validation)
+    def encode_condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        m, dev = self.models, self.device
+        ids3 = batch["input_ids_3"].to(dev, non_blocking=True) if m.text_encoder_3 is not None else None
+        clips = [m.text_encoder, m.text_encoder_2]
+        if not validation:  # trained CLIPs as DDP wraps them (gradient hooks), else the modules
+            clips = [self._encoders.get(n, e) for n, e in zip(("text_encoder", "text_encoder_2"), clips)]
+        return encode_prompts(*clips, m.text_encoder_3, batch["input_ids"].to(dev, non_blocking=True),
+                              batch["input_ids_2"].to(dev, non_blocking=True), ids3, m.t5_length,
+                              int(m.transformer.config.joint_attention_dim))
 
-        def predict(noisy, timesteps):
-            with autocast:
-                return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=states,
-                             pooled_projections=pooled, return_dict=False)[0]
+    def latents(self, batch: dict) -> torch.Tensor:
+        # Kept from when SD3 inherited SD's latents: channels-last where model.channels_last asks it (auto: on
+        # CUDA), a layout only (the values are the same).
+        latents = super().latents(batch)
+        if uses_channels_last(self.cfg.model, self.device):
+            latents = latents.contiguous(memory_format=torch.channels_last)
+        return latents
 
-        loss, per_sample, timesteps = flow_matching.flow_loss(
-            predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
-            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
-            loss_weight=batch.get("loss_weight"))
-        return LossOut(loss, per_sample, timesteps, None)
-
-    def validation_batch(self, batch, generator, index) -> dict:
-        """Fixed latents (posterior mean), noise, and timesteps spread over the training sigma table."""
-        from ..data.transforms import unit_range
-
-        b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
-        if "latents" not in b:
-            b["latents"] = self.encode(unit_range(b.pop("pixel_values").to(self.device)), mean=True).cpu()
-        n = len(b["latents"])
-        table = flow_matching.sigma_table(self.cfg.flow_matching, self.models.noise_scheduler)
-        index = torch.linspace(0, len(table) - 1, n).round().long()
-        b["timesteps"] = table[index] * float(self.models.noise_scheduler.config.num_train_timesteps)
-        b["noise"] = torch.randn(b["latents"].shape, generator=generator)
-        return b
+    @property
+    def max_sequence_length(self) -> int:
+        return self.models.t5_length
 
     def stored_text(self) -> StoredText:
         m = self.models
         return StoredText(m.clip_length + m.t5_length, int(m.transformer.config.joint_attention_dim), 1,
-                          self.text_storage_tag())
+                          self.text_tag)
 
     def component_sources(self) -> dict:
         names = ("transformer", "vae", "text_encoder", "text_encoder_2") + (
             ("text_encoder_3",) if self.models.text_encoder_3 is not None else ())
         return component_sources(self.cfg.model, names)
 
-    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
-        """``model.compile``: each MMDiT block on its own (one graph per block shape)."""
-        return transformer_blocks(net)
+    def flops_inputs(self, config, h: int, w: int) -> dict:
+        length = self.models.clip_length + self.models.t5_length
+        return dict(hidden_states=torch.empty(1, config.in_channels, h, w, device="meta"),
+                    encoder_hidden_states=torch.empty(1, length, config.joint_attention_dim, device="meta"),
+                    pooled_projections=torch.empty(1, config.pooled_projection_dim, device="meta"),
+                    timestep=torch.ones(1, device="meta"))
 
-    def step_flops(self):
-        """Counted once on the meta device: 3 x one transformer forward over one image's patches and the
-        77 + L text tokens (joint attention); hardware FLOPs add the VAE and the encoders unless stored."""
-        from ..speed.flops import count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
-        from .sd import is_latent_data
-
-        m, cfg = self.models, self.cfg
-        res = cfg.dataset.params.resolution
-        h, w = latent_size_of(m.vae, res)
-        length = m.clip_length + m.t5_length
-
-        def inputs(meta):
-            c = meta.config
-            return dict(hidden_states=torch.empty(1, c.in_channels, h, w, device="meta"),
-                        encoder_hidden_states=torch.empty(1, length, c.joint_attention_dim, device="meta"),
-                        pooled_projections=torch.empty(1, c.pooled_projection_dim, device="meta"),
-                        timestep=torch.ones(1, device="meta"))
-
-        latent = is_latent_data(cfg)
-        stored = latent and bool(cfg.dataset.params.text_embeddings)
-        passes = 3 if cfg.model.text_encoder.train else 1  # a trained CLIP's forward and backward
-        text = 0 if stored else sum(k * encoder_flops(e, n) for e, n, k in (
-            (m.text_encoder, m.clip_length, passes), (m.text_encoder_2, m.clip_length, passes),
-            (m.text_encoder_3, m.t5_length, 1)) if e is not None)
-        return count_net_flops(self.net, inputs, cfg.model.gradient_checkpointing,
-                               vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)
+    def text_encoder_runs(self) -> list[tuple[torch.nn.Module, int, int]]:
+        m = self.models
+        passes = 3 if self.cfg.model.text_encoder.train else 1  # a trained CLIP's forward and backward
+        return [(e, n, k) for e, n, k in ((m.text_encoder, m.clip_length, passes), (m.text_encoder_2, m.clip_length, passes),
+                                          (m.text_encoder_3, m.t5_length, 1)) if e is not None]
 
     # -- artifacts --------------------------------------------------------------------------------
-    def pipeline(self, net, for_export: bool = False, vae=None):
+    def pipeline(self, net, for_export: bool = False):
         """A ``StableDiffusion3Pipeline`` of the run's components with ``net``; ``for_export``: the frozen
-        components in fp32 as loaded (the bare pipeline); else wrapped for sampling (``TrainedLength``: the
-        trained T5 length)."""
+        components in fp32 as loaded."""
         m = self.models
-        if vae is None:
-            vae = m.full_precision("vae") if for_export else m.vae
+        vae = m.full_precision("vae") if for_export else m.vae
         trained = self.trained_encoders()
         enc = {n: unwrap(trained[n]) if n in trained else (m.full_precision(n) if for_export else getattr(m, n))
                if getattr(m, n) is not None else None for n in ENCODERS}
-        pipe = _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m)
-        return pipe if for_export else TrainedLength(pipe, m.t5_length)
+        return _pipeline(unwrap(net), m.inference_scheduler, unwrap(vae), enc, m)
 
     # -- with no run ------------------------------------------------------------------------------
     @classmethod
@@ -393,10 +316,6 @@ class StableDiffusion3(StableDiffusion):
             tokenizer_3=tokenizer_3,
         )
         return save(pipe, out, *scratch)
-
-    @classmethod
-    def text_storage_tag(cls) -> str | None:
-        return cls.name
 
     @classmethod
     def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
@@ -427,8 +346,7 @@ class StableDiffusion3(StableDiffusion):
             return encode_prompts(encoders[0], encoders[1], encoders[2] if has_t5 else None, ids[0], ids[1],
                                   ids[2] if has_t5 else None, length, width)
 
-        return TextEncoding(cls.text_storage_tag(), toks, encs, encode_ids, storage_dtype="bf16")
-
+        return TextEncoding(cls.text_tag, toks, encs, encode_ids, storage_dtype="bf16")
 
     # memory and FLOP estimates -------------------------------------------------------------------
     net_class = "SD3Transformer2DModel"
@@ -455,7 +373,6 @@ class StableDiffusion3(StableDiffusion):
                 "SD3.5-large": references.ReferenceModel(cls.net_class, large, encoders, tokens)}
 
 
-
 def _joint_width(pipeline: str) -> int:
     """The transformer's ``joint_attention_dim`` (T5's width) from the pipeline's config."""
     from diffusers import SD3Transformer2DModel
@@ -466,8 +383,6 @@ def _joint_width(pipeline: str) -> int:
 
 def _pipeline(net, scheduler, vae, encoders: dict, m: SD3Models):
     from diffusers import StableDiffusion3Pipeline
-
-    from .components.clip import text_encoder_for_pipeline
 
     return StableDiffusion3Pipeline(
         transformer=net, scheduler=scheduler, vae=vae,

@@ -28,7 +28,7 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
 from ..data.samples import SIZE_FIELDS
 from ..outputs.export import unwrap
 from ..speed.flops import StepFlops
@@ -36,16 +36,16 @@ from ..loading import load_component
 from ..speed.precision import frozen_text_dtype
 from .components.clip import (
     build_clip_tokenizer,
+    load_pipeline_clip,
     place_text_encoder,
     text_encoder_for_pipeline,
-    text_encoder_param_groups,
     text_model_of,
 )
-from .base import TextEncoding
-from .sd import StableDiffusion, is_latent_data
+from .components.text import TextEncoding, grad_if_trained
+from .sd import StableDiffusion
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
 from .components.unet import Models, build_models
-from .components.unet_flops import count_step_flops, text_encode_flops, unet_inputs
+from .components.unet_flops import text_encode_flops, unet_inputs
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +100,9 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor, input_
     """(cross-attention states [B, L, d1 + d2], pooled [B, p]) in fp32, zeros for empty captions.
 
     Gradients flow only into encoders that train (``model.text_encoder.train``)."""
-    def trains(module):
-        return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
-
-    with torch.set_grad_enabled(trains(text_encoder)):
+    with grad_if_trained(text_encoder):
         h1 = text_encoder(input_ids, output_hidden_states=True).hidden_states[-2]
-    with torch.set_grad_enabled(trains(text_encoder_2)):
+    with grad_if_trained(text_encoder_2):
         out2 = text_encoder_2(input_ids_2, output_hidden_states=True)
         pooled, h2 = out2[0], out2.hidden_states[-2]
     states = torch.cat([h1.float(), h2.float()], dim=-1)
@@ -117,9 +114,11 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor, input_
 
 class StableDiffusionXL(StableDiffusion):
     name = "sdxl"
+    text_tag = "sdxl"
     pipeline_classes = ("StableDiffusionXLPipeline",)
     card_tags = ("stable-diffusion-xl", "stable-diffusion-xl-diffusers")
     kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+    text_encoder_names = ("text_encoder", "text_encoder_2")
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -193,23 +192,9 @@ class StableDiffusionXL(StableDiffusion):
     def tokenizers(self):
         return (self.models.tokenizer, self.models.tokenizer_2)
 
-    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
-        return {"text_encoder": self.models.text_encoder, "text_encoder_2": self.models.text_encoder_2}
-
-    def trained_encoders(self) -> dict[str, torch.nn.Module]:
-        m = self.models
-        return {"text_encoder": m.text_encoder, "text_encoder_2": m.text_encoder_2} if self.cfg.model.text_encoder.train else {}
-
     def frozen_modules(self) -> list[torch.nn.Module]:
         second = self.models.text_encoder_2
         return super().frozen_modules() + ([] if any(p.requires_grad for p in second.parameters()) else [second])
-
-    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
-        groups = super().extra_param_groups(peak_lr, lr_scale)
-        o = self.cfg.optimizer
-        second = text_encoder_param_groups(self.models.text_encoder_2, self.cfg.model.text_encoder, peak_lr,
-                                           o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)
-        return groups + [dict(g, name="text_encoder_2") for g in second]
 
     def condition(self, batch: dict, validation: bool):
         dev = self.device
@@ -230,17 +215,13 @@ class StableDiffusionXL(StableDiffusion):
         )
         return states, {"text_embeds": pooled, "time_ids": ids}
 
-    def check_data(self, loader) -> None:
-        if is_latent_data(self.cfg):
-            check_latents_match(loader, self.models.vae, self.stored_text())
-
     def stored_text(self) -> StoredText:
         m = self.models
         return replace(super().stored_text(), width=int(m.text_encoder.config.hidden_size + m.text_encoder_2.config.hidden_size))
 
     def step_flops(self) -> StepFlops:
-        flops = count_step_flops(self.models, self.cfg.dataset.params.resolution, self.cfg.model.gradient_checkpointing,
-                                 encode_images=not is_latent_data(self.cfg), inputs=self.flop_inputs)
+        """The UNet base's count with the second encoder's forward added."""
+        flops = super().step_flops()
         seq = int(self.models.tokenizer_2.model_max_length)
         return replace(flops, text_encode=flops.text_encode + text_encode_flops(self.models.text_encoder_2, seq))
 
@@ -280,10 +261,6 @@ class StableDiffusionXL(StableDiffusion):
         return save(pipe, out, *scratch)
 
     @classmethod
-    def text_storage_tag(cls) -> str | None:
-        return cls.name
-
-    @classmethod
     def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
                       max_length: int | None = None) -> TextEncoding:
         """Both encoders' penultimate states concatenated and the second's pooled embedding, zeros for an
@@ -293,12 +270,12 @@ class StableDiffusionXL(StableDiffusion):
         if clip_skip or max_length:
             raise ValueError("SDXL conditions on both encoders' penultimate layers at 77 tokens: clip skip and "
                              "max length do not apply")
-        tokenizer, text_encoder = cls.load_text_encoder(pipeline, device)
+        tokenizer, text_encoder = load_pipeline_clip(pipeline, device)
         tokenizer_2 = load_component(CLIPTokenizer.from_pretrained, pipeline, "tokenizer_2", "the pipeline's tokenizer_2/")
         text_encoder_2 = load_component(CLIPTextModelWithProjection.from_pretrained, pipeline, "text_encoder_2",
                                         "the pipeline's text_encoder_2/")
         eos = int(tokenizer.eos_token_id)
-        return TextEncoding(cls.text_storage_tag(), [tokenizer, tokenizer_2],
+        return TextEncoding(cls.text_tag, [tokenizer, tokenizer_2],
                             [text_encoder, text_encoder_2.to(device).eval().requires_grad_(False)],
                             lambda encoders, ids: encode_prompts(*encoders, *ids, eos))
 

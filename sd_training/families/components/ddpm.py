@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from ...config import ConfigError
 from ...config.schema import ObjectiveConfig
-from .clip import text_model_of
 
 log = logging.getLogger(__name__)
 
@@ -202,55 +201,6 @@ def _per_sample_randn(gens: list[torch.Generator], shape, device, dtype) -> torc
         raise ValueError(f"{len(gens)} sample seeds for a batch of {shape[0]}")
     rows = [torch.randn((1, *shape[1:]), generator=g, device=device, dtype=dtype) for g in gens]
     return torch.cat(rows)
-
-
-# ----------------------------------------------------------------------------------------------
-# Encoders
-# ----------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def encode_images(vae, pixel_values: torch.Tensor, scale: float, mean: bool = False,
-                  sample_seeds: SampleSeeds | None = None) -> torch.Tensor:
-    """Pixels in [-1, 1] -> scaled latents: a sample of the VAE posterior (as Stable Diffusion trains),
-    or its mean (deterministic: validation, and ``model.vae.latent_sampling=mean``). The sample is drawn
-    from the global RNG of the device, or with ``sample_seeds`` from each sample's ``posterior`` stream
-    (diffusers' ``randn_tensor`` draws row i with generator i)."""
-    dist = vae.encode(pixel_values.to(vae.dtype)).latent_dist
-    if mean:
-        return dist.mean * scale
-    gens = None if sample_seeds is None else sample_generators(sample_seeds, "posterior", dist.mean.device)
-    if gens is not None and len(gens) != dist.mean.shape[0]:
-        raise ValueError(f"{len(gens)} sample seeds for a batch of {dist.mean.shape[0]}")
-    return dist.sample(generator=gens) * scale
-
-
-def encode_text(text_encoder, input_ids: torch.Tensor, clip_skip: int = 0) -> torch.Tensor:
-    """Token ids -> the hidden states the UNet cross-attends to (float32).
-
-    ``clip_skip`` counts back from the last layer (seed 002 / kohya / EveryDream convention): 0 or 1 =
-    the last layer's output; N >= 2 = the output of layer ``num_layers - N + 1`` (2 = penultimate),
-    then the final layer norm. diffusers' ``clip_skip`` argument counts one lower (its 1 = our 2).
-    ``build_text_encoder`` already bakes ``model.text_encoder.clip_skip`` into the module it returns
-    (its last layers are dropped), so the training loop calls this with the default 0; the argument is
-    for an encoder loaded as is (evaluating a stock pipeline with clip skip).
-
-    Gradients flow only when the encoder has trainable parameters (text-encoder training); a frozen
-    encoder runs under no_grad, as it always did.
-    """
-    grad = torch.is_grad_enabled() and any(p.requires_grad for p in text_encoder.parameters())
-    with torch.set_grad_enabled(grad):
-        if clip_skip <= 1:
-            hidden = text_encoder(input_ids, return_dict=False)[0]
-        else:
-            out = text_encoder(input_ids, output_hidden_states=True, return_dict=False)
-            states = out[2]  # (last_hidden_state, pooler_output, hidden_states): embeddings + one per layer
-            if clip_skip >= len(states):
-                raise ValueError(f"clip_skip={clip_skip} but the text encoder has only {len(states) - 1} layers")
-            hidden = text_model_of(text_encoder).final_layer_norm(states[-clip_skip])
-    # A frozen encoder stored in fp16/bf16 (model.text_encoder.dtype) must not hand the fp32 UNet a
-    # half tensor outside autocast. A no-op for fp32 encoders.
-    return hidden.float()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,7 +423,7 @@ def diffusion_loss(
 
 
 __all__ = [
-    "ObjectiveConfig", "validate_objective_config", "configure_schedulers", "encode_images", "encode_text",
+    "ObjectiveConfig", "validate_objective_config", "configure_schedulers",
     "training_target", "snr", "min_snr_weights", "pyramid_noise", "sample_noise", "sample_timesteps",
     "diffusion_loss", "STREAMS", "stream_seed", "host_seeds", "sample_generators", "weight_elements",
 ]

@@ -18,7 +18,6 @@ import torch
 from ...config import ConfigError
 from ...config.schema import ModelConfig, ObjectiveConfig, TrainConfig, UNetConfig
 from ...loading import load_component
-from .ddpm import sample_generators
 from ...speed.precision import frozen_vae_dtype
 from ..options import TransformerConfig
 from .unet import frozen, load_weights
@@ -154,30 +153,6 @@ def reload_vae_fp32(cfg: ModelConfig) -> torch.nn.Module:
     return with_shift(load_weights(AutoencoderKL.from_pretrained, src, "vae", "model.vae.pretrained", **kw))
 
 
-def vae_factors(vae) -> tuple[float, float]:
-    """(shift_factor, scaling_factor) of the VAE config (shift 0 when it has none)."""
-    return float(vae.config.get("shift_factor", None) or 0.0), float(vae.config.scaling_factor)
-
-
-@torch.no_grad()
-def encode_latents(vae, pixels: torch.Tensor, mean: bool = False, sample_seeds=None) -> torch.Tensor:
-    """Pixels in [-1, 1] -> ``(latent - shift_factor) * scaling_factor`` in float32, as the SD3 / Flux
-    pipelines decode ``latents / scale + shift``. ``mean``: the posterior mean, else a posterior sample
-    (row i from sample i's ``posterior`` stream with ``sample_seeds``, else the global RNG). Outside autocast,
-    in the VAE's own dtype."""
-    shift, scale = vae_factors(vae)
-    with torch.autocast(pixels.device.type, enabled=False):
-        dist = vae.encode(pixels.to(vae.dtype)).latent_dist
-        if mean:
-            latents = dist.mean
-        else:
-            gens = None if sample_seeds is None else sample_generators(sample_seeds, "posterior", dist.mean.device)
-            if gens is not None and len(gens) != dist.mean.shape[0]:
-                raise ValueError(f"{len(gens)} sample seeds for a batch of {dist.mean.shape[0]}")
-            latents = dist.sample(generator=gens)
-    return (latents.float() - shift) * scale
-
-
 def load_schedulers(cfg: ModelConfig):
     """(training scheduler, inference scheduler): the pipeline's ``FlowMatchEulerDiscreteScheduler`` (or
     the class its config names) from ``model.noise_scheduler_training`` / ``_inference`` or ``scheduler/``."""
@@ -214,7 +189,7 @@ def component_sources(cfg: ModelConfig, names: tuple[str, ...]) -> dict:
 
 
 __all__ = ["source", "validate_common", "check_transformer_params", "build_transformer", "transformer_blocks",
-           "shard_units", "load_vae", "reload_vae_fp32", "vae_factors", "encode_latents", "load_schedulers",
+           "shard_units", "load_vae", "reload_vae_fp32", "load_schedulers",
            "component_sources"]
 
 

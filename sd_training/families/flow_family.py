@@ -1,0 +1,157 @@
+"""The base of the flow-matching transformer families (SD3 in ``sd3.py``, Flux in ``flux.py``): a diffusion
+transformer trained with flow matching (``components.flow_matching``, the ``flow_matching`` config section)
+on the latents of a VAE with a shift factor, conditioned on text states and a pooled text embedding.
+
+It holds the text-conditioning plumbing (states and pooled from latent shards, else encoded by the family),
+the latents (``(z - shift_factor) * scaling_factor``, ``components.vae``), the flow-matching loss around the
+transformer's forward, validation batches, the transformer's compile and FSDP2 units, LoRA presets, config
+checks of the UNet families' keys, and pipelines that pad the text to the trained length. A family declares
+its components (``build_models``), how captions become (states, pooled) (``encode_condition``), its
+pipeline, and overrides the few hooks where its transformer differs:
+
+* ``transformer_inputs``: the conditioning as the forward's keyword arguments (default: SD3's and Flux's
+  ``encoder_hidden_states`` and ``pooled_projections``; Flux adds position ids and the guidance embedding);
+* ``pack`` / ``unpack``: latents -> the transformer's input and its output -> latents (Flux: 2x2 patches);
+* ``transformer_timestep``: the timestep as the transformer takes it (``sigma * 1000``; Flux: sigma);
+* ``image_seq_len``: the image's token count for a resolution-dependent shift (None: no such shift);
+* ``validation_timesteps``: the held-out batch's fixed timesteps (default: spread over the sigma table);
+* ``flops_inputs`` / ``text_encoder_runs``: one image's forward inputs and the text encoders' runs, for MFU.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from ..config.schema import TrainConfig
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY
+from ..speed.flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
+from .base import LossOut
+from .components import flow_matching
+from .components import vae as vae_encoding
+from .components.transformer import ADAPTER_PRESETS, TrainedLength, shard_units, transformer_blocks, validate_common
+from .pipeline_family import PipelineFamily, is_latent_data
+
+
+class FlowFamily(PipelineFamily):
+    """A flow-matching transformer family (see the module)."""
+
+    net_name = "transformer"
+    shard_units = staticmethod(shard_units)
+    adapter_presets = ADAPTER_PRESETS
+    display_name = ""  # how messages name the family ("SD3", "Flux")
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        validate_common(cfg, cls.name)
+
+    def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
+        """``model.compile``: each transformer block on its own (one graph per block shape)."""
+        return transformer_blocks(net)
+
+    @property
+    @abc.abstractmethod
+    def max_sequence_length(self) -> int:
+        """The trained text length of the pipeline's long encoder (its ``max_sequence_length`` argument)."""
+
+    def inference_pipeline(self, net: torch.nn.Module):
+        """The pipeline as sample grids, eval images and ``scripts/generate_examples.py`` call it: padding the
+        text to the trained length (the pipelines' own defaults are 256 for SD3 and 512 for Flux)."""
+        return TrainedLength(self.pipeline(net), self.max_sequence_length)
+
+    # -- conditioning -------------------------------------------------------------------------------
+    def condition(self, batch: dict, validation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(states [B, L, D], pooled [B, P]) of the batch on the device, float32: stored in latent shards,
+        else encoded. ``validation``: the encoders as modules, else as the trainer wrapped them."""
+        if TEXT_STATES_KEY in batch:
+            return self.stored_condition(batch)
+        return self.encode_condition(batch, validation)
+
+    def stored_condition(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text conditioning latent shards store (``--text-embeddings``)."""
+        if POOLED_KEY not in batch:
+            raise ValueError(f"the batch has stored text embeddings but no {POOLED_KEY}: these latent shards were "
+                             f"not made for {self.display_name} (scripts/precompute_latents.py with the run's "
+                             "pipeline and --text-embeddings)")
+        return (batch[TEXT_STATES_KEY].to(self.device, non_blocking=True).float(),
+                batch[POOLED_KEY].to(self.device, non_blocking=True).float())
+
+    @abc.abstractmethod
+    def encode_condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(states, pooled) from the batch's token ids (``input_ids``, ``input_ids_2``, ...)."""
+
+    # -- the transformer's forward ------------------------------------------------------------------
+    def transformer_inputs(self, latents: torch.Tensor, states: torch.Tensor, pooled: torch.Tensor | None) -> dict:
+        """The forward's inputs besides the noisy latents and the timestep, for a batch of ``latents``."""
+        return dict(encoder_hidden_states=states, pooled_projections=pooled)
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def unpack(self, out: torch.Tensor, latents_shape: torch.Size) -> torch.Tensor:
+        return out
+
+    def transformer_timestep(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return timesteps
+
+    def image_seq_len(self, latents: torch.Tensor) -> int | None:
+        return None
+
+    # -- the step -----------------------------------------------------------------------------------
+    def encode(self, pixels: torch.Tensor, mean: bool | None = None, sample_seeds=None) -> torch.Tensor:
+        mean = self.cfg.model.vae.latent_sampling == "mean" if mean is None else mean
+        shift, scale = vae_encoding.factors(self.models.vae)
+        return vae_encoding.encode(self.models.vae, pixels, scale, shift, mean=mean, sample_seeds=sample_seeds)
+
+    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
+        """Flow matching; ``fixed`` noise and timesteps (sigma x 1000) are used as given (validation). The
+        interpolation and the loss are float32 (``flow_matching.flow_loss``); the encoders and the
+        transformer run under ``autocast``."""
+        latents = self.latents(batch)
+        fixed = dict(fixed or {})
+        sigmas = fixed["timesteps"].float() / float(self.num_timesteps) if "timesteps" in fixed else None
+        with autocast:
+            states, pooled = self.condition(batch, validation)
+        inputs = self.transformer_inputs(latents, states, pooled)
+
+        def predict(noisy, timesteps):
+            with autocast:
+                out = model(hidden_states=self.pack(noisy), timestep=self.transformer_timestep(timesteps),
+                            return_dict=False, **inputs)[0]
+            return self.unpack(out, latents.shape)
+
+        loss, per_sample, timesteps = flow_matching.flow_loss(
+            predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
+            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
+            image_seq_len=self.image_seq_len(latents), loss_weight=batch.get("loss_weight"))
+        return LossOut(loss, per_sample, timesteps, None)
+
+    def validation_timesteps(self, n: int) -> torch.Tensor:
+        """Timesteps (sigma x 1000) spread over the training sigma table."""
+        table = flow_matching.sigma_table(self.cfg.flow_matching, self.models.noise_scheduler)
+        index = torch.linspace(0, len(table) - 1, n).round().long()
+        return table[index] * float(self.num_timesteps)
+
+    # -- FLOPs --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def flops_inputs(self, config, h: int, w: int) -> dict:
+        """The transformer's forward inputs for one image of an ``h`` x ``w`` latent grid, on the meta device
+        (``config``: the transformer's)."""
+
+    @abc.abstractmethod
+    def text_encoder_runs(self) -> list[tuple[torch.nn.Module, int, int]]:
+        """(encoder, tokens, passes) of each text encoder a step runs (passes: 1 frozen, 3 trained)."""
+
+    def step_flops(self) -> StepFlops:
+        """Counted once on the meta device: 3 x one transformer forward over one image's tokens and the text
+        tokens (joint attention); hardware FLOPs add the VAE and the text encoders unless stored."""
+        m, cfg = self.models, self.cfg
+        res = cfg.dataset.params.resolution
+        h, w = latent_size_of(m.vae, res)
+        latent = is_latent_data(cfg)
+        stored = latent and bool(cfg.dataset.params.text_embeddings)
+        text = 0 if stored else sum(k * encoder_flops(e, n) for e, n, k in self.text_encoder_runs())
+        return count_net_flops(self.net, lambda meta: self.flops_inputs(meta.config, h, w),
+                               cfg.model.gradient_checkpointing,
+                               vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)

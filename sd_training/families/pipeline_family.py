@@ -1,0 +1,159 @@
+"""What every family that trains the denoiser of a diffusers text-to-image pipeline shares, whichever its
+net and objective: building its components, latents (stored in shards or VAE-encoded online), the
+validation batch, the latent-shard checks, exports, sample grids and eval images of its pipeline.
+
+Its two bases say the rest: ``unet_family.UNetFamily`` (a UNet, the eps/v diffusion objective: SD 1.x/2.x,
+SDXL) and ``flow_family.FlowFamily`` (a diffusion transformer trained with flow matching: SD3, Flux).
+A family declares ``build_models`` (its components: ``self.models``, whose ``net_name`` attribute is the
+trained net), ``pipeline`` (its diffusers pipeline class with the run's components), ``stored_text`` and its
+conditioning; the bases do the rest.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from ..config.dataset import is_latent_type
+from ..config.schema import TrainConfig
+from ..data.latents import StoredText, check_latents_match
+from ..data.transforms import unit_range
+from ..evaluation.generate import generate_images
+from ..outputs.export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
+from .base import Family, SampleSettings
+from .components.clip import text_encoder_param_groups
+
+
+def is_latent_data(cfg: TrainConfig) -> bool:
+    """The run reads latent shards (the VAE, and with stored text the encoders, do not run in the step)."""
+    return is_latent_type(cfg.dataset.type)
+
+
+def pipeline_grid(pipe, settings: SampleSettings, device: torch.device) -> Image.Image | None:
+    """The sample grid of a text-to-image pipeline (None: no prompts or no images per prompt)."""
+    if not settings.prompts or settings.per_prompt < 1:
+        return None
+    return sample_grid(pipe, settings.prompts, settings.per_prompt, settings.seed, settings.steps, settings.guidance,
+                       settings.resolution, device, settings.dtype)
+
+
+def pipeline_eval_images(pipe, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int,
+                         device: torch.device) -> list[Path]:
+    """Eval images of a text-to-image pipeline: image i uses prompt i (cycling) and seed ``seed + i``; rank r
+    makes images r, r+W, r+2W, ... (the loop and file convention of ``python -m sd_training.evaluation``)."""
+    pipe.set_progress_bar_config(disable=True)
+    with eval_mode(pipe), inference_autocast(device, settings.dtype):
+        return generate_images(pipe, settings.prompts, n, out, settings.seed, settings.steps, settings.guidance,
+                               settings.resolution, rank, world_size, batch_size=8, progress=False)
+
+
+class PipelineFamily(Family):
+    """A family whose run trains the denoiser of a text-to-image pipeline (see the module)."""
+
+    pipeline_classes: tuple[str, ...] = ()  # the model_index.json _class_name values (registry.detect)
+    # ``text_family`` in latents_info.json: which family's text conditioning latent shards hold (None: the
+    # single-CLIP layout of shards written before latents_info.json named one)
+    text_tag: str | None = None
+    # The text encoders that may train with the net (``model.text_encoder.train``) or carry a LoRA
+    # (``model.adapter.text_encoders``), by the names of ``self.models`` and of the pipeline's components
+    text_encoder_names: tuple[str, ...] = ()
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
+        super().__init__(cfg, device, seed, is_main)
+        self.models = self.build_models()
+        self.net = unwrap(getattr(self.models, self.net_name))
+        self.loss_module = self.net
+
+    @abc.abstractmethod
+    def build_models(self):
+        """The run's components from ``model.*`` (a ``components.unet.Components`` dataclass)."""
+
+    @abc.abstractmethod
+    def pipeline(self, net: torch.nn.Module, for_export: bool = False):
+        """The family's diffusers pipeline with ``net`` and the run's other components; ``for_export``: the
+        frozen ones in fp32 as loaded from their sources (a bf16 run keeps them in bf16 for speed)."""
+
+    @abc.abstractmethod
+    def stored_text(self) -> StoredText:
+        """What this run expects of text conditioning stored in latent shards."""
+
+    # -- the text encoders that train -------------------------------------------------------------
+    def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
+        return {name: getattr(self.models, name) for name in self.text_encoder_names}
+
+    def trained_encoders(self) -> dict[str, torch.nn.Module]:
+        return self.adapter_text_encoders() if self.cfg.model.text_encoder.train else {}
+
+    def extra_param_groups(self, peak_lr: float, lr_scale: float) -> list[dict]:
+        """The trained encoders' groups, one set per encoder named by it (``model.text_encoder.learning_rate``,
+        else the net's peak LR)."""
+        o, groups = self.cfg.optimizer, []
+        for name, encoder in self.trained_encoders().items():
+            groups += [dict(g, name=name) for g in text_encoder_param_groups(
+                encoder, self.cfg.model.text_encoder, peak_lr, o.params.weight_decay, o.no_decay_norm_and_bias, lr_scale)]
+        return groups
+
+    @property
+    def num_timesteps(self) -> int:
+        return int(self.models.noise_scheduler.config.num_train_timesteps)
+
+    def sample_dtype(self, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
+        """Samples and eval images run under autocast in the training precision, or in the frozen VAE's
+        dtype when only the VAE is stored in half precision (model.vae.dtype=bf16 with fp32 training)."""
+        if autocast_dtype is not None:
+            return autocast_dtype
+        return self.models.vae.dtype if self.models.vae.dtype != torch.float32 else None
+
+    # -- latents ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def encode(self, pixels: torch.Tensor, mean: bool | None = None, sample_seeds=None) -> torch.Tensor:
+        """Pixels in [-1, 1] -> float32 latents in the net's units (``components.vae.encode``); ``mean`` None:
+        ``model.vae.latent_sampling``."""
+
+    def latents(self, batch: dict) -> torch.Tensor:
+        """The batch's latents on the device (float32): stored in latent shards, else VAE-encoded, each
+        sample's posterior sample from its seed."""
+        if "latents" in batch:
+            return batch["latents"].to(self.device, non_blocking=True).float()
+        pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
+        return self.encode(pixels, sample_seeds=batch.get("sample_seeds"))
+
+    @abc.abstractmethod
+    def validation_timesteps(self, n: int) -> torch.Tensor:
+        """The fixed timesteps of a held-out batch of ``n`` samples, spread over the training range."""
+
+    def validation_batch(self, batch, generator, index) -> dict:
+        """Fixed latents (the posterior mean: the same at every validation and restart), noise and timesteps."""
+        b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
+        if "latents" not in b:
+            b["latents"] = self.encode(unit_range(b.pop("pixel_values").to(self.device)), mean=True).cpu()
+        b["timesteps"] = self.validation_timesteps(len(b["latents"]))
+        b["noise"] = torch.randn(b["latents"].shape, generator=generator)
+        return b
+
+    def check_data(self, loader) -> None:
+        if is_latent_data(self.cfg):
+            # Shards made with another VAE, scaling factor or text encoder would train silently wrong.
+            check_latents_match(loader, self.models.vae, self.stored_text())
+
+    # -- artifacts --------------------------------------------------------------------------------
+    def inference_pipeline(self, net: torch.nn.Module):
+        return self.pipeline(net)
+
+    def sampling(self, settings: SampleSettings) -> SampleSettings:
+        """The settings sample grids and eval images use (a family may fix some, e.g. its guidance)."""
+        return settings
+
+    def export(self, net, out: Path) -> dict:
+        export_pipeline(self.pipeline(net, for_export=True), out)
+        return {}
+
+    def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
+        return pipeline_grid(self.inference_pipeline(net), self.sampling(settings), self.device)
+
+    def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
+        return pipeline_eval_images(self.inference_pipeline(net), self.sampling(settings), n, out, rank, world_size,
+                                    self.device)
