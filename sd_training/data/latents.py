@@ -252,7 +252,7 @@ def shift_of(info: Dict[str, Any]) -> float:
 
 @dataclass(frozen=True)
 class StoredText:
-    """The text conditioning a run expects in latent shards, as its family says (``Family.stored_text``):
+    """The text conditioning a run expects in latent shards, as its family says (``PipelineFamily.stored_text``):
     ``length`` tokens x ``width`` channels of states, made with ``clip_skip`` (1: the last layer), in the
     layout ``tag`` (``latents_info.json``'s ``text_family``: which family's conditioning; None for shards
     of one encoder's states and no pooled embedding, the layout written before the field existed)."""

@@ -77,7 +77,7 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
         "text_dtype": tdtype,
         "bytes_per_sample": bytes_per_sample(latent_shape, np.dtype(DTYPES[args.dtype]).itemsize, tdtype,
                                              text_shape, pooled_shape),
-        # The family's layout tag (Family.text_storage_tag; None: the single-encoder layout of older folders)
+        # The family's layout tag (PipelineFamily.text_tag; None: the single-encoder layout of older folders)
         "text_family": encoder.tag if encoder is not None else None,
         "clip_skip": args.clip_skip if args.text_embeddings else None,
         "empty_text_file": EMPTY_TEXT_FILE if args.text_embeddings else None,

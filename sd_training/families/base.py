@@ -211,6 +211,12 @@ class Family(abc.ABC):
         return cls.net_class
 
     @classmethod
+    def net_defaults(cls) -> dict:
+        """The trained class's constructor defaults, under ``model.<net_name>.params`` when a from-scratch
+        config leaves them out ({}: none to add)."""
+        return {}
+
+    @classmethod
     def sample_activation_elements(cls, conf: dict, sample: SampleShape, checkpointing: bool) -> float:
         """Elements one ``sample``'s forward saves for the backward in the trained module ``conf`` builds (its
         config.json or ``model.<net_name>.params``): a rough lower estimate (``memory.activations``); 0: none."""

@@ -21,6 +21,7 @@ pipeline, and overrides the few hooks where its transformer differs:
 from __future__ import annotations
 
 import abc
+import inspect
 
 import torch
 
@@ -44,7 +45,19 @@ class FlowFamily(PipelineFamily):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        validate_common(cfg, cls.name)
+        validate_common(cfg, cls.name, net_class=cls.transformer_class)
+
+    @classmethod
+    def transformer_class(cls) -> type:
+        """The diffusers class of the trained transformer (``net_class``), imported when asked."""
+        import diffusers
+
+        return getattr(diffusers, cls.net_class)
+
+    @classmethod
+    def net_defaults(cls) -> dict:
+        params = inspect.signature(cls.transformer_class().__init__).parameters.values()
+        return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
     def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
         """``model.compile``: each transformer block on its own (one graph per block shape)."""

@@ -179,7 +179,7 @@ class Flux(FlowFamily):
         for refused, message in _refusals(cfg):
             if refused:
                 raise ConfigError(message)
-        validate_common(cfg, "flux")
+        validate_common(cfg, "flux", net_class=cls.transformer_class)
 
     @classmethod
     def text_tokens(cls, cfg: TrainConfig) -> int:

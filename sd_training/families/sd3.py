@@ -137,7 +137,7 @@ class StableDiffusion3(FlowFamily):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        validate_common(cfg, cls.name, trains_clip=True)
+        validate_common(cfg, cls.name, trains_clip=True, net_class=cls.transformer_class)
         n = cfg.model.text_encoder.max_length
         if n is not None and not 2 <= n <= CLIP_LENGTH:
             raise ConfigError(f"model.text_encoder.max_length {n}: SD3's CLIP tokens per caption are 2 (start and end) "

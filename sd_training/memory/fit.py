@@ -100,7 +100,7 @@ def _trained_config(cfg) -> tuple[str | None, dict | None]:
     if comp is None:
         return None, None
     if getattr(comp, "params", None):
-        conf = dict(comp.params)
+        conf = {**fam.net_defaults(), **comp.params}  # what the class builds from the params
         conf.setdefault("_class_name", fam.planned_net_class(cfg) or f"<{fam.net_name}>")
         return None, conf
     return _component_folder(comp.pretrained or m.pretrained, fam.net_name, m.revision)

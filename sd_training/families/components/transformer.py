@@ -42,10 +42,11 @@ def source(cfg: ModelConfig, component: str) -> tuple[str | None, dict]:
     return own or cfg.pretrained, dict(revision=cfg.revision) if cfg.revision and not own else {}
 
 
-def validate_common(cfg: TrainConfig, family: str, trains_clip: bool = False) -> None:
-    """Refuse the keys of the UNet families that a transformer family would silently ignore.
-    ``trains_clip``: the family trains its CLIP encoders with the transformer and sets their length
-    (``model.text_encoder.train`` / ``max_length``: sd3)."""
+def validate_common(cfg: TrainConfig, family: str, trains_clip: bool = False, net_class=None) -> None:
+    """Refuse the keys of the UNet families that a transformer family would silently ignore, and
+    ``model.transformer.params`` the transformer's class (``net_class()``, imported when there are params)
+    does not take. ``trains_clip``: the family trains its CLIP encoders with the transformer and sets their
+    length (``model.text_encoder.train`` / ``max_length``: sd3)."""
     m = cfg.model
     refusals = [
         (m.unet != UNetConfig(), f"model.unet applies to the UNet families; {family} trains model.transformer "
@@ -68,6 +69,8 @@ def validate_common(cfg: TrainConfig, family: str, trains_clip: bool = False) ->
     for refused, message in refusals:
         if refused:
             raise ConfigError(message)
+    if m.transformer.params and net_class is not None:
+        check_transformer_params(net_class(), m.transformer.params)
     from . import flow_matching
 
     flow_matching.validate(cfg.flow_matching)
