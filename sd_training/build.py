@@ -157,7 +157,7 @@ def _log_memory_plan(cfg: TrainConfig, info: DistInfo, family: Family, net: torc
         net, family.frozen_modules(), cfg.optimizer.name, info.world_size, ema is not None,
         cfg.model.ema.device == "cpu", 2 if dtype is not None else 4, family.shard_units,
         cfg.distributed.fsdp_unit, replicated=replicated,
-        activations=micro_batch_activations(cfg, net, text_tokens=family.text_tokens(cfg)),
+        activations=micro_batch_activations(cfg, net, text_tokens=family.text_tokens(cfg), family=type(family)),
         ema_bytes=module_bytes(ema.shadow) if ema is not None else None, in_backward=cfg.optimizer.in_backward,
     )
     check_plan(rows, strategy.plan_name, info.device.type, cfg)  # a batch that cannot fit stops here

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 
 from .config import ConfigError
@@ -26,3 +28,14 @@ def load_component(loader, src: str, subfolder: str, what: str, **kwargs):
             f"cannot load '{what}' from '{src}'{'/' + args['subfolder'] if args else ''}: {str(e).splitlines()[0]} "
             "(for a hub id without network, download it first: python scripts/download_diffusers.py -o DIR -m ID)"
         ) from None
+
+
+def check_constructor_params(cls, params: dict, key: str) -> None:
+    """Refuse constructor arguments (``key``: their config path, e.g. ``model.unet.params``) that ``cls``
+    does not take, naming the closest one: a typo is a config error, not a silently dropped key."""
+    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    for name in params:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean '{key}.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{key}.{name}' ({cls.__name__} has no such argument){hint}")

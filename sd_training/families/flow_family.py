@@ -27,6 +27,7 @@ import torch
 
 from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY
+from ..memory import activations
 from ..speed.flops import StepFlops, count_net_flops, encoder_flops, latent_size_of, vae_encode_flops
 from .base import LossOut
 from .components import flow_matching
@@ -53,6 +54,12 @@ class FlowFamily(PipelineFamily):
         import diffusers
 
         return getattr(diffusers, cls.net_class)
+
+    @classmethod
+    def sample_activation_elements(cls, conf: dict, sample: activations.SampleShape, checkpointing: bool) -> float:
+        """The latents' patches (16 channels: the flow families' VAE; packed or patchified alike) and the text
+        tokens through the transformer's blocks (``memory.activations``)."""
+        return activations.transformer_sample_elements(conf, sample, checkpointing, latent_channels=16)
 
     @classmethod
     def net_defaults(cls) -> dict:

@@ -36,7 +36,6 @@ from .base import SampleSettings
 from .components.text import TextEncoding
 from .components.clip import build_clip_tokenizer, build_text_encoder, load_pipeline_clip
 from .components.packing import image_ids, image_seq_len, pack, text_ids, unpack
-from ..memory import activations
 from . import reference_models as references
 from .components.t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
 from .components.transformer import (
@@ -310,12 +309,7 @@ class Flux(FlowFamily):
                             lambda encoders, ids: encode_prompts(encoders[1], encoders[0], ids[1], ids[0]),
                             storage_dtype="bf16")
 
-    # memory and FLOP estimates -------------------------------------------------------------------
-    @classmethod
-    def sample_activation_elements(cls, conf: dict, sample: activations.SampleShape, checkpointing: bool) -> float:
-        """2x2-packed 16-channel latents and T5's tokens through the double- and single-stream blocks."""
-        return activations.transformer_sample_elements(conf, sample, checkpointing, latent_channels=16)
-
+    # memory and FLOP estimates (the activations: FlowFamily's) ----------------------------------------
     @classmethod
     def reference_models(cls) -> dict[str, references.ReferenceModel]:
         """FLUX.1-dev (its transformer's config.json), CLIP-L and T5-XXL, 512 T5 tokens."""

@@ -41,7 +41,6 @@ from ..speed.precision import frozen_text_dtype
 from .components.text import TextEncoding, grad_if_trained
 from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_for_pipeline
 from .components.ddpm import host_seeds, sample_generators
-from ..memory import activations
 from . import reference_models as references
 from .components.t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
 from .components.transformer import (
@@ -350,15 +349,6 @@ class StableDiffusion3(FlowFamily):
 
     # memory and FLOP estimates -------------------------------------------------------------------
     net_class = "SD3Transformer2DModel"
-
-    @classmethod
-    def planned_net_class(cls, cfg: TrainConfig) -> str | None:
-        return cls.net_class
-
-    @classmethod
-    def sample_activation_elements(cls, conf: dict, sample: activations.SampleShape, checkpointing: bool) -> float:
-        """Patches of the 16-channel latents and the CLIP + T5 tokens through the joint blocks."""
-        return activations.transformer_sample_elements(conf, sample, checkpointing, latent_channels=16)
 
     @classmethod
     def reference_models(cls) -> dict[str, references.ReferenceModel]:

@@ -9,15 +9,13 @@ from scratch when ``model.transformer.params`` is given (seeded: every rank and 
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import logging
 
 import torch
 
 from ...config import ConfigError
 from ...config.schema import ModelConfig, ObjectiveConfig, TrainConfig, UNetConfig
-from ...loading import load_component
+from ...loading import check_constructor_params, load_component
 from ...speed.precision import frozen_vae_dtype
 from ..options import TransformerConfig
 from .unet import frozen, load_weights
@@ -78,12 +76,7 @@ def validate_common(cfg: TrainConfig, family: str, trains_clip: bool = False, ne
 
 def check_transformer_params(cls, params: dict, key: str = "model.transformer.params") -> None:
     """Refuse constructor arguments ``cls`` does not take, naming the closest one."""
-    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    for name in params:
-        if name not in valid:
-            close = difflib.get_close_matches(name, valid, n=1)
-            hint = f"; did you mean '{key}.{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key '{key}.{name}' ({cls.__name__} has no such argument){hint}")
+    check_constructor_params(cls, params, key)
 
 
 def build_transformer(cfg: ModelConfig, cls, device: torch.device, seed: int = 0) -> torch.nn.Module:

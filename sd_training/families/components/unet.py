@@ -12,9 +12,7 @@ instead be built from scratch from ``model.unet.target`` + ``model.unet.params``
 
 from __future__ import annotations
 
-import difflib
 import importlib
-import inspect
 import logging
 import os
 import re
@@ -25,6 +23,7 @@ import torch
 
 from ...config import ConfigError
 from ...config.schema import ModelConfig
+from ...loading import check_constructor_params
 from ...loading import load_component as _load
 from ...speed.precision import frozen_vae_dtype
 from .clip import build_text_encoder
@@ -117,13 +116,7 @@ def resolve_unet_class(target: str):
 
 def check_unet_params(target: str, params: dict) -> None:
     """Reject UNet constructor arguments the target class does not take, naming the closest one."""
-    cls = resolve_unet_class(target)
-    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    for key in params:
-        if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"; did you mean 'model.unet.params.{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key 'model.unet.params.{key}' ({cls.__name__} has no such argument){hint}")
+    check_constructor_params(resolve_unet_class(target), params, "model.unet.params")
 
 
 def component_sources(cfg: ModelConfig) -> dict:
