@@ -226,9 +226,11 @@ def test_sigkill_at_any_point_of_a_save_keeps_previous_checkpoint(tmp_path):
     root = tmp_path / "ck"
     Checkpointer(root, keep_last=1).save(
         1, {"unet": {"w": torch.full((1000,), 1.0)}, "optimizer": {"s": 1}}, {"rng": 1, "data": 1}, {"step": 1}, "c: 1", rank=0)
-    # torch.save is called once per file: rank file, unet, optimizer. Kill before each, and after all.
+    # torch.save is called once per file: rank file, unet, optimizer. Kill before each, and after all. Each
+    # save is a process forked from one that imported torch once (tests/forked.py), killed by a real SIGKILL.
     for kill_at in (1, 2, 3, 4):
-        res = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(root), str(kill_at)], capture_output=True)
+        res = forked.run([sys.executable, "-c", KILL_DURING_SAVE, str(root), str(kill_at)], capture_output=True,
+                         timeout=300)
         latest = Checkpointer(root).latest()
         if kill_at <= 3:
             assert res.returncode == -signal.SIGKILL
