@@ -47,6 +47,7 @@ def run_args(tmp, pipeline, shards, **kw):
     return train_args(tmp, pipeline, shards, name="run", **{
         "dataset.params.resolution": 32, "experiment.num_examples_to_see": 4 * STEPS,
         "experiment.checkpoint_every": 2, "experiment.keep_last_checkpoints": 5, "experiment.sample_per_prompt": 0,
+        "experiment.report": "false",  # the run report (redrawn at every export, ~1 CPU-s) is test_report's
         **kw})
 
 

@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.faults]
 
 def args(tmp_path, pipeline, shards, **kw):
     base = {"experiment.num_examples_to_see": 4 * 4, "experiment.checkpoint_every": 2, "experiment.save_every": 100,
-            "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32}
+            "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32,
+            "experiment.report": "false"}  # the run report (redrawn at every export, ~1 CPU-s) is test_report's
     base.update(kw)
     return train_args(tmp_path, pipeline, shards, name="g", **base)
 
