@@ -11,7 +11,7 @@ from pathlib import Path
 import forked
 import pytest
 import torch
-from conftest import kill_tree, train_args
+from conftest import descendants, kill_tree, train_args
 
 from sd_training.checkpoint import Checkpointer, complete_steps
 
@@ -63,8 +63,24 @@ def kill_after_checkpoint(p, ckpt_root: Path, step: int, timeout=600):
         assert p.poll() is None, p.stdout.read()[-4000:]
         assert time.time() < deadline
         time.sleep(0.02)
+    tree = descendants(p.pid)
     kill_tree(p.pid)  # torchrun and the trainers it started in sessions of their own
     p.wait()
+    # The ranks (orphans once their launcher is gone) may still be exiting on a loaded machine, rank 0 still
+    # holding the run folder's lock: the next start would be refused. Wait until each has exited.
+    gone_by = time.time() + 60
+    while any(_alive(pid) for pid in tree):
+        assert time.time() < gone_by, [pid for pid in tree if _alive(pid)]
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """A live process (a zombie has exited: its files and locks are released)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def final_state(run: Path):
