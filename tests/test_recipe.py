@@ -216,7 +216,8 @@ def test_compile_wrapper_never_leaks_into_saved_keys(tmp_path, tiny_pipeline, sh
 
 @pytest.mark.slow
 def test_stage_two_init_from_run_dir(tmp_path, tiny_pipeline, shapes_shards):
-    first = train(load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="stage1", **{"model.use_ema": "true", **SMALL})))
+    first = train(load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="stage1",
+                                  **{"model.use_ema": "true", **SMALL})))
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="stage2", **{"model.init_from": first["run_dir"]})
     from sd_training.checkpoint import Checkpointer
 

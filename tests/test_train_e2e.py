@@ -22,7 +22,8 @@ NO_REPORT = {"experiment.report": "false"}
 
 
 def test_short_run_exports_loadable_pipeline(tmp_path, tiny_pipeline, shapes_shards):
-    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="e2e", **{"experiment.save_every": 4, **NO_REPORT}))
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="e2e",
+                          **{"experiment.save_every": 4, **NO_REPORT}))
     out = train(cfg)
     run = Path(out["run_dir"])
     assert out["step"] == 8 == out["total_steps"]  # 32 images / batch 4
@@ -79,7 +80,8 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, tiny_pipeline, s
 
 
 def test_train_py_cli_quick_run(tmp_path, tiny_pipeline, shapes_shards):
-    args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="cli", **{"experiment.num_examples_to_see": 8, **NO_REPORT})
+    args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="cli",
+                      **{"experiment.num_examples_to_see": 8, **NO_REPORT})
     res = forked.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "runs" / "cli" / "current_pipeline" / "model_index.json").exists()
