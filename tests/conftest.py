@@ -73,6 +73,9 @@ def train_args(tmp_path, pipeline, shards, name="run", **overrides):
         "wandb.mode": "disabled",
         "optimizer.params.learning_rate": 1e-3,
         "lr_scheduler.params.warmup_length": 2,
+        # The run report is redrawn by rank 0 at every export (~1 CPU-s each): off in the tiny runs, on in
+        # tests/test_report.py, which checks it.
+        "experiment.report": "false",
     }
     args.update({k.replace("__", "."): v for k, v in overrides.items()})
     return [f"{k}={v}" for k, v in args.items()]

@@ -21,57 +21,39 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.faults
 
 # Runs train.py again and again in one folder, each time with every file write of a save or export counted
-# (torch.save, safetensors files, directory renames); at write number N (one line of stdin per run) the
-# run kills itself with SIGKILL, mid-save. Each run is a process forked from this one after the imports (a
-# fresh interpreter would spend ~10 s of CPU importing torch and diffusers again for each of the 12 runs):
-# it runs train.py's main as ``python train.py`` does and dies by a real SIGKILL; this process prints
-# "EXIT <code>" (-9: killed) when it has gone. No thread runs here before a fork.
+# (torch.save, safetensors files, directory renames); at write number N the run kills itself with SIGKILL,
+# mid-save. Each run is a process forked from one that imported torch and diffusers once (tests/forked.py; a
+# fresh interpreter would spend ~10 s of CPU importing them again for each of the 12 runs): it runs train.py's
+# main as ``python train.py`` does and dies by a real SIGKILL.
 KILLER = r"""
 import os, runpy, signal, sys
 import safetensors.torch
 import torch
-import diffusers, sd_training.cli  # the imports of a run, done once
-from diffusers import StableDiffusionPipeline  # noqa
-train_py, args = sys.argv[1], sys.argv[2:]
-for line in sys.stdin:
-    kill_at = int(line)
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid:
-        status = os.waitpid(pid, 0)[1]
-        sys.stdout.write(f"EXIT {os.waitstatus_to_exitcode(status)}\n")
-        sys.stdout.flush()
-        continue
-    count = [0]
-    def counted(fn):
-        def wrapper(*a, **k):
-            count[0] += 1
-            if count[0] == kill_at:
-                sys.stdout.write(f"KILLED at write {kill_at} ({fn.__name__})\n")
-                sys.stdout.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            return fn(*a, **k)
-        wrapper.__name__ = fn.__name__
-        return wrapper
-    torch.save = counted(torch.save)
-    safetensors.torch.save_file = counted(safetensors.torch.save_file)
-    os.replace = counted(os.replace)
-    sys.argv = [train_py, *args]
-    runpy.run_path(train_py, run_name="__main__")  # exits (SystemExit) with the run's code
-    sys.exit(0)
+train_py, kill_at, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+count = [0]
+def counted(fn):
+    def wrapper(*a, **k):
+        count[0] += 1
+        if count[0] == kill_at:
+            sys.stdout.write(f"KILLED at write {kill_at} ({fn.__name__})\n")
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*a, **k)
+    wrapper.__name__ = fn.__name__
+    return wrapper
+torch.save = counted(torch.save)
+safetensors.torch.save_file = counted(safetensors.torch.save_file)
+os.replace = counted(os.replace)
+sys.argv = [train_py, *args]
+runpy.run_path(train_py, run_name="__main__")  # exits (SystemExit) with the run's code
 """
 
 
-def run_until_killed(driver: subprocess.Popen, point: int) -> tuple[int, str]:
+def run_until_killed(args: list[str], point: int, cwd: Path, env: dict) -> tuple[int, str]:
     """One run of the chain: its exit code (-9 when it killed itself) and its output."""
-    driver.stdin.write(f"{point}\n")
-    driver.stdin.flush()
-    lines = []
-    for line in driver.stdout:
-        if line.startswith("EXIT "):
-            return int(line.split()[1]), "".join(lines)
-        lines.append(line)
-    raise AssertionError("the kill driver died: " + "".join(lines)[-3000:])
+    res = forked.run([sys.executable, "-c", KILLER, str(ROOT / "train.py"), str(point), *args], cwd=cwd, env=env,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    return res.returncode, res.stdout
 
 
 # Points of the chain: each restart dies at its n-th write; the writes of one checkpoint and one export
@@ -90,25 +72,19 @@ def test_kill_9_at_many_points_of_saves_and_exports_loses_nothing(tmp_path, tiny
     run = tmp_path / "runs" / "chain"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     killed, seen_steps = 0, set()
-    driver = subprocess.Popen([sys.executable, "-c", KILLER, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for point in KILL_POINTS:
-            code, out = run_until_killed(driver, point)
-            if code == 0:
-                break  # the run finished before this point: the chain is over
-            assert code == -9 and f"KILLED at write {point}" in out, out[-3000:]
-            killed += 1
-            # After every kill: the newest complete checkpoint loads, and checkpoints never go backwards.
-            steps = complete_steps(run / "checkpoints")
-            if steps:
-                Checkpointer.load(run / "checkpoints" / f"step_{steps[-1]:08d}", 0)
-                assert steps[-1] >= max(seen_steps, default=0)
-                seen_steps.update(steps)
-            # An export that existed stays loadable: the swap is atomic or repaired at start-up.
-    finally:
-        driver.stdin.close()
-        driver.wait(timeout=60)
+    for point in KILL_POINTS:
+        code, out = run_until_killed(args, point, tmp_path, env)
+        if code == 0:
+            break  # the run finished before this point: the chain is over
+        assert code == -9 and f"KILLED at write {point}" in out, out[-3000:]
+        killed += 1
+        # After every kill: the newest complete checkpoint loads, and checkpoints never go backwards.
+        steps = complete_steps(run / "checkpoints")
+        if steps:
+            Checkpointer.load(run / "checkpoints" / f"step_{steps[-1]:08d}", 0)
+            assert steps[-1] >= max(seen_steps, default=0)
+            seen_steps.update(steps)
+        # An export that existed stays loadable: the swap is atomic or repaired at start-up.
     assert killed >= 10, killed
     res = forked.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, timeout=300, env=env,
                      capture_output=True, text=True)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from helpers import args_with, run_trainer
@@ -49,7 +50,9 @@ def lora_on_two_ranks(root: Path, pipeline, shards) -> Path:
     args = [a for a in args if not a.startswith("dataset.params.path=")]  # a mixture's paths are its sources'
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(ROOT / "train.py"), *args]
-    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    # Forked from one process that imported torch and diffusers once (tests/forked.py): a fresh torchrun spends
+    # ~27 CPU-s importing them in its agent and both ranks.
+    out = forked.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return root / "runs" / "lora"
 

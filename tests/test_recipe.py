@@ -18,6 +18,10 @@ from sd_training.optim import build_optimizer, lr_factor, lr_scale, param_groups
 
 # In-process training: one intra-op thread (see conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")
+# The runs here: no run report (rank 0 redraws its plots at every export, ~1 CPU-s each; test_report checks it)
+# and, where what is checked does not depend on the image size (learning-rate values, what is exported and
+# where, a fixed validation loss, the autoencoder stage's outputs), 32 px: a quarter of the pixels to encode.
+SMALL = {"experiment.report": "false", "dataset.params.resolution": 32}
 
 
 def make_trainer(tmp_path, pipeline, shards, name="r", **overrides) -> Trainer:
@@ -103,7 +107,8 @@ def test_schedule_ends_at_min_lr_with_accumulation(tmp_path, tiny_pipeline, shap
     cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="sched", **{
         "system.gradient_accumulation": 2, "system.batch_size": 2, "experiment.num_examples_to_see": 40,
         "lr_scheduler.scheduler": "CosineWithWarmup", "lr_scheduler.params.warmup_length": 2,
-        "lr_scheduler.params.min_lr_ratio": 0.1, "optimizer.scale_lr": "true", "experiment.sample_per_prompt": 0}))
+        "lr_scheduler.params.min_lr_ratio": 0.1, "optimizer.scale_lr": "true", "experiment.sample_per_prompt": 0,
+        **SMALL}))
     out = train(cfg)
     assert out["step"] == 10  # 40 images / (2 x 2) optimizer steps, not 20 micro-steps
     rows = [json.loads(l) for l in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -148,7 +153,7 @@ def test_ema_strength_target_and_cpu_device():
 def test_ema_exported_and_sampled_separately(tmp_path, tiny_pipeline, shapes_shards):
     cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="ema", **{
         "model.use_ema": "true", "model.ema.decay": 0.5, "model.ema.device": "cpu",
-        "experiment.sample_from": "both", "experiment.num_examples_to_see": 12}))
+        "experiment.sample_from": "both", "experiment.num_examples_to_see": 12, **SMALL}))
     run = Path(train(cfg)["run_dir"])
     from diffusers import UNet2DConditionModel
 
@@ -209,7 +214,8 @@ def test_compile_wrapper_never_leaks_into_saved_keys(tmp_path, tiny_pipeline, sh
 
 @pytest.mark.slow
 def test_stage_two_init_from_run_dir(tmp_path, tiny_pipeline, shapes_shards):
-    first = train(load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="stage1", **{"model.use_ema": "true"})))
+    first = train(load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="stage1",
+                                  **{"model.use_ema": "true", **SMALL})))
     t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="stage2", **{"model.init_from": first["run_dir"]})
     from sd_training.checkpoint import Checkpointer
 
@@ -270,7 +276,7 @@ def test_text_encoder_training_and_v_prediction_reach_the_export(tmp_path, tiny_
     cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="te", **{
         "model.text_encoder.train": "true", "model.text_encoder.learning_rate": 5e-4,
         "objective.prediction_type": "v_prediction", "objective.zero_terminal_snr": "true",
-        "objective.loss_weighting": "min_snr", "experiment.num_examples_to_see": 12}))
+        "objective.loss_weighting": "min_snr", "experiment.num_examples_to_see": 12, **SMALL}))
     run = Path(train(cfg)["run_dir"])
     from diffusers import StableDiffusionPipeline
     from transformers import CLIPTextModel
@@ -295,7 +301,7 @@ def test_text_encoder_training_and_v_prediction_reach_the_export(tmp_path, tiny_
 def test_validation_loss_is_fixed_and_logged_from_step_zero(tmp_path, tiny_pipeline, shapes_shards):
     args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="val", **{
         "validation.path": shapes_shards, "validation.num_batches": 2, "validation.every": 2,
-        "experiment.sample_per_prompt": 0, "optimizer.params.learning_rate": 0.0})
+        "experiment.sample_per_prompt": 0, "optimizer.params.learning_rate": 0.0, **SMALL})
     run = Path(train(load(args))["run_dir"])
     vals = [(r["step"], r["val/loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val/loss" in r]
     assert [s for s, _ in vals] == [0, 2, 4, 6, 8]
@@ -307,7 +313,7 @@ def test_validation_loss_is_fixed_and_logged_from_step_zero(tmp_path, tiny_pipel
 def test_autoencoder_stage_trains_exports_and_measures_scale(tmp_path, tiny_pipeline, shapes_shards):
     args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="vae", **{
         "model.train_target": "vae", "experiment.num_examples_to_see": 40, "experiment.save_every": 5,
-        "validation.path": shapes_shards, "validation.num_batches": 1, "model.use_ema": "true"})
+        "validation.path": shapes_shards, "validation.num_batches": 1, "model.use_ema": "true", **SMALL})
     out = train(load(args))
     run = Path(out["run_dir"])
     from diffusers import AutoencoderKL, StableDiffusionPipeline
@@ -337,7 +343,7 @@ def test_schedule_ends_at_min_lr_with_accumulation_on_two_ranks(tmp_path, tiny_p
     args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="sched2", **{
         "system.gradient_accumulation": 2, "system.batch_size": 1, "experiment.num_examples_to_see": 40,
         "lr_scheduler.scheduler": "CosineWithWarmup", "lr_scheduler.params.warmup_length": 2,
-        "lr_scheduler.params.min_lr_ratio": 0.1, "experiment.sample_per_prompt": 0})
+        "lr_scheduler.params.min_lr_ratio": 0.1, "experiment.sample_per_prompt": 0, **SMALL})
     finish(launch(tmp_path, args, nproc=2))
     lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "runs" / "sched2" / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
     assert max(lrs) == 10

@@ -113,7 +113,8 @@ def report_run(tmp_path_factory, tiny_pipeline, shapes_shards):
     half_a = shapes_shards.replace("{000000..000003}", "{000000..000001}")
     half_b = shapes_shards.replace("{000000..000003}", "{000002..000003}")
     sources = f"[{{path: '{half_a}', name: a, weight: 3}}, {{path: '{half_b}', name: b}}]"
-    args = [a for a in train_args(tmp, tiny_pipeline, shapes_shards, name="rep") if not a.startswith("dataset.params.path=")]
+    args = [a for a in train_args(tmp, tiny_pipeline, shapes_shards, name="rep", **{"experiment.report": "true"})
+            if not a.startswith("dataset.params.path=")]
     args += [f"dataset.params.sources={sources}", "system.workers=1", "model.mixed_precision=bf16",
              "experiment.num_examples_to_see=24", "experiment.save_every=3", "dataset.params.resolution=32",
              "experiment.sample_resolution=32", "experiment.peak_tflops=0.05", f"validation.path={shapes_shards}",
@@ -228,7 +229,7 @@ def test_the_export_hook_never_raises(tmp_path, tiny_pipeline, shapes_shards, mo
     from sd_training.families.registry import DEFAULT_FAMILY, FAMILIES
 
     family = FAMILIES[DEFAULT_FAMILY]
-    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards))
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{"experiment.report": "true"}))
     run = tmp_path / "runs" / "run"
     run.mkdir(parents=True)
     write_jsonl(run / "metrics.jsonl", [{"step": s, "loss": 1.0, "images_seen": 4 * s} for s in range(1, 4)])

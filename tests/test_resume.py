@@ -11,7 +11,7 @@ from pathlib import Path
 import forked
 import pytest
 import torch
-from conftest import kill_tree, train_args
+from conftest import descendants, kill_tree, train_args
 
 from sd_training.checkpoint import Checkpointer, complete_steps
 
@@ -31,6 +31,7 @@ def args_for(tmp_path, pipeline, shards, name, **kw):
         # 32 px (4x4 latents): a quarter of the convolutions' work at 64 px. bf16 autocast on a CPU without
         # AVX-512 BF16 runs them in ATen's slow reference kernels (a tiny UNet step 19x the fp32 one).
         "dataset.params.resolution": 32,
+        "experiment.report": "false",  # the run report (rank 0 redraws it at every export, ~1 CPU-s) is test_report's
     }
     base.update(kw)
     return train_args(tmp_path, pipeline, shards, name=name, **base)
@@ -62,8 +63,24 @@ def kill_after_checkpoint(p, ckpt_root: Path, step: int, timeout=600):
         assert p.poll() is None, p.stdout.read()[-4000:]
         assert time.time() < deadline
         time.sleep(0.02)
+    tree = descendants(p.pid)
     kill_tree(p.pid)  # torchrun and the trainers it started in sessions of their own
     p.wait()
+    # The ranks (orphans once their launcher is gone) may still be exiting on a loaded machine, rank 0 still
+    # holding the run folder's lock: the next start would be refused. Wait until each has exited.
+    gone_by = time.time() + 60
+    while any(_alive(pid) for pid in tree):
+        assert time.time() < gone_by, [pid for pid in tree if _alive(pid)]
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """A live process (a zombie has exited: its files and locks are released)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def final_state(run: Path):
@@ -226,9 +243,11 @@ def test_sigkill_at_any_point_of_a_save_keeps_previous_checkpoint(tmp_path):
     root = tmp_path / "ck"
     Checkpointer(root, keep_last=1).save(
         1, {"unet": {"w": torch.full((1000,), 1.0)}, "optimizer": {"s": 1}}, {"rng": 1, "data": 1}, {"step": 1}, "c: 1", rank=0)
-    # torch.save is called once per file: rank file, unet, optimizer. Kill before each, and after all.
+    # torch.save is called once per file: rank file, unet, optimizer. Kill before each, and after all. Each
+    # save is a process forked from one that imported torch once (tests/forked.py), killed by a real SIGKILL.
     for kill_at in (1, 2, 3, 4):
-        res = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(root), str(kill_at)], capture_output=True)
+        res = forked.run([sys.executable, "-c", KILL_DURING_SAVE, str(root), str(kill_at)], capture_output=True,
+                         timeout=300)
         latest = Checkpointer(root).latest()
         if kill_at <= 3:
             assert res.returncode == -signal.SIGKILL

@@ -9,7 +9,9 @@
 * Loader workers die with their rank; no child holds the run folder's lock, and a start after a holder
   that died takes the lock over with a line in the log.
 
-Every run here is a subprocess: the deadlines end only a process whose entry point enabled them.
+Every run here is a process of its own: the deadlines end only a process whose entry point enabled them. Each
+is forked from one process that imported torch once (tests/forked.py) instead of a fresh interpreter that
+spends seconds of CPU importing it again.
 """
 
 import json
@@ -59,7 +61,7 @@ def in_group(pgid: int) -> list[int]:
 # ----------------------------------------------------------------------------- stop signals, deadlines
 STUCK = r"""
 import datetime, sys, time
-from sd_training import preemption
+from sd_training.run import preemption
 preemption.enable_bounded_exits()
 stop = preemption.StopFlag().install()
 mode = sys.argv[1]
@@ -83,8 +85,8 @@ elif mode == "hung_shutdown":  # a failure whose shutdown hangs (a close that ne
 
 
 def run_until_exit(mode: str, send_signal: bool, timeout: float = 60):
-    p = subprocess.Popen([sys.executable, "-c", STUCK, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=ENV)
+    p = forked.popen([sys.executable, "-c", STUCK, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, env=ENV)
     assert p.stdout.readline().strip() == "ready", p.communicate()
     t0 = time.monotonic()
     if send_signal:
@@ -136,7 +138,7 @@ time.sleep(120)
 
 def test_no_child_holds_the_run_lock_and_a_dead_holders_lock_is_taken_over(tmp_path):
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True, env=ENV)
+    p = forked.popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True, env=ENV)
     child = int(p.stdout.readline())
     try:
         with pytest.raises(Exception, match=f"is in use by host {os.uname().nodename} pid {p.pid}"):
@@ -173,7 +175,7 @@ time.sleep(120)
 
 
 def test_loader_workers_die_with_their_rank():
-    p = subprocess.Popen([sys.executable, "-c", WORKERS], stdout=subprocess.PIPE, text=True, env=ENV)
+    p = forked.popen([sys.executable, "-c", WORKERS], stdout=subprocess.PIPE, text=True, env=ENV)
     workers = set(map(int, p.stdout.readline().split()))
     assert len(workers) == 2 and all(alive(w) for w in workers)
     p.kill()  # SIGKILL: no shutdown code of the rank runs
@@ -204,7 +206,7 @@ time.sleep(120)
 
 
 def test_a_background_evaluation_dies_with_its_trainer(tmp_path):
-    p = subprocess.Popen([sys.executable, "-c", EVALUATOR, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=ENV)
+    p = forked.popen([sys.executable, "-c", EVALUATOR, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=ENV)
     evaluation = int(p.stdout.readline())
     assert alive(evaluation)
     p.kill()
@@ -247,7 +249,7 @@ elif stage == "step":
         return real(self, batch, sync)
     loop.Trainer.micro_step = failing
 elif stage == "log":  # metrics.jsonl on a full disk: the write fails, and its close fails again
-    from sd_training import trackers
+    from sd_training.outputs import trackers
     real = trackers.JsonlTracker.log
     def failing(self, metrics, step):
         if step >= at:
@@ -267,7 +269,7 @@ elif stage == "save":  # the checkpoint of step FAIL_AT cannot be written (its w
         return real(obj, f, *a, **k)
     torch.save = failing
 elif stage == "export":
-    from sd_training import outputs
+    from sd_training.outputs import run_outputs as outputs
     real = outputs.RunOutputs.export
     def failing(self, step, *a, **k):
         if step >= at:
