@@ -333,7 +333,7 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     from_shards = family(str(latents), **{"dataset.type": "latents", "dataset.params.text_embeddings": "true"})
     info = json.loads((latents / "latents_info.json").read_text())
     vae = online.models.vae.config
-    assert info["text_family"] == type(online).text_storage_tag() and info["latent_channels"] == vae.latent_channels
+    assert info["text_family"] == type(online).text_tag and info["latent_channels"] == vae.latent_channels
     assert abs(info["latent_shift_factor"] - (vae.shift_factor or 0.0)) < 1e-9
     # The stored text is the family's own encoding, in the layout and dtype it asks for; the empty caption's
     # arrays (caption dropout) are its encoding of "" (zeros where the pipeline zeroes it, as SDXL's).
