@@ -24,8 +24,8 @@ def family_for(tmp_path, pipeline, shards, **overrides):
     return cfg, registry.create(cfg, torch.device("cpu"), cfg.system.seed, True)
 
 
-def batch_of(family, pixels: bool, n=2):
-    g = torch.Generator().manual_seed(0)
+def batch_of(family, pixels: bool, n=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
     ids = family.models.tokenizer(["a red circle"] * n, padding="max_length", max_length=77,
                                   return_tensors="pt").input_ids
     out = {"input_ids": ids}
@@ -73,15 +73,23 @@ def test_channels_last_gives_the_default_layouts_loss_and_gradients(tmp_path, re
     assert got.keys() == want.keys() and len(got) > 20
     assert max_error(got, want) < 2e-4
     assert got["conv_in.weight"].is_contiguous(memory_format=CL)  # gradients in the weights' layout
-    # bf16 autocast, from latents: channels-last is as close to the fp32 gradients as the default layout is
-    # (measured: 9% of the largest entry, both; each other within 5%)
-    batch, fixed = batch_of(default, pixels=False)
-    _, fp32 = loss_and_grads(default, batch, fixed, None)
-    want_loss, want = loss_and_grads(default, batch, fixed, torch.bfloat16)
-    got_loss, got = loss_and_grads(cl, batch, fixed, torch.bfloat16)
-    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=2e-3)
-    assert max_error(got, fp32) < 1.3 * max_error(want, fp32) + 1e-3
-    assert max_error(got, want) < 0.1
+    # bf16 autocast, from latents: channels-last is as close to the fp32 gradients as the default layout is.
+    # The largest error over a net's parameters is an extreme value of bf16 rounding, and which layout wins
+    # on one batch depends on the CPU's bf16 kernels (SDXL, batch 0 on one machine: 12.5% vs 7.8%, each
+    # other within 10.5%; batches 1, 2: 8.8% vs 9.9%, 7.4% vs 6.2%): the errors are averaged over 3 batches.
+    errors = {"channels_last": [], "default": [], "mutual": []}
+    for seed in range(3):
+        batch, fixed = batch_of(default, pixels=False, seed=seed)
+        _, fp32 = loss_and_grads(default, batch, fixed, None)
+        want_loss, want = loss_and_grads(default, batch, fixed, torch.bfloat16)
+        got_loss, got = loss_and_grads(cl, batch, fixed, torch.bfloat16)
+        torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=2e-3)
+        errors["channels_last"].append(max_error(got, fp32))
+        errors["default"].append(max_error(want, fp32))
+        errors["mutual"].append(max_error(got, want))
+    mean = {k: sum(v) / len(v) for k, v in errors.items()}
+    assert mean["channels_last"] < 1.3 * mean["default"] + 1e-3, errors
+    assert mean["mutual"] < 0.1, errors
 
 
 def max_error(got: dict, want: dict) -> float:
