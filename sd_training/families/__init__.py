@@ -16,7 +16,8 @@ Torch-free: importing this package (``families.options`` for the config schema) 
 * ``components/``: what families compose: the objectives (``ddpm.py``, ``flow_matching.py``), the text
   encoders (``clip.py``, ``open_clip_text.py``, ``t5.py``, their common shape in ``text.py``), the one VAE
   encode (``vae.py``), latent packing (``packing.py``), the nets' builders (``unet.py``, ``transformer.py``).
-* ``options.py``: the config sections one family reads (torch-free).
+* ``options.py``: the config sections one family reads (torch-free), registered with the schema
+  (``sd_training.config.schema.register_fields``) when ``sd_training`` is imported.
 * ``autoencoder.py`` with ``autoencoder_loss.py``: the VAE stage on top of a pipeline family.
 * ``tiny.py``: the shared sizes of the tiny random-weight pipelines (``registry.make_tiny_pipeline`` builds one).
 """
