@@ -1,5 +1,5 @@
 """Published models, as shapes only (no torch, no weights): what a family's ``reference_models()`` names
-for the memory table of the README (``python -m sd_training.memory.plan --table``, which builds them on the
+for the memory table of docs/memory.md (``python -m sd_training.memory.plan --table``, which builds them on the
 meta device), and the frozen components several families share (the text encoders, the 16-channel VAE).
 """
 

@@ -8,7 +8,7 @@ monotonic in the batch, the resolution and the width, that the trained module's 
 (``Family.sample_activation_elements``, from ``memory.activations``): a lower bound of the peak
 (``peak_memory_gb`` in the logs is the measured total).
 
-The reference rows (``python -m sd_training.memory.plan --table``, the README's table) plan the published
+The reference rows (``python -m sd_training.memory.plan --table``, the table in docs/memory.md) plan the published
 models the families name (``Family.reference_models``) on the meta device.
 
 At config load, before anything is built, ``memory.fit`` runs the same arithmetic on the trained module
@@ -223,7 +223,7 @@ def reference_rows(name: str, world_size: int = 8, resolution: int = 1024, batch
 
 
 def reference_table(world_size: int = 8, resolution: int = 1024) -> str:
-    """A markdown table of the reference rows (GiB per GPU) for the README."""
+    """A markdown table of the reference rows (GiB per GPU) for docs/memory.md."""
     head = ("| model (trained params) | strategy | weights | grads | AdamW | EMA | gathered | frozen encoders + VAE "
             "| activations (ckpt / none) | total (ckpt) | fits 80 GB |")
     lines = [f"Per GPU, {world_size} GPUs, {resolution} px, batch 1, bf16, AdamW, EMA on the GPU; frozen T5-XXL, "
@@ -249,7 +249,7 @@ if __name__ == "__main__":  # python -m sd_training.memory.plan --table [--world
     import argparse
 
     parser = argparse.ArgumentParser(description="Reference memory plans of known diffusion transformers")
-    parser.add_argument("--table", action="store_true", help="print the README's markdown table")
+    parser.add_argument("--table", action="store_true", help="print the markdown table of docs/memory.md")
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--resolution", type=int, default=1024)
     args = parser.parse_args()
