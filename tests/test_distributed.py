@@ -9,7 +9,7 @@ import forked
 import pytest
 import torch
 from conftest import train_args
-from helpers import max_diff  # noqa: F401 -- also imported from here by test_memory_modes
+from helpers import max_diff
 
 HERE = Path(__file__).resolve().parent
 

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+import helpers
 from conftest import train_args
 
 from sd_training import distributed
@@ -61,8 +62,7 @@ def train_steps(t: Trainer, steps: int = STEPS, batch: int = 2) -> dict:
 
 
 def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return helpers.max_diff(a, b, strict=True)  # the same keys (and dtypes) on both sides
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor", pytest.param("adamw8bit", marks=needs_bnb)])
@@ -196,7 +196,7 @@ def test_kill_and_resume_is_bit_identical(tmp_path, tiny_pipeline, shapes_shards
 def test_fsdp_two_ranks_with_in_backward_equal_one_process(tmp_path, tiny_pipeline, shapes_shards):
     """FSDP2 runs each shard's update once its gradient is reduce-scattered: 2 ranks x batch 4 with in_backward
     equal 1 process x batch 8 with the ordinary step (fp32, test_distributed's tolerance)."""
-    from test_distributed import max_diff as diff
+    from helpers import max_diff as diff
     from test_distributed import run_worker
 
     common = {"optimizer.params.learning_rate": 1e-3, "lr_scheduler.params.warmup_length": 0,
