@@ -313,3 +313,9 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_blocks_are_the_shar
 def test_the_sd_family_refuses_the_transformer_keys(tiny_pipeline, shapes_shards, tmp_path, override):
     with pytest.raises(ConfigError, match="applies to the transformer families"):
         make(tmp_path, tiny_pipeline, shapes_shards, **override)
+
+
+def test_sd3_refuses_the_autoencoder_stage_with_the_reason(sd3_pipeline, shapes_shards, tmp_path):
+    """Like Flux: model.train_target=vae is a UNet pipeline's stage (it failed at build with an AttributeError)."""
+    with pytest.raises(ConfigError, match="model.train_target=vae trains a UNet pipeline's autoencoder; sd3 trains"):
+        make(tmp_path, sd3_pipeline, shapes_shards, **{"model.train_target": "vae"})

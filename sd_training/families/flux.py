@@ -147,8 +147,6 @@ def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
     """Flux's own refusals (``components.transformer.validate_common`` has the transformer families')."""
     m, d = cfg.model, cfg.dataset.params
     return [
-        (m.train_target != "unet", "model.train_target=vae trains a UNet pipeline's autoencoder; Flux trains its "
-                                   "transformer (leave model.train_target at unet)"),
         (m.text_encoder_3.pretrained is not None or m.tokenizer_3.pretrained is not None,
          "model.text_encoder_3 / tokenizer_3 are SD3's T5; Flux's T5 is model.text_encoder_2 / tokenizer_2"),
         (not m.t5.use, "Flux's text tokens are T5's states: model.t5.use=false is SD3's"),

@@ -47,6 +47,8 @@ def validate_common(cfg: TrainConfig, family: str, trains_clip: bool = False, ne
     length (``model.text_encoder.train`` / ``max_length``: sd3)."""
     m = cfg.model
     refusals = [
+        (m.train_target != "unet", f"model.train_target=vae trains a UNet pipeline's autoencoder; {family} trains its "
+                                   "transformer (leave model.train_target at unet)"),
         (m.unet != UNetConfig(), f"model.unet applies to the UNet families; {family} trains model.transformer "
                                  "(pretrained, or params for from-scratch training)"),
         (cfg.objective != ObjectiveConfig(), f"the 'objective' section is the UNet families' diffusion loss; {family} "
