@@ -79,3 +79,12 @@ def largest(a) -> float:
     if isinstance(a, (list, tuple)):
         return max((largest(v) for v in a), default=0.0)
     return 0.0
+
+
+def alive(pid: int) -> bool:
+    """A live process (a zombie, dead but not yet reaped, has exited: its files and locks are released)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

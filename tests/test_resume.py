@@ -12,6 +12,7 @@ import forked
 import pytest
 import torch
 from conftest import descendants, kill_tree, train_args
+from helpers import alive
 
 from sd_training.checkpoint import Checkpointer, complete_steps
 
@@ -69,18 +70,9 @@ def kill_after_checkpoint(p, ckpt_root: Path, step: int, timeout=600):
     # The ranks (orphans once their launcher is gone) may still be exiting on a loaded machine, rank 0 still
     # holding the run folder's lock: the next start would be refused. Wait until each has exited.
     gone_by = time.time() + 60
-    while any(_alive(pid) for pid in tree):
-        assert time.time() < gone_by, [pid for pid in tree if _alive(pid)]
+    while any(alive(pid) for pid in tree):
+        assert time.time() < gone_by, [pid for pid in tree if alive(pid)]
         time.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    """A live process (a zombie has exited: its files and locks are released)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def final_state(run: Path):

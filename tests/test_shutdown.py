@@ -25,6 +25,7 @@ from pathlib import Path
 import forked
 import pytest
 from conftest import train_args
+from helpers import alive
 
 from sd_training.checkpoint import Checkpointer, complete_steps
 from sd_training.run.run_dir import lock_run_folder, release_run_folder
@@ -32,15 +33,6 @@ from sd_training.run.run_dir import lock_run_folder, release_run_folder
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.faults
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def alive(pid: int) -> bool:
-    """A live process (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def in_group(pgid: int) -> list[int]:
