@@ -51,7 +51,6 @@ def args(tmp_path, pipeline, shards, name, workers, precision="bf16", strategy="
             "distributed.strategy": strategy,
             "model.use_ema": "true",
             "model.ema.decay": 0.9,
-            "experiment.report": "false",  # the run report (redrawn at every export, ~1 CPU-s) is test_report's
         },
     )
 

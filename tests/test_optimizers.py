@@ -45,7 +45,7 @@ SETTINGS = {
     "adamw_schedulefree": {"optimizer.params.learning_rate": 2e-3},
     "came": {"optimizer.params.learning_rate": 2e-4, "optimizer.params.beta3": 0.9999},
 }
-QUIET = {"experiment.sample_per_prompt": 0, "experiment.report": "false"}
+QUIET = {"experiment.sample_per_prompt": 0}
 
 
 def args(tmp_path, pipeline, shards, name, optimizer, **kw):

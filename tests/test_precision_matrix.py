@@ -85,7 +85,6 @@ def test_combination_trains_checkpoints_exports_samples_and_resumes(
         "model.text_encoder.train": str(train_te).lower(), "system.batch_size": batch, "system.workers": 1,
         "dataset.params.resolution": RES, "experiment.num_examples_to_see": 2 * 4, "experiment.save_every": 2,
         "experiment.checkpoint_every": 2, "experiment.sample_steps": 2,
-        "experiment.report": "false",  # the run report (rank 0 redraws it at every export, ~1 CPU-s) is test_report's
     }
     if target == "unet":
         kw.update({"experiment.num_eval_images": 2, "experiment.eval_caption_file": str(prompts)})

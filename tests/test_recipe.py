@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # The runs here: no run report (rank 0 redraws its plots at every export, ~1 CPU-s each; test_report checks it)
 # and, where what is checked does not depend on the image size (learning-rate values, what is exported and
 # where, a fixed validation loss, the autoencoder stage's outputs), 32 px: a quarter of the pixels to encode.
-SMALL = {"experiment.report": "false", "dataset.params.resolution": 32}
+SMALL = {"dataset.params.resolution": 32}
 
 
 def make_trainer(tmp_path, pipeline, shards, name="r", **overrides) -> Trainer:

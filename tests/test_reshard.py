@@ -82,7 +82,6 @@ def run_args(tmp_path, pipeline, shards, strategy, nproc, name):
         "model.use_ema": "true", "model.ema.decay": 0.9, "model.mixed_precision": "bf16",
         "distributed.strategy": strategy, "experiment.allow_config_change": "true",  # the strategy and batch change
         "dataset.params.resolution": 32,  # bf16 convolutions are ATen's slow kernels on this CPU: a quarter of 64 px's
-        "experiment.report": "false",  # the run report (redrawn at every export, ~1 CPU-s) is test_report's
     })
 
 

@@ -63,7 +63,7 @@ def test_a_rank_killed_under_torchrun_max_restarts_comes_back_resumed_and_finish
     args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="r", **{
         "experiment.num_examples_to_see": 4 * STEPS, "system.batch_size": 2, "experiment.checkpoint_every": 2,
         "experiment.keep_last_checkpoints": 10, "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32,
-        "system.workers": 1, "experiment.report": "false"})  # the run report (~1 CPU-s an export) is test_report's
+        "system.workers": 1})
     run = tmp_path / "runs" / "r"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(ROOT / "train.py"), *args]

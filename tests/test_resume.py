@@ -32,7 +32,6 @@ def args_for(tmp_path, pipeline, shards, name, **kw):
         # 32 px (4x4 latents): a quarter of the convolutions' work at 64 px. bf16 autocast on a CPU without
         # AVX-512 BF16 runs them in ATen's slow reference kernels (a tiny UNet step 19x the fp32 one).
         "dataset.params.resolution": 32,
-        "experiment.report": "false",  # the run report (rank 0 redraws it at every export, ~1 CPU-s) is test_report's
     }
     base.update(kw)
     return train_args(tmp_path, pipeline, shards, name=name, **base)

@@ -17,13 +17,11 @@ from sd_training.loop import main as train
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
-# The run report (rank 0 redraws its plots at every export, ~1 CPU-s each) is test_report's: off here.
-NO_REPORT = {"experiment.report": "false"}
 
 
 def test_short_run_exports_loadable_pipeline(tmp_path, tiny_pipeline, shapes_shards):
     cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="e2e",
-                          **{"experiment.save_every": 4, **NO_REPORT}))
+                          **{"experiment.save_every": 4}))
     out = train(cfg)
     run = Path(out["run_dir"])
     assert out["step"] == 8 == out["total_steps"]  # 32 images / batch 4
@@ -64,7 +62,7 @@ def test_loss_decreases(tmp_path, tiny_pipeline, shapes_shards):
     # the bar is 0.7) for about half the CPU time (15 CPU-s instead of 28).
     cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="learn", **{
         "experiment.num_examples_to_see": 8 * 80, "system.batch_size": 8, "lr_scheduler.params.warmup_length": 5,
-        "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32, **NO_REPORT}))
+        "experiment.sample_per_prompt": 0, "dataset.params.resolution": 32}))
     train(cfg)
     rows = [json.loads(l) for l in (Path(cfg.experiment.log_dir) / "learn" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
@@ -74,14 +72,14 @@ def test_loss_decreases(tmp_path, tiny_pipeline, shapes_shards):
 
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path, tiny_pipeline, shapes_shards):
     cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, name="accum", **{
-        "system.gradient_accumulation": 2, "experiment.sample_per_prompt": 0, **NO_REPORT}))
+        "system.gradient_accumulation": 2, "experiment.sample_per_prompt": 0}))
     out = train(cfg)
     assert out["total_steps"] == 4 and out["step"] == 4  # 32 images / (4 x 2)
 
 
 def test_train_py_cli_quick_run(tmp_path, tiny_pipeline, shapes_shards):
     args = train_args(tmp_path, tiny_pipeline, shapes_shards, name="cli",
-                      **{"experiment.num_examples_to_see": 8, **NO_REPORT})
+                      **{"experiment.num_examples_to_see": 8})
     res = forked.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "runs" / "cli" / "current_pipeline" / "model_index.json").exists()
