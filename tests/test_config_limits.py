@@ -18,7 +18,7 @@ from sd_training.configure import load
 from sd_training.config.loading import public_dict, to_yaml
 from sd_training.distributed import usable_cpus
 from sd_training.families.tiny import TINY_UNET, TINY_VAE
-from sd_training.memory.plan import activation_bytes
+from sd_training.memory.activations import activation_bytes
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.faults]
 

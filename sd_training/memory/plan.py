@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..families.reference_models import ENCODERS, ReferenceModel
-from .activations import SampleShape, activation_bytes  # noqa: F401 -- activation_bytes: by kind, for tests
+from .activations import SampleShape
 from .load import meta_module
 
 GIB = 2**30
@@ -102,7 +102,7 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
     the rest. ``compute_bytes``: bytes per element of the gathered weights (2 under bf16/fp16 mixed
     precision, 4 in fp32); ``shard_units`` as the strategy shards them; ``replicated``: modules trained
     alongside (a text encoder, whole or through its adapter), whole on every GPU under every strategy;
-    ``activations``: bytes of one micro-batch's activations (``activation_bytes`` x the batch);
+    ``activations``: bytes of one micro-batch's activations (``activations.activation_bytes`` x the batch);
     ``ema_bytes``: what the EMA's copy holds when known (None: a copy of the trained module);
     ``in_backward`` (``optimizer.in_backward``): each gradient is freed once its parameter is updated, so the
     gradients column is the largest trained tensor's."""
