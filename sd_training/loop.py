@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -30,8 +31,11 @@ from .run.preemption import StopFlag, requeue_job, under_slurm
 from .run.run_dir import RunDir, release_run_folder
 from .outputs.trackers import build_trackers
 from .run.train_state import NonFiniteLossError, Plan, TrainState
+from .run.zero_weight import ZeroWeightGuard, ZeroWeightSteps
 
 log = logging.getLogger(__name__)
+# A skipped update (a non-finite or zero gradient) at the first step is intended; torch would call it a misuse.
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
 WRITER_WAIT_S = 15.0  # a failed run waits this long for the checkpoint in flight (inside preemption.FAILED_EXIT_S)
 
 
@@ -80,6 +84,7 @@ class Trainer:
         self.encoders, self.encoder_models, self.device_side_skip = opt.encoders, opt.encoder_models, opt.device_side_skip
         self.nonfinite_streak = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skipped steps
         self.nonfinite_total = torch.zeros((), dtype=torch.long, device=self.device)  # skipped since the last check
+        self.zero_weight = ZeroWeightGuard(self.device, cfg.experiment.max_zero_weight_steps, cfg.dataset.params)
         self.loader = build_train_loader(cfg.dataset, tokenizer=self.family.tokenizers, rank=info.rank,
                                          world_size=info.world_size, seed=cfg.system.seed)
         self.checkpoints = CheckpointManager(
@@ -147,7 +152,8 @@ class Trainer:
         return out
 
     def optimizer_step(self) -> torch.Tensor:
-        """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted).
+        """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted), and so does a zero
+        one: no sample had any loss weight (``run.zero_weight``), and an update would only apply weight decay.
 
         With a fused optimizer (the CUDA default) the skip happens on the device: the optimizer gets the
         non-finite flag as its ``found_inf`` (as GradScaler does) and the counters stay device tensors,
@@ -157,15 +163,19 @@ class Trainer:
         grad_norm = clip_gradients(self.optimizer, self.cfg.optimizer.params.max_grad_norm)  # (in_backward: its norm)
         # The gradients are already all-reduced, so every rank sees the same norm and takes the same branch.
         bad = ~torch.isfinite(grad_norm)
+        zero = grad_norm == 0
+        skip = bad | zero
         if self.scaler.is_enabled():
-            # fp16 loss scaling: an overflow is the scaler's to skip (and lower the scale).
-            self.scaler.step(self.optimizer)
+            # fp16 loss scaling: an overflow is the scaler's to skip (and lower the scale). The scaler reads its
+            # own flag on the host in step(), so reading the zero flag here adds no wait of its own.
+            if not bool(zero):
+                self.scaler.step(self.optimizer)
             self.scaler.update()
         elif self.device_side_skip:
-            self.optimizer.found_inf = bad.float()
+            self.optimizer.found_inf = skip.float()
             self.optimizer.step()
             self.optimizer.found_inf = None
-        elif not bool(bad):
+        elif not bool(skip):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
@@ -175,6 +185,7 @@ class Trainer:
         bad = bad.long().to(self.nonfinite_total.device, non_blocking=True)  # CPU under FSDP offload
         self.nonfinite_total = self.nonfinite_total + bad
         self.nonfinite_streak = (self.nonfinite_streak + 1) * bad
+        self.zero_weight.count(zero)
         return grad_norm
 
     # ------------------------------------------------------------------ the loop
@@ -254,6 +265,7 @@ class Trainer:
                 t_data = time.perf_counter()
                 batch = next(data_iter)
                 window.data_time += time.perf_counter() - t_data
+                self.zero_weight.see_batch(batch, state.step + 1)
                 keys += batch.get("keys", [])
                 out = self.micro_step(batch, sync=(micro == plan.accumulation - 1))
                 window.add_loss(out.loss.detach(), out.per_sample, out.timesteps, self.family.num_timesteps)
@@ -278,6 +290,7 @@ class Trainer:
             stop_now = timed = False
             if check:
                 self._check_nonfinite(window)
+                self._check_zero_weight(window)
                 minutes = cfg.experiment.save_every_minutes
                 timed = distributed.any_rank(minutes is not None and time.time() - last_ckpt_time >= minutes * 60,
                                              self.device)
@@ -336,6 +349,16 @@ class Trainer:
         self._side_times = {}
         if self.info.is_main:
             self.outputs.log_eval_results(self.state.step)
+
+    def _check_zero_weight(self, window: LogWindow) -> None:
+        """Warn about steps that had nothing to learn from; after too many in a row, stop (no new checkpoint:
+        those steps changed no weight). Every rank reads the same counts, so all stop at this check."""
+        message = self.zero_weight.check(self.state.step)
+        if message is None:
+            return
+        self._log(window)
+        log.error("%s", message)  # in train.log too (a data error is not logged with a traceback)
+        raise ZeroWeightSteps(message)
 
     def _check_nonfinite(self, window: LogWindow) -> None:
         """Read the device-side counters of skipped (non-finite) steps; after too many in a row, save the last

@@ -123,6 +123,7 @@ class ExperimentConfig:
     start_fresh: bool = f(False, "a run directory that holds checkpoints: move its contents aside (<name>.old-<time>) and start over")
     allow_config_change: bool = f(False, "resume although keys that change the training differ from the checkpoint's config")
     max_nonfinite_steps: int = f(10, "consecutive optimizer steps with a non-finite loss or gradient before the run saves and stops", ge=1)
+    max_zero_weight_steps: int = f(100, "consecutive optimizer steps with an exactly zero gradient (every sample's loss weight 0, e.g. all-black masks) before the run stops with a data error; such steps are skipped (no update, no weight decay) and warned about (0: never stop)", ge=0)
     export_weights: str = f("auto", "pipelines exported (auto: raw, plus ema with model.use_ema)", choices=("auto", "raw", "ema", "both"))
     sample_from: str = f("auto", "weights of the sample grids (auto: ema with model.use_ema, else raw)", choices=("auto", "raw", "ema", "both"))
     requeue: bool = f(True, "on SIGUSR1/SIGTERM under SLURM: save, then `scontrol requeue` the job")

@@ -6,7 +6,8 @@
         batch["pixel_values"], batch["input_ids"], batch["captions"]
         batch["original_size"], batch["crop_top_left"], batch["target_size"]  # int64 [B, 2], (h, w) / (y, x)
         batch["sample_seeds"]  # int64 [B]: each sample's seed for the step's noise and timesteps
-        # dataset.params.masked_loss: batch["loss_weight"] float32 [B, 1, H/8, W/8] when a sample has a mask
+        # dataset.params.masked_loss: batch["loss_weight"] float32 [B, 1, H/8, W/8] when a sample has a mask,
+        # and batch["zero_weight_samples"]: how many of its samples have weight 0 everywhere (an int)
         # dataset.type=latents: batch["latents"] (scaled) instead of pixel_values, and with
         # dataset.params.text_embeddings batch["encoder_hidden_states"]; see data/latents.py
     ckpt["data"] = loader.state_dict()      # ... later: loader.load_state_dict([every rank's saved state])

@@ -122,8 +122,10 @@ def latent_weight(mask: np.ndarray, settings: MaskSettings) -> np.ndarray:
 
 
 def collate_weights(samples: List[Dict[str, Any]], settings: MaskSettings):
-    """``loss_weight`` float32 [B, 1, h, w] of a batch holding a masked sample (weight 1 for the others), or
-    None when no sample of it has a mask (the batch trains as without masked loss)."""
+    """(``loss_weight`` float32 [B, 1, h, w], the number of its samples whose weight is 0 everywhere) of a batch
+    holding a masked sample (weight 1 for the others), or None when no sample of it has a mask (the batch trains
+    as without masked loss). The count is a plain int made here, in the loader, so the trainer can tell a
+    batch that trains nothing without reading a tensor (``run.zero_weight``)."""
     import torch
 
     masks = [s.get("mask") for s in samples]
@@ -135,4 +137,5 @@ def collate_weights(samples: List[Dict[str, Any]], settings: MaskSettings):
     for i, m in enumerate(masks):
         if m is not None:
             out[i, 0] = latent_weight(m, settings)
-    return torch.from_numpy(out)
+    zero = int((out.reshape(len(samples), -1).max(axis=1) <= 0).sum())
+    return torch.from_numpy(out), zero

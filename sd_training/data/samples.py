@@ -235,7 +235,7 @@ class SampleProcessor:
         batch.update(captions=captions, keys=[s["key"] for s in samples], epochs=[s["epoch"] for s in samples])
         weights = collate_weights(samples, self.masks)
         if weights is not None:
-            batch["loss_weight"] = weights
+            batch["loss_weight"], batch["zero_weight_samples"] = weights
         if self.preview:
             batch.update(caption_dropped=[bool(s["caption_dropped"]) for s in samples],
                          masks=[s["mask"] for s in samples])
