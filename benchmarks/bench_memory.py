@@ -450,7 +450,7 @@ def child(args) -> dict:
         else platform.processor() or platform.machine(), "torch": torch.__version__, "diffusers": diffusers.__version__,
         "torch_threads": torch.get_num_threads(), "net_params": net_params, "net_params_expected": spec.get("net_params"),
         "setup_s": setup_s, "median_step_s": step_s, "images_per_sec": args.batch / step_s if step_s else None,
-        "losses": losses, "nonfinite_skipped": int(trainer.nonfinite_total), "measured": measured, "process_memory": mem,
+        "losses": losses, "nonfinite_skipped": int(trainer.guards.nonfinite_total), "measured": measured, "process_memory": mem,
         "plan": {"strategy": plan["strategy"], "row": row, "rows": plan["rows"]},
         "plan_vs_measured_gib": {  # the plan's rows beside the tensors the trainer holds
             "weights": [row["weights"], measured["trained_bytes"] / GIB],

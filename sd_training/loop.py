@@ -8,7 +8,6 @@ import contextlib
 import json
 import logging
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -31,11 +30,9 @@ from .run.preemption import StopFlag, requeue_job, under_slurm
 from .run.run_dir import RunDir, release_run_folder
 from .outputs.trackers import build_trackers
 from .run.train_state import NonFiniteLossError, Plan, TrainState
-from .run.zero_weight import ZeroWeightGuard, ZeroWeightSteps
+from .run.step_guards import StepGuards
 
 log = logging.getLogger(__name__)
-# A skipped update (a non-finite or zero gradient) at the first step is intended; torch would call it a misuse.
-warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
 WRITER_WAIT_S = 15.0  # a failed run waits this long for the checkpoint in flight (inside preemption.FAILED_EXIT_S)
 
 
@@ -82,9 +79,7 @@ class Trainer:
         opt = build_optimizer_parts(cfg, info, self.plan, parts)
         self.optimizer, self.lr_scheduler = opt.optimizer, opt.lr_scheduler
         self.encoders, self.encoder_models, self.device_side_skip = opt.encoders, opt.encoder_models, opt.device_side_skip
-        self.nonfinite_streak = torch.zeros((), dtype=torch.long, device=self.device)  # consecutive skipped steps
-        self.nonfinite_total = torch.zeros((), dtype=torch.long, device=self.device)  # skipped since the last check
-        self.zero_weight = ZeroWeightGuard(self.device, cfg.experiment.max_zero_weight_steps, cfg.dataset.params)
+        self.guards = StepGuards(self.device, cfg.experiment.max_zero_weight_steps, cfg.dataset.params)  # skipped steps
         self.loader = build_train_loader(cfg.dataset, tokenizer=self.family.tokenizers, rank=info.rank,
                                          world_size=info.world_size, seed=cfg.system.seed)
         self.checkpoints = CheckpointManager(
@@ -152,8 +147,7 @@ class Trainer:
         return out
 
     def optimizer_step(self) -> torch.Tensor:
-        """Clip, step, schedule, EMA. A non-finite gradient norm skips the update (counted), and so does a zero
-        one: no sample had any loss weight (``run.zero_weight``), and an update would only apply weight decay.
+        """Clip, step, schedule, EMA. A non-finite or zero gradient norm skips the update (``run.step_guards``).
 
         With a fused optimizer (the CUDA default) the skip happens on the device: the optimizer gets the
         non-finite flag as its ``found_inf`` (as GradScaler does) and the counters stay device tensors,
@@ -162,30 +156,23 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.optimizer, self.cfg.optimizer.params.max_grad_norm)  # (in_backward: its norm)
         # The gradients are already all-reduced, so every rank sees the same norm and takes the same branch.
-        bad = ~torch.isfinite(grad_norm)
-        zero = grad_norm == 0
-        skip = bad | zero
+        bad, zero = self.guards.count(grad_norm)  # zero: no sample had loss weight; an update would only decay
         if self.scaler.is_enabled():
-            # fp16 loss scaling: an overflow is the scaler's to skip (and lower the scale). The scaler reads its
-            # own flag on the host in step(), so reading the zero flag here adds no wait of its own.
+            # fp16 loss scaling: an overflow is the scaler's to skip (and lower the scale); it reads on the host.
             if not bool(zero):
                 self.scaler.step(self.optimizer)
             self.scaler.update()
         elif self.device_side_skip:
-            self.optimizer.found_inf = skip.float()
+            self.optimizer.found_inf = (bad | zero).float()
             self.optimizer.step()
             self.optimizer.found_inf = None
-        elif not bool(skip):
+        elif not bool(bad | zero):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         if self.ema is not None:
             # After a skipped step the weights are unchanged: the EMA moves towards the last good weights.
             self.ema.update(self.net, self.state.step + 1)
-        bad = bad.long().to(self.nonfinite_total.device, non_blocking=True)  # CPU under FSDP offload
-        self.nonfinite_total = self.nonfinite_total + bad
-        self.nonfinite_streak = (self.nonfinite_streak + 1) * bad
-        self.zero_weight.count(zero)
         return grad_norm
 
     # ------------------------------------------------------------------ the loop
@@ -265,7 +252,7 @@ class Trainer:
                 t_data = time.perf_counter()
                 batch = next(data_iter)
                 window.data_time += time.perf_counter() - t_data
-                self.zero_weight.see_batch(batch, state.step + 1)
+                self.guards.see_batch(batch, state.step + 1)
                 keys += batch.get("keys", [])
                 out = self.micro_step(batch, sync=(micro == plan.accumulation - 1))
                 window.add_loss(out.loss.detach(), out.per_sample, out.timesteps, self.family.num_timesteps)
@@ -290,7 +277,7 @@ class Trainer:
             stop_now = timed = False
             if check:
                 self._check_nonfinite(window)
-                self._check_zero_weight(window)
+                self.guards.check(state.step, before_stop=lambda: self._log(window))  # zero-gradient steps
                 minutes = cfg.experiment.save_every_minutes
                 timed = distributed.any_rank(minutes is not None and time.time() - last_ckpt_time >= minutes * 60,
                                              self.device)
@@ -350,34 +337,24 @@ class Trainer:
         if self.info.is_main:
             self.outputs.log_eval_results(self.state.step)
 
-    def _check_zero_weight(self, window: LogWindow) -> None:
-        """Warn about steps that had nothing to learn from; after too many in a row, stop (no new checkpoint:
-        those steps changed no weight). Every rank reads the same counts, so all stop at this check."""
-        message = self.zero_weight.check(self.state.step)
-        if message is None:
-            return
-        self._log(window)
-        log.error("%s", message)  # in train.log too (a data error is not logged with a traceback)
-        raise ZeroWeightSteps(message)
-
     def _check_nonfinite(self, window: LogWindow) -> None:
         """Read the device-side counters of skipped (non-finite) steps; after too many in a row, save the last
         good weights (skipped steps never changed them) and stop with advice."""
-        skipped = int(self.nonfinite_total)
+        skipped = int(self.guards.nonfinite_total)
         if skipped:
             self.state.nonfinite_steps += skipped
-            self.nonfinite_total.zero_()
+            self.guards.nonfinite_total.zero_()
             log.warning("%d optimizer step(s) up to step %d had a non-finite gradient norm: their updates were "
-                        "skipped (%d in a row now)", skipped, self.state.step, int(self.nonfinite_streak))
-        if int(self.nonfinite_streak) < self.cfg.experiment.max_nonfinite_steps:
+                        "skipped (%d in a row now)", skipped, self.state.step, int(self.guards.nonfinite_streak))
+        if int(self.guards.nonfinite_streak) < self.cfg.experiment.max_nonfinite_steps:
             return
         self._log(window)
         self.checkpoints.save()
         self.checkpoints.wait()
         raise NonFiniteLossError(
-            f"{int(self.nonfinite_streak)} consecutive optimizer steps up to step {self.state.step} had a non-finite "
-            f"loss or gradient (last loss {float(window.last_loss):.4g}); the updates were skipped and the last good "
-            f"state is saved in {self.run_dir.checkpoints}. Try: a lower optimizer.params.learning_rate or a "
-            "longer lr_scheduler.params.warmup_length; optimizer.params.max_grad_norm (clipping); "
+            f"{int(self.guards.nonfinite_streak)} consecutive optimizer steps up to step {self.state.step} had a "
+            f"non-finite loss or gradient (last loss {float(window.last_loss):.4g}); the updates were skipped and "
+            f"the last good state is saved in {self.run_dir.checkpoints}. Try: a lower optimizer.params.learning_rate "
+            "or a longer lr_scheduler.params.warmup_length; optimizer.params.max_grad_norm (clipping); "
             "model.mixed_precision=bf16 instead of fp16; model.vae.dtype=fp32; or look for bad samples in the data"
         )

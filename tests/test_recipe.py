@@ -243,14 +243,14 @@ def test_nonfinite_steps_are_skipped_then_the_run_saves_and_stops(tmp_path, tiny
     moments = [s["exp_avg"].clone() for s in t.optimizer.state.values()]
     t.micro_step(fixed_batch(t, nan=True), sync=True)
     t.optimizer_step()
-    assert int(t.nonfinite_streak) == 1 and int(t.nonfinite_total) == 1
+    assert int(t.guards.nonfinite_streak) == 1 and int(t.guards.nonfinite_total) == 1
     assert all(torch.equal(v, t.net.state_dict()[k]) for k, v in before.items())  # no update
     assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, t.optimizer.state.values()))
     t.micro_step(fixed_batch(t), sync=True)
     t.optimizer_step()
-    assert int(t.nonfinite_streak) == 0  # a good step resets the streak
+    assert int(t.guards.nonfinite_streak) == 0  # a good step resets the streak
     t._check_nonfinite(None)  # read at log time: counted once
-    assert t.state.nonfinite_steps == 1 and int(t.nonfinite_total) == 0
+    assert t.state.nonfinite_steps == 1 and int(t.guards.nonfinite_total) == 0
     # Through the loop: every batch poisoned -> two skipped steps, a checkpoint, a clear error.
     class PoisonedLoader(list):  # the loop needs iteration, state_dict and stats
         def state_dict(self):

@@ -18,7 +18,7 @@ from sd_training.checkpoint import complete_steps
 from sd_training.checkpoint.integrity import verify
 from sd_training.configure import load
 from sd_training.loop import Trainer
-from sd_training.run.zero_weight import ZeroWeightSteps
+from sd_training.run.step_guards import ZeroWeightSteps
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.faults]
 

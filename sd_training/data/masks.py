@@ -125,7 +125,7 @@ def collate_weights(samples: List[Dict[str, Any]], settings: MaskSettings):
     """(``loss_weight`` float32 [B, 1, h, w], the number of its samples whose weight is 0 everywhere) of a batch
     holding a masked sample (weight 1 for the others), or None when no sample of it has a mask (the batch trains
     as without masked loss). The count is a plain int made here, in the loader, so the trainer can tell a
-    batch that trains nothing without reading a tensor (``run.zero_weight``)."""
+    batch that trains nothing without reading a tensor (``run.step_guards``)."""
     import torch
 
     masks = [s.get("mask") for s in samples]

@@ -1,4 +1,5 @@
-"""Degenerate data noticed: optimizer steps that have nothing to learn from.
+"""The optimizer steps whose update is skipped: a non-finite gradient norm (the Trainer's non-finite stop reads
+these counters) and a zero one, which has nothing to learn from (degenerate data, below).
 
 A step whose gradient is exactly zero everywhere (every sample's loss weight 0: all-black masks with
 ``dataset.params.unmasked_weight: 0``, a loss weighting that gives 0) trains nothing, yet an optimizer step
@@ -22,23 +23,29 @@ skips a non-finite one: no data, no update) and counts it here.
 from __future__ import annotations
 
 import logging
+import warnings
+from collections.abc import Callable
 
 import torch
 
 from ..config.dataset import DatasetConfigError
 
 log = logging.getLogger(__name__)
+# A skipped update (a zero or non-finite gradient) at the first step is intended; torch would call it a misuse.
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
 
 
 class ZeroWeightSteps(DatasetConfigError):
     """Too many consecutive optimizer steps with nothing to learn from: the run stopped."""
 
 
-class ZeroWeightGuard:
+class StepGuards:
     """The counters of one rank; :meth:`see_batch` per micro-batch (host), :meth:`count` per optimizer step
-    (device), :meth:`check` at the host checks."""
+    (device), :meth:`check` (zero gradients) at the host checks; the non-finite ones are read by the Trainer."""
 
     def __init__(self, device: torch.device, limit: int, params) -> None:
+        self.nonfinite_streak = torch.zeros((), dtype=torch.long, device=device)  # consecutive skipped steps
+        self.nonfinite_total = torch.zeros((), dtype=torch.long, device=device)  # skipped since the last check
         self.limit = limit  # 0: never stop
         self.masked_loss = bool(params.masked_loss)
         self.unmasked_weight = float(params.unmasked_weight)
@@ -64,32 +71,42 @@ class ZeroWeightGuard:
                         "after experiment.max_zero_weight_steps=%d in a row (0: never)",
                         step, self.unmasked_weight, self.limit)
 
-    def count(self, zero: torch.Tensor) -> None:
-        """Device: ``zero`` is this optimizer step's flag (gradient norm == 0), the same on every rank."""
-        zero = zero.long().to(self.total.device, non_blocking=True)  # (CPU under FSDP offload)
-        self.total = self.total + zero
-        self.streak = (self.streak + 1) * zero
+    def count(self, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device: this optimizer step's flags (non-finite, zero), from its global gradient norm (the same on
+        every rank), counted; returned on the norm's device for the optimizer's skip."""
+        bad, zero = ~torch.isfinite(grad_norm), grad_norm == 0
+        bad_here = bad.long().to(self.nonfinite_total.device, non_blocking=True)  # (CPU under FSDP offload)
+        self.nonfinite_total = self.nonfinite_total + bad_here
+        self.nonfinite_streak = (self.nonfinite_streak + 1) * bad_here
+        zero_here = zero.long().to(self.total.device, non_blocking=True)
+        self.total = self.total + zero_here
+        self.streak = (self.streak + 1) * zero_here
         self.masked_out_steps += int(self._step_masked_out)  # (a host bool)
         self.masked_out_run = self.masked_out_run + 1 if self._step_masked_out else 0
         self._step_masked_out = True
+        return bad, zero
 
-    def check(self, step: int) -> str | None:
+    def check(self, step: int, before_stop: Callable[[], None]) -> None:
         """Read the counters (one host sync, at a check step). Warns when steps since the last check had a
-        zero gradient; returns the stop message once ``limit`` are in a row (the caller logs its window,
-        then raises :class:`ZeroWeightSteps` with it), else None."""
+        zero gradient; once ``limit`` are in a row, calls ``before_stop`` (the trainer logs its metrics window)
+        and raises :class:`ZeroWeightSteps` (logged too: a data error reaches train.log without a traceback).
+        Every rank reads the same counts, so all stop at this check."""
         total, streak = torch.stack([self.total, self.streak]).tolist()
         since, masked_out = self._last_check, self.masked_out_steps
         self._last_check, self.masked_out_steps = step, 0
         if not total:
-            return None
+            return
         self.total.zero_()
         if self.limit and streak >= self.limit:
             cause = self._cause(min(self.masked_out_run, streak))
-            return (f"{streak} optimizer steps in a row (steps {step - streak + 1}-{step}) had an exactly zero gradient: "
-                    f"every sample's loss weight was 0 ({cause}), the limit is experiment.max_zero_weight_steps="
-                    f"{self.limit}. The run stopped, as the data trains nothing; those updates were skipped (no weight "
-                    "decay either) and the newest checkpoint is as it was. Fix the data, or raise the limit (0: never "
-                    "stop), and run the same command to resume")
+            message = (f"{streak} optimizer steps in a row (steps {step - streak + 1}-{step}) had an exactly zero "
+                       f"gradient: every sample's loss weight was 0 ({cause}), the limit is "
+                       f"experiment.max_zero_weight_steps={self.limit}. The run stopped, as the data trains nothing; "
+                       "those updates were skipped (no weight decay either) and the newest checkpoint is as it was. "
+                       "Fix the data, or raise the limit (0: never stop), and run the same command to resume")
+            before_stop()
+            log.error("%s", message)
+            raise ZeroWeightSteps(message)
         cause = self._cause(masked_out)
         what = (f"{total} optimizer step(s) of steps {since + 1}-{step} had an exactly zero gradient (every sample's "
                 f"loss weight was 0; {cause})")
@@ -97,7 +114,6 @@ class ZeroWeightGuard:
                  else "never stops for it (experiment.max_zero_weight_steps=0)")
         log.warning("%s: their updates (weight decay included) were skipped; %d in a row now, the run %s",
                     what, streak, bound)
-        return None
 
     def _cause(self, masked_out: int) -> str:
         if masked_out:
