@@ -8,10 +8,12 @@ Afterwards use it with model.pretrained=OUT. Needs network access to the hub.
 import argparse
 import sys
 
+from sd_training.config.script_args import out_folder
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-o", "--out", required=True, help="output folder")
+    ap.add_argument("-o", "--out", required=True, type=out_folder, help="output folder")
     ap.add_argument("-m", "--model", required=True, help="hub id, e.g. stabilityai/stable-diffusion-2-base")
     ap.add_argument("--revision", default=None, help="branch, tag or commit")
     args = ap.parse_args(argv)

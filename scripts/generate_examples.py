@@ -25,25 +25,31 @@ from pathlib import Path
 
 import torch
 
+from sd_training.config.script_args import SEED_MAX, existing, integer, number, out_folder
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", required=True, help="prompt file: .txt one per line, or .csv with a 'caption' column")
-    p.add_argument("--out", required=True, help="output folder ({i:06d}.png + {i:06d}.txt)")
+    p.add_argument("--prompts", required=True, type=existing("file"),
+                   help="prompt file: .txt one per line, or .csv with a 'caption' column")
+    p.add_argument("--out", required=True, type=out_folder, help="output folder ({i:06d}.png + {i:06d}.txt)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pipeline", help="exported diffusers pipeline folder (e.g. runs/x/current_pipeline)")
-    src.add_argument("--checkpoint", help="run folder, its checkpoints/ folder, or a checkpoints/step_N folder")
+    src.add_argument("--checkpoint", type=existing("folder"),
+                     help="run folder, its checkpoints/ folder, or a checkpoints/step_N folder")
     p.add_argument("--ema", action="store_true", help="with --checkpoint: use the EMA weights (ema.pt)")
     p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
                    help="with --checkpoint: override a model.* key of the saved config (repeatable)")
-    p.add_argument("--num-images", type=int, default=None, help="images in all (default: one per prompt)")
-    p.add_argument("--seed", type=int, default=0, help="image i uses generator seed seed+i")
-    p.add_argument("--steps", type=int, default=25, help="denoising steps")
-    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale")
-    p.add_argument("--resolution", type=int, default=None, help="pixels (default: the pipeline's, or the run's)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per pipeline call, per rank")
+    p.add_argument("--num-images", type=integer(1, 10_000_000), default=None,
+                   help="images in all, 1 to 10000000 (default: one per prompt)")
+    p.add_argument("--seed", type=integer(0, SEED_MAX - 10_000_000), default=0, help="image i uses generator seed seed+i")
+    p.add_argument("--steps", type=integer(1, 1000), default=25, help="denoising steps, 1 to 1000")
+    p.add_argument("--guidance", type=number(0, 100), default=7.5, help="classifier-free guidance scale, 0 to 100")
+    p.add_argument("--resolution", type=integer(64, 8192, multiple_of=8), default=None,
+                   help="pixels, 64 to 8192, a multiple of 8 (default: the pipeline's, or the run's)")
+    p.add_argument("--batch-size", type=integer(1, 1024), default=8, help="prompts per pipeline call, per rank, 1 to 1024")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weights' precision")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from sd_training.config.script_args import integer, out_folder
+
 SOURCE = Path("/usr/share/datasets/fashion-mnist")
 CLASSES = ["t-shirt", "pair of trousers", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
 
@@ -59,9 +61,9 @@ def write_split(images, labels, out: Path, split: str, size: int, per_shard: int
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", help="output folder")
-    ap.add_argument("--size", type=int, default=64, help="pixels (square) of the written images")
-    ap.add_argument("--per-shard", type=int, default=5000, help="images per shard")
+    ap.add_argument("out", type=out_folder, help="output folder")
+    ap.add_argument("--size", type=integer(8, 1024), default=64, help="pixels (square) of the written images, 8 to 1024")
+    ap.add_argument("--per-shard", type=integer(1, 1_000_000), default=5000, help="images per shard, 1 to 1000000")
     ap.add_argument("--source", default=str(SOURCE), help="folder of the idx .gz files")
     args = ap.parse_args(argv)
     src = Path(args.source)

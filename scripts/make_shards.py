@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 from PIL import Image
 
 from sd_training.config.dataset import DatasetConfig, canonical_type
+from sd_training.config.script_args import existing, integer, name_part, number, out_folder
 from sd_training.data import build_sources
 from sd_training.data.sources import read_image_path
 from sd_training.data.stats import Stats
@@ -180,21 +181,24 @@ def make_shards(args) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("input", help="image folder, parquet file/folder, or CSV file")
-    ap.add_argument("out_dir", help="folder the shards and sizes.json are written to")
+    ap.add_argument("input", type=existing(), help="image folder, parquet file/folder, or CSV file")
+    ap.add_argument("out_dir", type=out_folder, help="folder the shards and sizes.json are written to")
     ap.add_argument("--type", default=None, help="folder | parquet | CSV (default: guessed from the input)")
-    ap.add_argument("--samples-per-shard", type=int, default=1000, help="samples per tar shard")
-    ap.add_argument("--prefix", default="shard", help="shard file name prefix")
+    ap.add_argument("--samples-per-shard", type=integer(1, 1_000_000), default=1000,
+                    help="samples per tar shard, 1 to 1000000")
+    ap.add_argument("--prefix", type=name_part, default="shard", help="shard file name prefix (no '/')")
     ap.add_argument("--image-column", default=None, help="parquet/CSV: image bytes/path/URL column (default: guessed)")
     ap.add_argument("--caption-column", default=None, help="parquet/CSV: caption column (default: guessed)")
-    ap.add_argument("--image-root", default=None, help="parquet/CSV: folder relative image paths are resolved against")
+    ap.add_argument("--image-root", type=existing("folder"), default=None,
+                    help="parquet/CSV: folder relative image paths are resolved against")
     ap.add_argument("--csv-separator", default=",", help="CSV: field separator")
-    ap.add_argument("--max-side", type=int, default=None, help="pixels: re-encode larger images as JPEG this size")
-    ap.add_argument("--timeout", type=float, default=30.0, help="seconds per image URL fetch")
+    ap.add_argument("--max-side", type=integer(16, 65535), default=None,
+                    help="pixels, 16 to 65535: re-encode larger images as JPEG this size")
+    ap.add_argument("--timeout", type=number(gt=0, hi=3600), default=30.0, help="seconds per image URL fetch, > 0, <= 3600")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    if args.samples_per_shard < 1:
-        ap.error("--samples-per-shard must be >= 1")
+    if not args.csv_separator:
+        ap.error("argument --csv-separator: must not be empty")
     return args
 
 

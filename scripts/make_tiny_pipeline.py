@@ -8,12 +8,13 @@ default family's). From Python: ``sd_training.families.registry.make_tiny_pipeli
 
 import argparse
 
+from sd_training.config.script_args import SEED_MAX, integer, out_folder
 from sd_training.families.registry import DEFAULT_FAMILY, FAMILIES, make_tiny_pipeline
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", help="output folder (a diffusers pipeline: model_index.json and its components)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    ap.add_argument("out", type=out_folder, help="output folder (a diffusers pipeline: model_index.json and its components)")
+    ap.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="seed of the random weights, >= 0")
     ap.add_argument("--family", choices=tuple(FAMILIES), default=DEFAULT_FAMILY,
                     help="; ".join(f"{name}: {'/'.join(cls.pipeline_classes)}" for name, cls in FAMILIES.items()))
     args = ap.parse_args()

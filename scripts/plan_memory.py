@@ -17,14 +17,19 @@ import sys
 
 from sd_training.config import ConfigError
 from sd_training.config.loading import parse
+from sd_training.config.script_args import number
 from sd_training.memory.fit import device_memory, load_plan, need_bytes, report
 from sd_training.memory.plan import GIB
 
 
+MAX_GPU_GB = 4096.0  # GiB: well above any one accelerator; a larger value is a typo (MiB, bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpu-gb", type=float, action="append", default=[],
-                    help="plan for a GPU of this many GiB (repeatable); default: this machine's system.device")
+    ap.add_argument("--gpu-gb", type=number(gt=0, hi=MAX_GPU_GB), action="append", default=[],
+                    help=f"plan for a GPU of this many GiB, > 0 and <= {MAX_GPU_GB:g} (repeatable); default: this "
+                         "machine's system.device")
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg = parse(overrides)

@@ -71,6 +71,7 @@ from sd_training.data.latents_info import (  # noqa: E402  (the folder's info fi
     start_folder,
     text_dtype,
 )
+from sd_training.config.script_args import SEED_MAX, integer, number, out_folder  # noqa: E402
 from sd_training.data.samples import SIZE_FIELDS  # noqa: E402  (the image path's size conditioning fields)
 from sd_training.families.registry import FAMILIES
 
@@ -81,7 +82,7 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="WebDataset shards: brace pattern, folder of .tar, or several joined with '::'")
     p.add_argument("--pipeline", required=True, help="diffusers pipeline folder (vae/, and text_encoder/ + tokenizer/ for --text-embeddings) or a vae folder")
-    p.add_argument("--output", required=True, help="output folder (one tar per input shard, same basename)")
+    p.add_argument("--output", required=True, type=out_folder, help="output folder (one tar per input shard, same basename)")
     p.add_argument("--store", default="mean_std", choices=("mean_std", "sample"), help="posterior mean and std (default) or one sample")
     p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="storage dtype of latents (and of text embeddings unless --text-dtype or the family says otherwise)")
     p.add_argument("--text-embeddings", action="store_true", help="also store the text encoder's outputs of each caption")
@@ -91,27 +92,23 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--text-dtype", default="auto", choices=("auto", *TEXT_DTYPES),
                    help="with --text-embeddings: storage dtype of the text arrays (auto: the family's choice, "
                         "bf16 for T5-sized states; else --dtype)")
-    p.add_argument("--clip-skip", type=int, default=0, help="with --text-embeddings: layers counted back from the last (0/1: last, 2: penultimate)")
-    p.add_argument("--max-length", type=int, default=None, help="with --text-embeddings: tokens per caption (default: the tokenizer's, 77)")
-    p.add_argument("--resolution", type=int, default=256, help="pixels: short side resized then center-cropped to this square (with --aspect-buckets: the buckets' area is resolution^2)")
+    p.add_argument("--clip-skip", type=integer(0, 64), default=0, help="with --text-embeddings: layers counted back from the last (0/1: last, 2: penultimate), 0 to 64")
+    p.add_argument("--max-length", type=integer(1, 4096), default=None, help="with --text-embeddings: tokens per caption, 1 to 4096 (default: the tokenizer's, 77)")
+    p.add_argument("--resolution", type=integer(8, 8192, multiple_of=8), default=256, help="pixels, 8 to 8192, a multiple of 8 (VAE downsampling): short side resized then center-cropped to this square (with --aspect-buckets: the buckets' area is resolution^2)")
     p.add_argument("--aspect-buckets", action="store_true", help="keep each image's aspect ratio: resize and center-crop it to its aspect-ratio bucket (as dataset.params.aspect_buckets does), so the latents have the bucket's shape")
-    p.add_argument("--bucket-step", type=int, default=64, help="with --aspect-buckets: pixels, bucket sides are multiples of this")
-    p.add_argument("--max-aspect-ratio", type=float, default=2.0, help="with --aspect-buckets: long side / short side of the most elongated bucket")
-    p.add_argument("--batch-size", type=int, default=32, help="images per VAE call, per rank")
-    p.add_argument("--workers", type=int, default=4, help="image-decoding processes per rank (0: in the main process)")
+    p.add_argument("--bucket-step", type=integer(8, 1024, multiple_of=8), default=64, help="with --aspect-buckets: pixels, bucket sides are multiples of this (8 to 1024, a multiple of 8)")
+    p.add_argument("--max-aspect-ratio", type=number(1, 16), default=2.0, help="with --aspect-buckets: long side / short side of the most elongated bucket, 1 to 16")
+    p.add_argument("--batch-size", type=integer(1, 4096), default=32, help="images per VAE call, per rank, 1 to 4096")
+    p.add_argument("--workers", type=integer(0, 256), default=4, help="image-decoding processes per rank, 0 to 256 (0: in the main process)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--vae-dtype", default="fp32", choices=sorted(VAE_DTYPES), help="precision of the VAE encode (fp16 overflows; see families/autoencoder_loss)")
-    p.add_argument("--seed", type=int, default=0, help="--store sample: seed of the posterior draws (per shard and sample)")
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, help="--store sample: seed of the posterior draws (per shard and sample)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    if args.resolution < 8 or args.resolution % 8:
-        p.error(f"--resolution {args.resolution} must be a multiple of 8 (VAE downsampling)")
     if (args.clip_skip or args.max_length or args.family != "auto" or args.text_dtype != "auto") and not args.text_embeddings:
         p.error("--clip-skip, --max-length, --family and --text-dtype apply to --text-embeddings only")
     if (args.bucket_step != 64 or args.max_aspect_ratio != 2.0) and not args.aspect_buckets:
         p.error("--bucket-step and --max-aspect-ratio apply to --aspect-buckets only")
-    if args.batch_size < 1 or args.workers < 0:
-        p.error("--batch-size must be >= 1 and --workers >= 0")
     return args
 
 

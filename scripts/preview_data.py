@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sd_training import quickstart  # noqa: E402
 from sd_training.config import ConfigError  # noqa: E402
 from sd_training.config.loading import parse  # noqa: E402
+from sd_training.config.script_args import integer, integer_or, new_file  # noqa: E402
 from sd_training.data import build_train_loader  # noqa: E402
 from sd_training.data.checks import check_dataset_inputs  # noqa: E402
 from sd_training.data.preview import NoTokens, collect_tiles, pass_rate_lines, scan_pass_rates  # noqa: E402
@@ -42,6 +43,9 @@ LINE = 14  # pixels per text line (the default font at size 11)
 LABEL_LINES = 4
 OUTLINE = (255, 0, 255)
 BACKGROUND = (255, 255, 255)
+# The arguments' bounds: a sheet is for looking at, and these keep its time and memory in check.
+MAX_N, MAX_COLS, MIN_TILE, MAX_TILE, MAX_WORKERS, MAX_SCAN_UNITS = 1024, 64, 32, 1024, 64, 100_000
+MAX_SHEET_PIXELS = 64_000_000  # ~190 MB as RGB
 
 
 def fit(text: str, font, width: int) -> str:
@@ -117,19 +121,33 @@ def contact_sheet(tiles: list[dict], cols: int, size: int, header: list[str]):
     return sheet, head, boxes
 
 
+def sheet_pixels(n: int, cols: int, size: int) -> int:
+    """The tiles' area of :func:`contact_sheet`'s sheet (the header's few lines left out)."""
+    cell_w, cell_h = size + 2 * PAD, size + 2 + LABEL_LINES * LINE + 2 * PAD
+    return cols * cell_w * -(-n // cols) * cell_h
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Other arguments: config=PATH, key=value "
                                  "and ~key, as train.py takes them.")
-    ap.add_argument("--out", help="the PNG to write (default: preview_<experiment.name>.png here); <out>.json beside it")
-    ap.add_argument("--n", type=int, default=16, help="samples to show (default 16)")
-    ap.add_argument("--cols", type=int, default=4, help="tiles per row (default 4)")
-    ap.add_argument("--tile", type=int, default=192, help="pixels of a tile's picture area (default 192)")
-    ap.add_argument("--workers", type=int, default=0, help="loader worker processes (default 0: in this process)")
-    ap.add_argument("--scan-units", default="8", help="units per source the pass-rates are counted over (default 8; all)")
+    ap.add_argument("--out", type=new_file(".png"),
+                    help="the PNG to write (default: preview_<experiment.name>.png here); <out>.json beside it")
+    ap.add_argument("--n", type=integer(1, MAX_N), default=16, help=f"samples to show, 1 to {MAX_N} (default 16)")
+    ap.add_argument("--cols", type=integer(1, MAX_COLS), default=4, help=f"tiles per row, 1 to {MAX_COLS} (default 4)")
+    ap.add_argument("--tile", type=integer(MIN_TILE, MAX_TILE), default=192,
+                    help=f"pixels of a tile's picture area, {MIN_TILE} to {MAX_TILE} (default 192); the whole sheet "
+                         f"at most {MAX_SHEET_PIXELS // 1_000_000} megapixels")
+    ap.add_argument("--workers", type=integer(0, MAX_WORKERS), default=0,
+                    help=f"loader worker processes, 0 to {MAX_WORKERS} (default 0: in this process)")
+    ap.add_argument("--scan-units", type=integer_or("all", 1, MAX_SCAN_UNITS), default="8",
+                    help=f"units per source the pass-rates are counted over, 1 to {MAX_SCAN_UNITS} or all (default 8)")
     args, rest = ap.parse_known_args(argv)
-    if args.n < 1 or args.cols < 1 or args.tile < 32:
-        ap.error("--n and --cols must be >= 1, --tile >= 32")
-    scan_units = None if args.scan_units == "all" else int(args.scan_units)
+    pixels = sheet_pixels(args.n, args.cols, args.tile)
+    if pixels > MAX_SHEET_PIXELS:
+        ap.error(f"argument --tile: {args.n} tiles of {args.tile} px in {args.cols} columns make a "
+                 f"{pixels / 1e6:.0f}-megapixel sheet, more than {MAX_SHEET_PIXELS // 1_000_000}: fewer --n or --cols, "
+                 "or a smaller --tile")
+    scan_units = args.scan_units
     try:
         cfg = parse(rest)
         check_dataset_inputs(cfg.dataset)

@@ -19,15 +19,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from sd_training.config.script_args import existing, integer  # noqa: E402
 from sd_training.report import MAX_GRIDS, MatplotlibMissing, write_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", help="the run folder (<experiment.log_dir>/<experiment.name>)")
-    ap.add_argument("--smooth", type=int, default=None,
-                    help="moving-average window (log points) of the smoothed curves (default: about 1/20 of the points)")
-    ap.add_argument("--max-grids", type=int, default=MAX_GRIDS, help="sample grids per row, spread over the run")
+    ap.add_argument("run", type=existing(), help="the run folder (<experiment.log_dir>/<experiment.name>)")
+    ap.add_argument("--smooth", type=integer(1, 100_000), default=None,
+                    help="moving-average window (log points) of the smoothed curves, 1 to 100000 (default: about 1/20 "
+                         "of the points)")
+    ap.add_argument("--max-grids", type=integer(1, 1000), default=MAX_GRIDS,
+                    help="sample grids per row, spread over the run, 1 to 1000")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     run = Path(args.run)
@@ -35,8 +38,6 @@ def main(argv: list[str] | None = None) -> Path:
         run = run.parent
     if not (run / "metrics.jsonl").is_file() and not (run / "config.yaml").is_file():
         raise SystemExit(f"{run} is not a run folder (no metrics.jsonl or config.yaml in it)")
-    if args.smooth is not None and args.smooth < 1 or args.max_grids < 1:
-        raise SystemExit("--smooth and --max-grids must be at least 1")
     try:
         out = write_report(run, window=args.smooth, max_grids=args.max_grids)
     except MatplotlibMissing as e:

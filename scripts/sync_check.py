@@ -20,12 +20,14 @@ from pathlib import Path
 
 import torch
 
+from sd_training.config.script_args import integer
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--steps", type=int, default=12, help="steps; checks at every 6th")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--steps", type=integer(6, 600), default=12, help="steps, 6 to 600; checks at every 6th")
     a = ap.parse_args(argv)
 
     from sd_training import distributed
