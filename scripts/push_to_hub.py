@@ -23,7 +23,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sd_training.config.script_args import existing  # noqa: E402
 from sd_training.outputs.model_card import CARD_FILE, LORA_WEIGHTS, PIPELINE_INDEX, export_kind, for_repo  # noqa: E402
 
 LOGIN_HINT = "set HF_TOKEN (a write token from https://huggingface.co/settings/tokens) or run `huggingface-cli login`"
@@ -39,7 +38,7 @@ class PushError(Exception):
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("folder", type=existing("folder"), help="an exported pipeline (model_index.json) or LoRA folder "
+    ap.add_argument("folder", help="an exported pipeline (model_index.json) or LoRA folder "
                     "(pytorch_lora_weights.safetensors), e.g. runs/NAME/current_pipeline")
     ap.add_argument("--repo", required=True, help="the Hub repository, NAME or OWNER/NAME")
     ap.add_argument("--private", action="store_true",

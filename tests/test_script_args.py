@@ -50,7 +50,6 @@ CASES = [
     ("make_fashion_mnist_shards", ["{tmp}/o", "--size", "100000"], "--size", "from 8 to 1024"),
     ("make_tiny_pipeline", ["{tmp}/o", "--seed", "-1"], "--seed", "an integer from 0"),
     ("download_diffusers", ["-o", "{tmp}/a_file", "-m", "x/y"], "-o/--out", "which is a file"),
-    ("push_to_hub", ["{tmp}/nowhere", "--repo", "x/y", "--dry-run"], "folder", "an existing folder"),
 ]
 
 
