@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from sd_training.config.script_args import existing, integer, new_file  # noqa: E402
+from sd_training.config.script_args import integer, new_file  # noqa: E402
 from sd_training.report import write_report  # noqa: E402
 from sd_training.report.plots import MatplotlibMissing, draw_stacked, require_matplotlib  # noqa: E402
 from sd_training.report.series import Metrics, panels, read_metrics, smooth  # noqa: E402,F401 (the script's API)
@@ -33,7 +33,7 @@ def plot(metrics: Metrics, out: str | Path, title: str = "", window: int | None 
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("metrics", type=existing(), help="a run folder or its metrics.jsonl")
+    ap.add_argument("metrics", help="a run folder or its metrics.jsonl")
     ap.add_argument("-o", "--out", type=new_file(".png"), help="PNG to write (default: metrics.png beside the metrics file)")
     ap.add_argument("--smooth", type=integer(1, 100_000), default=None,
                     help="moving-average window (log points) of the smoothed curves, 1 to 100000 (default: about 1/20 "

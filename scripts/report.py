@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from sd_training.config.script_args import existing, integer  # noqa: E402
+from sd_training.config.script_args import integer  # noqa: E402
 from sd_training.report import MAX_GRIDS, MatplotlibMissing, write_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", type=existing(), help="the run folder (<experiment.log_dir>/<experiment.name>)")
+    ap.add_argument("run", help="the run folder (<experiment.log_dir>/<experiment.name>)")
     ap.add_argument("--smooth", type=integer(1, 100_000), default=None,
                     help="moving-average window (log points) of the smoothed curves, 1 to 100000 (default: about 1/20 "
                          "of the points)")

@@ -44,7 +44,7 @@ CASES = [
     ("generate_examples", ["--prompts", "{tmp}/none.txt", "--out", "{tmp}/o", "--pipeline", "p"],
      "--prompts", "an existing file"),
     ("report", ["{tmp}", "--smooth", "0"], "--smooth", "from 1 to 100000"),
-    ("report", ["{tmp}/nowhere"], "run", "an existing path"),
+    ("report", ["{tmp}", "--max-grids", "-2"], "--max-grids", "from 1 to 1000"),
     ("plot_metrics", ["{tmp}", "-o", "{tmp}/plot.svg"], "-o/--out", "ending in .png"),
     ("sync_check", ["--steps", "0"], "--steps", "from 6 to 600"),
     ("make_fashion_mnist_shards", ["{tmp}/o", "--size", "100000"], "--size", "from 8 to 1024"),
