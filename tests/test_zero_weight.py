@@ -2,7 +2,8 @@
 warns at its first such step naming the masks, skips those updates (weight decay would otherwise shrink every
 weight while nothing is learnt), and stops with a data error after ``experiment.max_zero_weight_steps`` in a
 row, the newest checkpoint intact: in this process on one rank, and through train.py on two ranks with loader
-workers (exit code 2 from both, at the same step)."""
+workers (exit code 2 from both, at the same step). A zero weight for another reason than masks (the flag is the
+gradient norm) skips the update alike, with the host-side and the device-side (fused) skip."""
 
 import logging
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 from conftest import train_args
 from test_masked_loss import mask_shards, unet_state
+from test_recipe import fixed_batch, make_trainer
 from test_resume import launch
 
 from sd_training import distributed
@@ -69,3 +71,29 @@ def test_two_ranks_with_loader_workers_stop_together_with_a_data_error(tmp_path,
     assert verify(Path(ckpts) / "step_00000001") is not None
     log = (tmp_path / "runs" / "two" / "train.log").read_text()
     assert "The run stopped, as the data trains nothing" in log and "mask that is black everywhere" in log
+
+
+@pytest.mark.parametrize("implementation", ["for_loop", "fused"])
+def test_a_zero_weight_batch_for_any_reason_skips_the_update_and_is_counted(tmp_path, tiny_pipeline, shapes_shards,
+                                                                           implementation, caplog):
+    """A batch whose loss weights are all 0 without masks the loader saw (the flag is the gradient norm): no
+    weight decay and no Adam moment update, counted on the device, named at the check as not the masks."""
+    t = make_trainer(tmp_path, tiny_pipeline, shapes_shards, name="w0", **{
+        "optimizer.implementation": implementation, "optimizer.params.weight_decay": 0.1})
+    t.micro_step(fixed_batch(t), sync=True)
+    t.optimizer_step()  # one good step first, so the optimizer has state to protect
+    before = {k: v.clone() for k, v in t.net.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in t.optimizer.state.values()]
+    zero = {**fixed_batch(t), "loss_weight": torch.zeros(4, 1, 8, 8)}
+    t.micro_step(zero, sync=True)
+    t.optimizer_step()
+    assert all(torch.equal(v, t.net.state_dict()[k]) for k, v in before.items())  # no update, no decay
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, t.optimizer.state.values()))
+    assert int(t.guards.streak) == 1 and int(t.guards.nonfinite_total) == 0
+    with caplog.at_level(logging.WARNING):
+        t.guards.check(2, before_stop=lambda: None)
+    assert any("1 optimizer step(s) of steps 1-2 had an exactly zero gradient" in r.getMessage()
+               and "a loss weighting that gives 0" in r.getMessage() for r in caplog.records), caplog.text
+    t.micro_step(fixed_batch(t), sync=True)
+    t.optimizer_step()
+    assert int(t.guards.streak) == 0  # a step with data resets the streak

@@ -53,7 +53,7 @@ class StepGuards:
         self.streak = torch.zeros((), dtype=torch.long, device=device)  # ... in a row, up to now
         self.masked_out_steps = 0  # host: this rank's steps since the last check whose every sample had weight 0
         self.masked_out_run = 0  # host: ... in a row, up to now
-        self._step_masked_out = True  # every micro-batch of the step in progress so far
+        self._step_batches = self._step_masked_out = 0  # micro-batches of the step in progress, all masked out
         self._warned_masks = False
         self._last_check = 0
 
@@ -61,7 +61,8 @@ class StepGuards:
         """Host only (a count the collate made): is every sample of this micro-batch masked out?"""
         n_zero, n = batch.get("zero_weight_samples"), len(batch.get("keys", ()))
         masked_out = n_zero is not None and n > 0 and n_zero >= n
-        self._step_masked_out = self._step_masked_out and masked_out
+        self._step_batches += 1
+        self._step_masked_out += masked_out
         if masked_out and not self._warned_masks:
             self._warned_masks = True
             log.warning("step %d: every sample of this rank's batch has a mask that is black everywhere "
@@ -81,9 +82,10 @@ class StepGuards:
         zero_here = zero.long().to(self.total.device, non_blocking=True)
         self.total = self.total + zero_here
         self.streak = (self.streak + 1) * zero_here
-        self.masked_out_steps += int(self._step_masked_out)  # (a host bool)
-        self.masked_out_run = self.masked_out_run + 1 if self._step_masked_out else 0
-        self._step_masked_out = True
+        masked_out = 0 < self._step_batches == self._step_masked_out  # (host ints)
+        self.masked_out_steps += masked_out
+        self.masked_out_run = self.masked_out_run + 1 if masked_out else 0
+        self._step_batches = self._step_masked_out = 0
         return bad, zero
 
     def check(self, step: int, before_stop: Callable[[], None]) -> None:
