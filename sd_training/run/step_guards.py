@@ -16,8 +16,8 @@ skips a non-finite one: no data, no update) and counts it here.
   such step, naming the masks.
 * After ``experiment.max_zero_weight_steps`` zero-gradient steps in a row (0: never) the run stops with
   :class:`ZeroWeightSteps`, a data error (exit code 2, one line, as bad data found at set-up). No checkpoint
-  is written for the stop: the skipped steps changed no weight, the newest checkpoint stays as it was, and a
-  resume after fixing the data reads those batches again.
+  is written for the stop: the skipped steps changed no weight, so the newest checkpoint stays as it was and
+  holds the same weights; a resume after fixing the data continues from it.
 """
 
 from __future__ import annotations
