@@ -181,7 +181,7 @@ def make_shards(args) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("input", type=existing(), help="image folder, parquet file/folder, or CSV file")
+    ap.add_argument("input", help="image folder, parquet file/folder, or CSV file (parquet/CSV: also a glob or brace pattern)")
     ap.add_argument("out_dir", type=out_folder, help="folder the shards and sizes.json are written to")
     ap.add_argument("--type", default=None, help="folder | parquet | CSV (default: guessed from the input)")
     ap.add_argument("--samples-per-shard", type=integer(1, 1_000_000), default=1000,

@@ -28,7 +28,7 @@ CASES = [
     ("plan_memory", [MISSING, "--gpu-gb", "1e9"], "--gpu-gb", "<= 4096"),
     ("make_shards", ["{tmp}", "{tmp}/out", "--samples-per-shard", "0"], "--samples-per-shard", "from 1 to 1000000"),
     ("make_shards", ["{tmp}", "{tmp}/out", "--timeout", "nan"], "--timeout", "finite number > 0"),
-    ("make_shards", ["{tmp}/nowhere", "{tmp}/out"], "input", "an existing path"),
+    ("make_shards", ["{tmp}", "{tmp}/out", "--max-side", "4"], "--max-side", "from 16 to 65535"),
     ("make_shards", ["{tmp}", "{tmp}/out", "--prefix", "a/b"], "--prefix", "without '/'"),
     ("make_shards", ["{tmp}", "{tmp}/a_file"], "out_dir", "which is a file"),
     ("precompute_latents", ["--input", "x.tar", "--pipeline", "p", "--output", "{tmp}/o", "--resolution", "30"],
