@@ -193,7 +193,8 @@ def pytest_terminal_summary(terminalreporter):
                   "process, stalls, decompression bombs, bad values, full and read-only disks, a second run, "
                   "changed configs, hostile pickles and paths, damaged checkpoints, hostile samples and forged "
                   "tar headers, planted secrets, impossible sizes, killed ranks under torchrun, errors at "
-                  "every stage)")
+                  "every stage, pickles planted in every file of a step folder on 1 and 2 ranks, hostile card templates and "
+                  "names, alias bombs, catastrophic regexes, degenerate masks, bad script arguments)")
     tr.write_line(f"runs survived: {FAULTS['survived']}; data lost: {len(FAULTS['failed'])}")
     for nodeid in FAULTS["failed"]:
         tr.write_line(f"  FAILED: {nodeid}")
