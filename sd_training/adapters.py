@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError
+from .config.patterns import full_matches
 from .config.schema import TrainConfig
 from .optim import param_groups
 from .run.run_dir import replace_dir
@@ -92,7 +93,8 @@ def resolve_targets(module: torch.nn.Module, presets: dict[str, str], preset: st
             raise ConfigError(f"'{key}.targets={preset}': the {what} has no such preset (it has "
                               f"{', '.join(presets) or 'none'}): name the layers in {key}.target_modules")
         regex = presets[preset]
-    found = [n for n in layers if re.fullmatch(regex, n)]
+    found = full_matches(regex, list(layers), f"{key}.target_regex" if regex is not presets.get(preset) else
+                         f"{key}.targets={preset}")
     if not found:
         source = f"'{key}.target_regex' {regex!r}" if regex is not presets.get(preset) else f"'{key}.targets={preset}'"
         raise ConfigError(f"{source} matches no Linear or Conv2d layer of the {what} (e.g. "

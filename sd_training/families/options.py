@@ -153,12 +153,9 @@ def check_adapter(cfg) -> None:
     if a.target_modules and a.target_regex is not None:
         raise ConfigError("'model.adapter.target_modules' and 'model.adapter.target_regex' both set: use one")
     if a.target_regex is not None:
-        import re
+        from ..config.patterns import compile_pattern  # imported when used: the schema's imports stay minimal
 
-        try:
-            re.compile(a.target_regex)
-        except re.error as e:
-            raise ConfigError(f"'model.adapter.target_regex' {a.target_regex!r} is not a regular expression: {e}") from None
+        compile_pattern(a.target_regex, "model.adapter.target_regex")  # the engine that matches it, bounded
     if cfg.model.text_encoder.train:
         raise ConfigError("'model.text_encoder.train' trains every text-encoder weight; with model.adapter use "
                           "model.adapter.text_encoders.train=true (a LoRA on the text encoder) instead")
