@@ -77,3 +77,48 @@ def test_a_sensible_pattern_still_matches_and_a_broken_one_names_the_key(tiny_pi
     assert time.monotonic() - start < 5
     with pytest.raises(ConfigError, match=r"'model\.adapter\.target_regex' '\(' is not a regular expression"):
         load(args(tmp_path, tiny_pipeline, **LORA, **{"model.adapter.target_regex": "("}))
+
+
+# ---------------------------------------------------------------- bounded YAML in the training config
+
+def _laughs(levels: int) -> str:
+    """A "billion laughs" config: each line nine aliases of the line before (9^levels strings)."""
+    lines = ["experiment:", "  name: x", "dataset:", "  params:", "    sources:", '      - {path: "/d/{0..3}.tar", note: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]}']
+    for i in range(1, levels):
+        lines.append(f"      - {{path: /d/{i}.tar, note: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]}}")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_config_whose_aliases_multiply_is_refused_naming_the_file(tmp_path, monkeypatch):
+    """Nine levels of nine aliases (387 million nodes) would fill the memory; OmegaConf's own limit (2.4,
+    not 2.3) can be lifted by an environment variable and tells the user to lift it. The file is refused
+    by our bound whatever the environment, before a node is built."""
+    monkeypatch.setenv("OMEGACONF_MAX_YAML_EXPANDED_NODES", "none")
+    for levels in (5, 9):  # 5: 59,000 nodes, which the code before issue 34 built
+        path = tmp_path / f"laughs{levels}.yaml"
+        path.write_text(_laughs(levels))
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"config file '{path}': its YAML aliases \(\*name\) expand \d+ "
+                                              r"written nodes to [\d,]+; at most 10,000 may come from aliases"):
+            load([f"config={path}"])
+        assert time.monotonic() - start < 5
+
+
+def test_aliases_users_write_by_hand_load_and_deep_or_recursive_yaml_is_refused(tmp_path):
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("experiment: {name: x, num_examples_to_see: 64}\ndataset: {params: {path: \"/data/{0..3}.tar\"}}\n"
+                      "model:\n  pretrained: &sd /models/sd\n  vae: {pretrained: *sd}\n  unet: {pretrained: *sd}\n")
+    cfg = load([f"config={shared}"])
+    assert cfg.model.vae.pretrained == cfg.model.unet.pretrained == "/models/sd"
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 70 + "]" * 70 + "\n")
+    with pytest.raises(ConfigError, match=rf"config file '{deep}' nests mappings or lists 7\d levels deep"):
+        load([f"config={deep}"])
+    deeper = tmp_path / "deeper.yaml"
+    deeper.write_text("a: " + "[" * 1000 + "]" * 1000 + "\n")
+    with pytest.raises(ConfigError, match=rf"config file '{deeper}' nests mappings or lists deeper than"):
+        load([f"config={deeper}"])
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("a: &x [1, *x]\n")
+    with pytest.raises(ConfigError, match=rf"config file '{loop}': an alias refers to a node that contains it"):
+        load([f"config={loop}"])
