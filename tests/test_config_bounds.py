@@ -14,6 +14,7 @@ from conftest import train_args
 
 import forked
 from sd_training.config import ConfigError
+from sd_training.config.loading import parse
 from sd_training.configure import load
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.faults]
@@ -100,7 +101,7 @@ def test_a_config_whose_aliases_multiply_is_refused_naming_the_file(tmp_path, mo
         start = time.monotonic()
         with pytest.raises(ConfigError, match=rf"config file '{path}': its YAML aliases \(\*name\) expand \d+ "
                                               r"written nodes to [\d,]+; at most 10,000 may come from aliases"):
-            load([f"config={path}"])
+            parse([f"config={path}"])
         assert time.monotonic() - start < 5
 
 
@@ -108,17 +109,47 @@ def test_aliases_users_write_by_hand_load_and_deep_or_recursive_yaml_is_refused(
     shared = tmp_path / "shared.yaml"
     shared.write_text("experiment: {name: x, num_examples_to_see: 64}\ndataset: {params: {path: \"/data/{0..3}.tar\"}}\n"
                       "model:\n  pretrained: &sd /models/sd\n  vae: {pretrained: *sd}\n  unet: {pretrained: *sd}\n")
-    cfg = load([f"config={shared}"])
+    cfg = parse([f"config={shared}"])
     assert cfg.model.vae.pretrained == cfg.model.unet.pretrained == "/models/sd"
     deep = tmp_path / "deep.yaml"
     deep.write_text("a: " + "[" * 70 + "]" * 70 + "\n")
     with pytest.raises(ConfigError, match=rf"config file '{deep}' nests mappings or lists 7\d levels deep"):
-        load([f"config={deep}"])
+        parse([f"config={deep}"])
     deeper = tmp_path / "deeper.yaml"
     deeper.write_text("a: " + "[" * 1000 + "]" * 1000 + "\n")
     with pytest.raises(ConfigError, match=rf"config file '{deeper}' nests mappings or lists deeper than"):
-        load([f"config={deeper}"])
+        parse([f"config={deeper}"])
     loop = tmp_path / "loop.yaml"
     loop.write_text("a: &x [1, *x]\n")
     with pytest.raises(ConfigError, match=rf"config file '{loop}': an alias refers to a node that contains it"):
-        load([f"config={loop}"])
+        parse([f"config={loop}"])
+
+
+# ---------------------------------------------------------------- case 6: every group's learning rate
+
+PRODIGY = ["experiment.name=x", "experiment.num_examples_to_see=64", "model.pretrained=/models/sd",
+           "dataset.params.path=/data/{0..3}.tar", "optimizer.name=prodigy", "optimizer.params.learning_rate=1.0"]
+
+
+@pytest.mark.parametrize("over, key", [
+    (["model.adapter.type=lora", "model.adapter.learning_rate=1e-4"], "model.adapter.learning_rate"),
+    (["model.adapter.type=lora", "model.adapter.text_encoders.train=true",
+      "model.adapter.text_encoders.learning_rate=5e-5"], "model.adapter.text_encoders.learning_rate"),
+    (["model.text_encoder.train=true", "model.text_encoder.learning_rate=1e-5"], "model.text_encoder.learning_rate"),
+])
+def test_prodigy_refuses_an_adamw_rate_in_any_parameter_group(over, key):
+    """Prodigy's guard read optimizer.params.learning_rate only: model.adapter.learning_rate=1e-4 beside
+    optimizer.params.learning_rate=1.0 trained about 10,000x too slowly, silently."""
+    with pytest.raises(ConfigError, match=rf"optimizer\.name=prodigy .* '{key}' multiplies it .* would train about "
+                                          rf"[\d,]+x slower\. Set {key}=1\.0"):
+        parse([*PRODIGY, *over])
+
+
+def test_prodigy_refuses_unequal_group_rates_at_load_and_takes_equal_ones():
+    with pytest.raises(ConfigError, match=r"prodigy steps every parameter group with one learning rate, but this run's "
+                                          r"groups have 2 \(model\.adapter\.learning_rate=1, "
+                                          r"model\.adapter\.text_encoders\.learning_rate=0\.5\)"):
+        parse([*PRODIGY, "model.adapter.type=lora", "model.adapter.learning_rate=1.0",
+              "model.adapter.text_encoders.train=true", "model.adapter.text_encoders.learning_rate=0.5"])
+    parse([*PRODIGY, "model.adapter.type=lora", "model.adapter.learning_rate=1.0"])
+    parse([*PRODIGY, "model.text_encoder.train=true"])  # the text encoder takes the optimizer's 1.0
