@@ -153,3 +153,84 @@ def test_prodigy_refuses_unequal_group_rates_at_load_and_takes_equal_ones():
               "model.adapter.text_encoders.train=true", "model.adapter.text_encoders.learning_rate=0.5"])
     parse([*PRODIGY, "model.adapter.type=lora", "model.adapter.learning_rate=1.0"])
     parse([*PRODIGY, "model.text_encoder.train=true"])  # the text encoder takes the optimizer's 1.0
+
+
+# ---------------------------------------------------------------- case 7: text lengths per family
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_t5_lengths_beyond_the_pipelines_limit_are_refused_for_every_transformer_family(family, family_pipeline,
+                                                                                      tmp_path):
+    """SD3 took model.t5.max_length=100000 and asked for 80 GB at step 1; Flux capped it at 512 alone."""
+    with pytest.raises(ConfigError, match=r"'model\.t5\.max_length'=100,000 is more than (SD3|Flux) takes: at most "
+                                          r"512 tokens \((StableDiffusion3|Flux)Pipeline's max_sequence_length"):
+        load(args(tmp_path, family_pipeline(family), **{"model.t5.max_length": 100000}))
+    load(args(tmp_path, family_pipeline(family), **{"model.t5.max_length": 512}))
+
+
+# ---------------------------------------------------------------- case 8: resolutions per family
+
+@pytest.mark.parametrize("over, message", [
+    ({"dataset.params.resolution": 40}, r"'dataset\.params\.resolution'=40 px, but every image side SD3 trains on "
+                                        r"must be a multiple of 16 px, at most 256 px \(the VAE's 8 px per latent x "
+                                        r"the transformer's patch_size 2; at most pos_embed_max_size 16 patches per "
+                                        r"side\): nearest valid: 32 or 48"),
+    ({"dataset.params.resolution": 512}, r"'dataset\.params\.resolution'=512 px.*nearest valid: 256$"),
+    ({"experiment.sample_resolution": 72}, r"'experiment\.sample_resolution'=72 px.*nearest valid: 64 or 80"),
+    ({"dataset.params.aspect_buckets": "true", "dataset.params.bucket_step": 8},
+     r"an aspect bucket of dataset\.params\.resolution=32, bucket_step=8 and max_aspect_ratio=2 has a side of 24 px.*"
+     r"set bucket_step to a multiple of 16"),
+])
+def test_sd3_image_sides_are_checked_against_patch_size_and_position_embeddings(over, message, sd3_pipeline,
+                                                                                 tmp_path):
+    """40 px was a RuntimeError at step 1 (latents of 5 patches of 2); beyond pos_embed_max_size x patch_size a
+    ValueError after every model had loaded."""
+    with pytest.raises(ConfigError, match=message):
+        load(args(tmp_path, sd3_pipeline, **over))
+
+
+def test_flux_buckets_and_samples_are_checked_like_its_resolution(flux_pipeline, tmp_path):
+    with pytest.raises(ConfigError, match=r"'experiment\.sample_resolution'=40 px, but every image side Flux trains "
+                                          r"on must be a multiple of 16 px \(2x2 patches of the VAE's 8 px"):
+        load(args(tmp_path, flux_pipeline, **{"experiment.sample_resolution": 40}))
+    load(args(tmp_path, flux_pipeline, **{"experiment.sample_resolution": 48, "dataset.params.aspect_buckets": "true",
+                                          "dataset.params.bucket_step": 16}))
+
+
+# ---------------------------------------------------------------- case 14: guidance_embed where it is read
+
+def test_guidance_embed_is_refused_where_the_transformer_has_no_guidance_embedding(flux_pipeline, sd3_pipeline,
+                                                                                    tmp_path):
+    import json
+    import shutil
+
+    schnell = tmp_path / "schnell"
+    shutil.copytree(flux_pipeline, schnell)
+    conf = json.loads((schnell / "transformer" / "config.json").read_text())
+    (schnell / "transformer" / "config.json").write_text(json.dumps({**conf, "guidance_embeds": False}))
+    with pytest.raises(ConfigError, match=r"'model\.guidance_embed'=4 would be unused: the Flux's transformer config "
+                                          r"\(no guidance_embeds\) has no guidance embedding"):
+        load(args(tmp_path, schnell, **{"model.guidance_embed": 4.0}))
+    with pytest.raises(ConfigError, match=r"'model\.guidance_embed'=4 would be unused: the SD3's transformer"):
+        load(args(tmp_path, sd3_pipeline, **{"model.guidance_embed": 4.0}))
+    load(args(tmp_path, schnell))  # the default is no setting
+    load(args(tmp_path, flux_pipeline, **{"model.guidance_embed": 4.0}))  # a guidance-distilled transformer
+
+
+# ---------------------------------------------------------------- case 9: init_from read at load
+
+def test_init_from_of_a_cut_or_foreign_file_is_a_config_error_at_load(tiny_pipeline, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    whole = tmp_path / "pytorch_lora_weights.safetensors"
+    save_file({"unet.a.lora_A.weight": torch.zeros(64, 64)}, str(whole))
+    data = whole.read_bytes()
+    cut, foreign = tmp_path / "cut.safetensors", tmp_path / "foreign.safetensors"
+    cut.write_bytes(data[: len(data) // 2])
+    torch.save({"w": torch.zeros(2)}, foreign)  # a pickle (zip) under the LoRA's name
+    with pytest.raises(ConfigError, match=rf"'model\.adapter\.init_from': {cut} is cut short: {len(data) // 2:,} of "
+                                          rf"{len(data):,} bytes"):
+        load(args(tmp_path, tiny_pipeline, **LORA, **{"model.adapter.init_from": str(cut)}))
+    with pytest.raises(ConfigError, match=rf"'model\.adapter\.init_from': {foreign} is not a safetensors file"):
+        load(args(tmp_path, tiny_pipeline, **LORA, **{"model.adapter.init_from": str(foreign)}))
+    load(args(tmp_path, tiny_pipeline, **LORA, **{"model.adapter.init_from": str(tmp_path)}))  # the folder's whole file
