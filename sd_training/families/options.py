@@ -89,7 +89,8 @@ class AdapterConfig:
                      choices=("attention", "attention_ffn", "all_linear"))
     target_modules: List[str] = f([], "explicit layer names (a name or its dotted suffix, e.g. to_q, attn1.to_k) "
                                   "instead of the preset")
-    target_regex: Optional[str] = f(None, "a regular expression the full layer names must match, instead of the preset")
+    target_regex: Optional[str] = f(None, "a regular expression the full layer names must match, instead of the preset "
+                                    "(Python re syntax; all names matched within 2 s, else refused)")
     learning_rate: Optional[float] = f(None, "peak LR of the adapter (None: optimizer.params.learning_rate)", gt=0)
     weight_decay: Optional[float] = f(None, "weight decay of the adapter (None: optimizer.params.weight_decay)")
     text_encoders: TextEncoderAdapterConfig = f(TextEncoderAdapterConfig, "LoRA on the text encoder(s)")
