@@ -147,7 +147,7 @@ def check_family_limits(cfg: TrainConfig) -> None:
     for key, (limit, why) in fam.text_limits(cfg).items():
         value = _value(cfg, key)
         if value is not None and value > limit:
-            raise ConfigError(f"'{key}'={value:,} is more than {what} takes: at most {limit} tokens ({why}); set "
+            raise ConfigError(f"'{key}'={value:,} is more than the {what} family takes: at most {limit} tokens ({why}); set "
                               f"{key}={limit} or less (each token costs memory in every attention layer)")
     _folder, conf = trained_config(cfg)
     takes = fam.takes_guidance_embed(conf)

@@ -161,10 +161,18 @@ def test_prodigy_refuses_unequal_group_rates_at_load_and_takes_equal_ones():
 def test_t5_lengths_beyond_the_pipelines_limit_are_refused_for_every_transformer_family(family, family_pipeline,
                                                                                       tmp_path):
     """SD3 took model.t5.max_length=100000 and asked for 80 GB at step 1; Flux capped it at 512 alone."""
-    with pytest.raises(ConfigError, match=r"'model\.t5\.max_length'=100,000 is more than (SD3|Flux) takes: at most "
+    with pytest.raises(ConfigError, match=r"'model\.t5\.max_length'=100,000 is more than the (SD3|Flux) family takes: at most "
                                           r"512 tokens \((StableDiffusion3|Flux)Pipeline's max_sequence_length"):
         load(args(tmp_path, family_pipeline(family), **{"model.t5.max_length": 100000}))
     load(args(tmp_path, family_pipeline(family), **{"model.t5.max_length": 512}))
+
+
+def test_clip_lengths_beyond_the_encoders_positions_are_refused_at_load(sdxl_pipeline, tmp_path):
+    """The UNet families found model.text_encoder.max_length=100000 only once the text encoder was loaded."""
+    with pytest.raises(ConfigError, match=r"'model\.text_encoder\.max_length'=100,000 is more than the sdxl family "
+                                          r"takes: at most 77 tokens \(the text encoder's position embeddings"):
+        load(args(tmp_path, sdxl_pipeline, **{"model.text_encoder.max_length": 100000}))
+    load(args(tmp_path, sdxl_pipeline, **{"model.text_encoder.max_length": 77}))
 
 
 # ---------------------------------------------------------------- case 8: resolutions per family
