@@ -49,6 +49,7 @@ from .components.transformer import (
 )
 from .components.unet import Components
 from .flow_family import FlowFamily
+from .options import FamilyModelFields
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,12 @@ class Flux(FlowFamily):
     def build_models(self) -> FluxModels:
         models = build_flux_models(self.cfg.model, self.device, self.seed)
         check_models(models)
+        # The same refusal as at load (configure.check_family_limits), for a transformer whose config could
+        # not be read then (a hub id not in the local cache)
+        if self.takes_guidance_embed(dict(unwrap(models.transformer).config)) is False and \
+                self.cfg.model.guidance_embed != FamilyModelFields().guidance_embed:
+            raise ConfigError(f"'model.guidance_embed'={self.cfg.model.guidance_embed:g} would be unused: the "
+                              "transformer has no guidance embedding to feed it (guidance_embeds is false). Remove the key")
         return models
 
     @classmethod
