@@ -147,8 +147,8 @@ def check_family_limits(cfg: TrainConfig) -> None:
     for key, (limit, why) in fam.text_limits(cfg).items():
         value = _value(cfg, key)
         if value is not None and value > limit:
-            raise ConfigError(f"'{key}'={value:,} is more than the {what} family takes: at most {limit} tokens ({why}); set "
-                              f"{key}={limit} or less (each token costs memory in every attention layer)")
+            raise ConfigError(f"'{key}'={value:,} is more than the {what} family takes: at most {limit} tokens "
+                              f"({why}); set {key}={limit} or less (each token costs memory in every attention layer)")
     _folder, conf = trained_config(cfg)
     takes = fam.takes_guidance_embed(conf)
     default = FamilyModelFields().guidance_embed
@@ -194,19 +194,23 @@ def check_resolutions(cfg: TrainConfig, grid, what: str) -> None:
     """Every side of :func:`image_sides` a multiple of ``grid.multiple`` and at most ``grid.largest``; else one
     ``ConfigError`` naming the key, the side and the nearest valid values (a wrong side failed at step 1,
     a too large one after every model had loaded)."""
+    p = cfg.dataset.params
     for key, sides in image_sides(cfg):
         for side in sides:
-            if side % grid.multiple == 0 and (grid.largest is None or side <= grid.largest):
+            uneven, large = side % grid.multiple != 0, grid.largest is not None and side > grid.largest
+            if not (uneven or large):
                 continue
             rule = f"a multiple of {grid.multiple} px" + (f", at most {grid.largest} px" if grid.largest else "")
-            where = (f"an aspect bucket of dataset.params.resolution={cfg.dataset.params.resolution}, "
-                     f"bucket_step={cfg.dataset.params.bucket_step} and max_aspect_ratio="
-                     f"{cfg.dataset.params.max_aspect_ratio:g} has a side of {side} px"
-                     if key == "dataset.params.bucket_step" else f"'{key}'={side} px")
-            fix = (f"set bucket_step to a multiple of {grid.multiple}"
-                   + (" and lower max_aspect_ratio" if grid.largest and side > grid.largest else "")
-                   if key == "dataset.params.bucket_step" else f"nearest valid: {_nearest(side, grid.multiple, grid.largest)}")
-            raise ConfigError(f"{where}, but every image side {what} trains on must be {rule} ({grid.why}): {fix}")
+            if key != "dataset.params.bucket_step":
+                raise ConfigError(f"'{key}'={side} px, but every image side {what} trains on must be {rule} "
+                                  f"({grid.why}): nearest valid: {_nearest(side, grid.multiple, grid.largest)}")
+            step = -(-int(p.bucket_step) // grid.multiple) * grid.multiple
+            fix = (f"set dataset.params.bucket_step={step}" if uneven else
+                   "lower dataset.params.max_aspect_ratio or dataset.params.resolution (the longest bucket side is "
+                   "about resolution x sqrt(max_aspect_ratio))")
+            raise ConfigError(f"an aspect bucket of dataset.params.resolution={p.resolution}, bucket_step="
+                              f"{p.bucket_step} and max_aspect_ratio={p.max_aspect_ratio:g} has a side of {side} px, "
+                              f"but every image side {what} trains on must be {rule} ({grid.why}): {fix}")
 
 
 def check_init_from(cfg: TrainConfig) -> None:

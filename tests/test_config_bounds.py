@@ -84,7 +84,9 @@ def test_a_sensible_pattern_still_matches_and_a_broken_one_names_the_key(tiny_pi
 
 def _laughs(levels: int) -> str:
     """A "billion laughs" config: each line nine aliases of the line before (9^levels strings)."""
-    lines = ["experiment:", "  name: x", "dataset:", "  params:", "    sources:", '      - {path: "/d/{0..3}.tar", note: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]}']
+    lols = ", ".join(['"lol"'] * 9)
+    lines = ["experiment:", "  name: x", "dataset:", "  params:", "    sources:",
+             f'      - {{path: "/d/{{0..3}}.tar", note: &l0 [{lols}]}}']
     for i in range(1, levels):
         lines.append(f"      - {{path: /d/{i}.tar, note: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]}}")
     return "\n".join(lines) + "\n"
@@ -107,7 +109,8 @@ def test_a_config_whose_aliases_multiply_is_refused_naming_the_file(tmp_path, mo
 
 def test_aliases_users_write_by_hand_load_and_deep_or_recursive_yaml_is_refused(tmp_path):
     shared = tmp_path / "shared.yaml"
-    shared.write_text("experiment: {name: x, num_examples_to_see: 64}\ndataset: {params: {path: \"/data/{0..3}.tar\"}}\n"
+    shared.write_text("experiment: {name: x, num_examples_to_see: 64}\n"
+                      "dataset: {params: {path: \"/data/{0..3}.tar\"}}\n"
                       "model:\n  pretrained: &sd /models/sd\n  vae: {pretrained: *sd}\n  unet: {pretrained: *sd}\n")
     cfg = parse([f"config={shared}"])
     assert cfg.model.vae.pretrained == cfg.model.unet.pretrained == "/models/sd"
@@ -161,8 +164,9 @@ def test_prodigy_refuses_unequal_group_rates_at_load_and_takes_equal_ones():
 def test_t5_lengths_beyond_the_pipelines_limit_are_refused_for_every_transformer_family(family, family_pipeline,
                                                                                       tmp_path):
     """SD3 took model.t5.max_length=100000 and asked for 80 GB at step 1; Flux capped it at 512 alone."""
-    with pytest.raises(ConfigError, match=r"'model\.t5\.max_length'=100,000 is more than the (SD3|Flux) family takes: at most "
-                                          r"512 tokens \((StableDiffusion3|Flux)Pipeline's max_sequence_length"):
+    with pytest.raises(ConfigError, match=r"'model\.t5\.max_length'=100,000 is more than the (SD3|Flux) family "
+                                          r"takes: at most 512 tokens \((StableDiffusion3|Flux)Pipeline's "
+                                          r"max_sequence_length"):
         load(args(tmp_path, family_pipeline(family), **{"model.t5.max_length": 100000}))
     load(args(tmp_path, family_pipeline(family), **{"model.t5.max_length": 512}))
 
@@ -186,7 +190,9 @@ def test_clip_lengths_beyond_the_encoders_positions_are_refused_at_load(sdxl_pip
     ({"experiment.sample_resolution": 72}, r"'experiment\.sample_resolution'=72 px.*nearest valid: 64 or 80"),
     ({"dataset.params.aspect_buckets": "true", "dataset.params.bucket_step": 8},
      r"an aspect bucket of dataset\.params\.resolution=32, bucket_step=8 and max_aspect_ratio=2 has a side of 24 px.*"
-     r"set bucket_step to a multiple of 16"),
+     r"set dataset\.params\.bucket_step=16$"),
+    ({"dataset.params.resolution": 256, "dataset.params.aspect_buckets": "true", "dataset.params.bucket_step": 16},
+     r"has a side of 272 px, but .* at most 256 px .*: lower dataset\.params\.max_aspect_ratio or"),
 ])
 def test_sd3_image_sides_are_checked_against_patch_size_and_position_embeddings(over, message, sd3_pipeline,
                                                                                  tmp_path):

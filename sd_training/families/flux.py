@@ -173,7 +173,8 @@ class Flux(FlowFamily):
         if self.takes_guidance_embed(dict(unwrap(models.transformer).config)) is False and \
                 self.cfg.model.guidance_embed != FamilyModelFields().guidance_embed:
             raise ConfigError(f"'model.guidance_embed'={self.cfg.model.guidance_embed:g} would be unused: the "
-                              "transformer has no guidance embedding to feed it (guidance_embeds is false). Remove the key")
+                              "transformer has no guidance embedding to feed it (guidance_embeds is false). Remove "
+                              "the key")
         return models
 
     @classmethod

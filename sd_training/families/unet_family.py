@@ -141,7 +141,8 @@ class UNetFamily(PipelineFamily):
         m = cfg.model
         if m.text_encoder.type != "clip":
             return {}
-        positions = [clip_positions(getattr(m, name).pretrained or m.pretrained, name) for name in cls.text_encoder_names]
+        positions = [clip_positions(getattr(m, name).pretrained or m.pretrained, name)
+                     for name in cls.text_encoder_names]
         known = [p for p in positions if p]
         if not known:
             return {}
