@@ -339,6 +339,8 @@ class StableDiffusion3(FlowFamily):
 
         if clip_skip:
             raise ValueError("SD3 conditions on both CLIPs' penultimate layers: clip skip does not apply")
+        if max_length is not None and max_length > cls.t5_limit:
+            raise ValueError(f"SD3's T5 takes at most {cls.t5_limit} tokens, got max_length {max_length}")
         length = max_length or T5_LENGTH
         toks = [load_component(CLIPTokenizer.from_pretrained, pipeline, n, f"the pipeline's {n}/")
                 for n in ("tokenizer", "tokenizer_2")]
