@@ -122,6 +122,10 @@ def test_aliases_users_write_by_hand_load_and_deep_or_recursive_yaml_is_refused(
     deeper.write_text("a: " + "[" * 1000 + "]" * 1000 + "\n")
     with pytest.raises(ConfigError, match=rf"config file '{deeper}' nests mappings or lists deeper than"):
         parse([f"config={deeper}"])
+    big = tmp_path / "big.yaml"
+    big.write_text("experiment: {name: x}\n" + "# padding\n" * 120_000)
+    with pytest.raises(ConfigError, match=rf"config file '{big}' is 1,200,022 bytes \(at most 1,048,576\)"):
+        parse([f"config={big}"])
     loop = tmp_path / "loop.yaml"
     loop.write_text("a: &x [1, *x]\n")
     with pytest.raises(ConfigError, match=rf"config file '{loop}': an alias refers to a node that contains it"):

@@ -234,7 +234,7 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
 # line before) and nesting deeper than any config are refused before OmegaConf builds a node per value.
 # ----------------------------------------------------------------------------------------------
 
-MAX_CONFIG_BYTES = 16 * 2**20  # a config is a few KB; a mixture listing thousands of sources well under 1 MB
+MAX_CONFIG_BYTES = 2**20  # a config is a few KB, a mixture of a thousand sources ~100 KB (PyYAML: ~3 s per MiB)
 # Nodes that aliases may add beyond those written out: sharing a block by hand (`optimizer: *adamw`, a
 # list of prompts used twice) adds tens to hundreds; 10,000 takes milliseconds and a few MB to build,
 # while nine levels of nine aliases each would be 387 million nodes (tens of GB).
@@ -273,9 +273,7 @@ def _expanded_size(root) -> tuple[int, int, int]:
             size[id(node)] = (1 + sum(size[id(c)][0] for c in children),
                               1 + max((size[id(c)][1] for c in children), default=0))
             continue
-        if id(node) in visiting:
-            raise ValueError("an alias refers to a node that contains it")
-        visiting.add(id(node))
+        visiting.add(id(node))  # on the path from the root (a child already on it: the check below)
         stack.append((node, True))
         for c in children:
             if id(c) in visiting:
@@ -291,13 +289,16 @@ def check_yaml_bounds(text: str, where: str) -> None:
     A syntax error is left to OmegaConf, which reports it with its line and column."""
     import yaml
 
+    too_deep = ConfigError(f"{where} nests mappings or lists deeper than the parser can follow (at most "
+                           f"{MAX_DEPTH} levels): not a config")
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except RecursionError:
-        raise ConfigError(f"{where} nests mappings or lists deeper than the parser can follow (at most "
-                          f"{MAX_DEPTH} levels): not a config") from None
-    except yaml.YAMLError:
-        return
+        root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml's when built
+    except RecursionError:  # the pure-Python composer
+        raise too_deep from None
+    except yaml.YAMLError as e:
+        if "maximum nesting depth" in str(e):  # libyaml's own bound (1,000 levels)
+            raise too_deep from None
+        return  # a syntax error: OmegaConf reports it with its line and column
     if root is None:
         return
     try:
