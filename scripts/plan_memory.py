@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plan_memory: system.device={cfg.system.device} is not on this machine: give --gpu-gb", file=sys.stderr)
             return 2
         targets = [(found[0], found[1])]
-    plan = load_plan(cfg)
+    try:
+        plan = load_plan(cfg)  # e.g. a model.adapter.target_regex past its matching budget (config.patterns)
+    except ConfigError as e:
+        print(f"plan_memory: {e}", file=sys.stderr)
+        return 2
     fits = True
     for memory, where in targets:
         print(f"== {where}\n{report(cfg, memory, where)}\n")

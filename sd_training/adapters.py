@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError
+from .config.patterns import full_matches
 from .config.schema import TrainConfig
 from .optim import param_groups
 from .run.run_dir import replace_dir
@@ -92,7 +93,8 @@ def resolve_targets(module: torch.nn.Module, presets: dict[str, str], preset: st
             raise ConfigError(f"'{key}.targets={preset}': the {what} has no such preset (it has "
                               f"{', '.join(presets) or 'none'}): name the layers in {key}.target_modules")
         regex = presets[preset]
-    found = [n for n in layers if re.fullmatch(regex, n)]
+    found = full_matches(regex, list(layers), f"{key}.target_regex" if regex is not presets.get(preset) else
+                         f"{key}.targets={preset}")
     if not found:
         source = f"'{key}.target_regex' {regex!r}" if regex is not presets.get(preset) else f"'{key}.targets={preset}'"
         raise ConfigError(f"{source} matches no Linear or Conv2d layer of the {what} (e.g. "
@@ -199,6 +201,37 @@ def _lora_file(path: str) -> Path:
     return p
 
 
+def check_lora_file(path: str) -> Path:
+    """The LoRA file of ``model.adapter.init_from`` when it is a whole safetensors file: its 8-byte header
+    length, a JSON header of tensors, and every tensor's bytes within the file; else a ``ConfigError`` naming
+    the key, the file and what is wrong (a copy cut short, another format), not safetensors' bare error."""
+    import json
+    import struct
+
+    file = _lora_file(path)
+    size = file.stat().st_size
+    problem = None
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or n < 2 or n > 100 * 2**20:
+            problem = "not a safetensors file (its first 8 bytes are not a header length)"
+        elif 8 + n > size:
+            problem = f"cut short: {size:,} of at least {8 + n:,} bytes (its header alone is {n:,})"
+        else:
+            try:
+                header = json.loads(fh.read(n))
+                ends = [int(e["data_offsets"][1]) for k, e in header.items() if k != "__metadata__"]
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                problem, ends = "not a safetensors file (its header is not safetensors' JSON)", []
+            if not problem and 8 + n + max(ends, default=0) > size:
+                problem = f"cut short: {size:,} of {8 + n + max(ends):,} bytes"
+    if problem:
+        raise ConfigError(f"'model.adapter.init_from': {file} is {problem}: copy it again, or point init_from at a "
+                          f"folder holding {LORA_FILE} (an export of a LoRA run)")
+    return file
+
+
 def load_lora(adapters: Adapters, path: str) -> None:
     """A diffusers-format LoRA file into the adapters: every key must find its layer with the same shape, and
     every adapter layer must be in the file (made for another family, base, rank or targets: refused)."""
@@ -211,7 +244,7 @@ def load_lora(adapters: Adapters, path: str) -> None:
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    file = _lora_file(path)
+    file = check_lora_file(path)
     state = load_file(str(file))
     modules = {adapters.net_name: adapters.net, **adapters.encoders}
     unknown = [k for k in state if k.split(".", 1)[0] not in modules]

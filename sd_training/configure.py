@@ -22,6 +22,10 @@ from .distributed import usable_cpus
 from .families import options, registry
 from .families.components.unet import check_unet_params
 from .memory.fit import check_batch
+from .memory.fit import _trained_config as trained_config, _vae_factor as vae_factor  # read, nothing built
+from .data.buckets import make_buckets
+from .families.options import FamilyModelFields
+from .adapters import check_lora_file
 from .families.components.ddpm import validate_objective_config
 from .families.components.clip import validate_text_encoder_config
 from .config.fields import ConfigError
@@ -49,6 +53,8 @@ def check(cfg: TrainConfig) -> TrainConfig:
                           f"{', '.join(registry.FAMILIES)}")
     check_word(cfg.quickstart)
     registry.validate(cfg)
+    check_family_limits(cfg)
+    check_init_from(cfg)
     check_dataset_inputs(cfg.dataset)
     check_batch(cfg)
     return cfg
@@ -125,3 +131,91 @@ def check_creatable(key: str, path: str) -> None:
         made = "" if existing == target else f" ({existing} is the nearest folder that exists)"
         raise ConfigError(f"'{key}': cannot write {path}{made}: {e.strerror or e}. Set {key} to a folder this "
                           "user can write, or fix its permissions or mount") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# What the run's family and its trained module take, read from the config files (nothing built).
+# ----------------------------------------------------------------------------------------------
+
+def check_family_limits(cfg: TrainConfig) -> None:
+    """Text lengths, image sides and ``model.guidance_embed`` against what the family declares
+    (``Family.text_limits``, ``pixel_grid``, ``takes_guidance_embed``) and its trained module's config."""
+    fam = registry.trained_family(cfg)
+    if fam is None or cfg.model.train_target == "vae":
+        return  # the family is told at start-up (a hub id not cached), or the autoencoder stage (its own checks)
+    what = getattr(fam, "display_name", "") or fam.name
+    for key, (limit, why) in fam.text_limits(cfg).items():
+        value = _value(cfg, key)
+        if value is not None and value > limit:
+            raise ConfigError(f"'{key}'={value:,} is more than the {what} family takes: at most {limit} tokens "
+                              f"({why}); set {key}={limit} or less (each token costs memory in every attention layer)")
+    _folder, conf = trained_config(cfg)
+    takes = fam.takes_guidance_embed(conf)
+    default = FamilyModelFields().guidance_embed
+    if takes is False and cfg.model.guidance_embed != default:
+        net = f"{what}'s {fam.net_name}" + (" config (no guidance_embeds)" if conf is not None else "")
+        raise ConfigError(f"'model.guidance_embed'={cfg.model.guidance_embed:g} would be unused: the {net} has no "
+                          "guidance embedding to feed it (a guidance-distilled model has one). Remove the key")
+    if conf is not None:
+        grid = fam.pixel_grid(conf, vae_factor(cfg))
+        if grid is not None:
+            check_resolutions(cfg, grid, what)
+
+
+def _value(cfg, path: str):
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def image_sides(cfg: TrainConfig) -> list[tuple[str, list[int]]]:
+    """(key, pixel sides) of every image size the run's data and samples can have: the resolution, each
+    aspect bucket's sides, the sample grid's resolution."""
+    p, sides = cfg.dataset.params, []
+    sides.append(("dataset.params.resolution", [int(p.resolution)]))
+    if p.aspect_buckets:
+        buckets = make_buckets(int(p.resolution), int(p.bucket_step), float(p.max_aspect_ratio))
+        sides.append(("dataset.params.bucket_step", sorted({s for b in buckets for s in b})))
+    if cfg.experiment.sample_resolution is not None:
+        sides.append(("experiment.sample_resolution", [int(cfg.experiment.sample_resolution)]))
+    return sides
+
+
+def _nearest(side: int, multiple: int, largest: int | None) -> str:
+    low = max(side // multiple * multiple, multiple)
+    options = [v for v in (low, low + multiple) if largest is None or v <= largest]
+    if largest is not None and side > largest:
+        options = [largest // multiple * multiple]
+    return " or ".join(str(v) for v in dict.fromkeys(options))
+
+
+def check_resolutions(cfg: TrainConfig, grid, what: str) -> None:
+    """Every side of :func:`image_sides` a multiple of ``grid.multiple`` and at most ``grid.largest``; else one
+    ``ConfigError`` naming the key, the side and the nearest valid values (a wrong side failed at step 1,
+    a too large one after every model had loaded)."""
+    p = cfg.dataset.params
+    for key, sides in image_sides(cfg):
+        for side in sides:
+            uneven, large = side % grid.multiple != 0, grid.largest is not None and side > grid.largest
+            if not (uneven or large):
+                continue
+            rule = f"a multiple of {grid.multiple} px" + (f", at most {grid.largest} px" if grid.largest else "")
+            if key != "dataset.params.bucket_step":
+                raise ConfigError(f"'{key}'={side} px, but every image side {what} trains on must be {rule} "
+                                  f"({grid.why}): nearest valid: {_nearest(side, grid.multiple, grid.largest)}")
+            step = -(-int(p.bucket_step) // grid.multiple) * grid.multiple
+            fix = (f"set dataset.params.bucket_step={step}" if uneven else
+                   "lower dataset.params.max_aspect_ratio or dataset.params.resolution (the longest bucket side is "
+                   "about resolution x sqrt(max_aspect_ratio))")
+            raise ConfigError(f"an aspect bucket of dataset.params.resolution={p.resolution}, bucket_step="
+                              f"{p.bucket_step} and max_aspect_ratio={p.max_aspect_ratio:g} has a side of {side} px, "
+                              f"but every image side {what} trains on must be {rule} ({grid.why}): {fix}")
+
+
+def check_init_from(cfg: TrainConfig) -> None:
+    """``model.adapter.init_from``: a readable, whole safetensors file, found before any model loads (its
+    keys are matched against the adapters at start-up)."""
+    a = cfg.model.adapter
+    if a.enabled and a.init_from:
+        check_lora_file(a.init_from)

@@ -187,11 +187,13 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
     for config_path in config_paths:
         if not os.path.exists(config_path):
             raise ConfigError(f"config file '{config_path}' does not exist")
+        check_yaml_bounds(_config_text(config_path), f"config file '{config_path}'")
         try:
             layers.append(OmegaConf.load(config_path))
         except Exception as e:  # yaml syntax errors
             raise ConfigError(f"cannot parse config file '{config_path}': {e}") from e
     if yaml_text is not None:
+        check_yaml_bounds(yaml_text, "the config text")
         try:
             layers.append(OmegaConf.create(yaml_text))
         except Exception as e:  # yaml syntax errors
@@ -225,6 +227,90 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
     except ValidationError as e:
         raise ConfigError(f"wrong type for '{e.full_key}': {str(e).splitlines()[0]}") from None
     return resolve(cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounded YAML: aliases that expand without end (a "billion laughs" file: each line nine aliases of the
+# line before) and nesting deeper than any config are refused before OmegaConf builds a node per value.
+# ----------------------------------------------------------------------------------------------
+
+MAX_CONFIG_BYTES = 2**20  # a config is a few KB, a mixture of a thousand sources ~100 KB (PyYAML: ~3 s per MiB)
+# Nodes that aliases may add beyond those written out: sharing a block by hand (`optimizer: *adamw`, a
+# list of prompts used twice) adds tens to hundreds; 10,000 takes milliseconds and a few MB to build,
+# while nine levels of nine aliases each would be 387 million nodes (tens of GB).
+MAX_ALIAS_NODES = 10_000
+MAX_DEPTH = 64  # levels of nested mappings and lists (the schema has 4; OmegaConf recurses per level)
+
+
+def _config_text(path: str) -> str:
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file '{path}' is {size:,} bytes (at most {MAX_CONFIG_BYTES:,}): not a "
+                              "hand-written config; list a mixture's many sources in a file it reads instead")
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file '{path}': {e}") from None
+
+
+def _expanded_size(root) -> tuple[int, int, int]:
+    """(nodes written, nodes once every alias is expanded, deepest nesting) of a composed YAML node graph,
+    each shared node counted once per use without expanding it (memoized by identity); a node that
+    contains itself through an alias is a ``ValueError``."""
+    import yaml
+
+    size: dict[int, tuple[int, int]] = {}  # id -> (expanded nodes, depth)
+    stack, visiting = [(root, False)], set()
+    while stack:
+        node, done = stack.pop()
+        if id(node) in size and not done:
+            continue
+        children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
+                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
+        if done:
+            visiting.discard(id(node))
+            size[id(node)] = (1 + sum(size[id(c)][0] for c in children),
+                              1 + max((size[id(c)][1] for c in children), default=0))
+            continue
+        visiting.add(id(node))  # on the path from the root (a child already on it: the check below)
+        stack.append((node, True))
+        for c in children:
+            if id(c) in visiting:
+                raise ValueError("an alias refers to a node that contains it")
+            if id(c) not in size:
+                stack.append((c, False))
+    return len(size), *size[id(root)]
+
+
+def check_yaml_bounds(text: str, where: str) -> None:
+    """``text`` (YAML) composed without being built: a ``ConfigError`` naming ``where`` when its aliases
+    add more than ``MAX_ALIAS_NODES`` nodes, refer to themselves, or it nests deeper than ``MAX_DEPTH``.
+    A syntax error is left to OmegaConf, which reports it with its line and column."""
+    import yaml
+
+    too_deep = ConfigError(f"{where} nests mappings or lists deeper than the parser can follow (at most "
+                           f"{MAX_DEPTH} levels): not a config")
+    try:
+        root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml's when built
+    except RecursionError:  # the pure-Python composer
+        raise too_deep from None
+    except yaml.YAMLError as e:
+        if "maximum nesting depth" in str(e):  # libyaml's own bound (1,000 levels)
+            raise too_deep from None
+        return  # a syntax error: OmegaConf reports it with its line and column
+    if root is None:
+        return
+    try:
+        written, expanded, depth = _expanded_size(root)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e} (a recursive YAML alias): write the value out") from None
+    if expanded - written > MAX_ALIAS_NODES:
+        raise ConfigError(f"{where}: its YAML aliases (*name) expand {written:,} written nodes to {expanded:,}; "
+                          f"at most {MAX_ALIAS_NODES:,} may come from aliases (a file whose aliases multiply, a "
+                          "'billion laughs', would fill the memory). Write the repeated values out")
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"{where} nests mappings or lists {depth} levels deep (at most {MAX_DEPTH}): not a config")
 
 
 def _raise_missing(missing: list[str]) -> None:

@@ -159,6 +159,8 @@ def _check_optimizer_modes(cfg: TrainConfig) -> None:
             f"it: {o.params.learning_rate:g} looks like an AdamW learning rate and would train about "
             f"{1 / o.params.learning_rate:,.0f}x slower. Set optimizer.params.learning_rate=1.0 (its authors' value; "
             "optimizer.params.d_coef scales the estimate)")
+    if name == "prodigy":
+        _check_prodigy_groups(cfg)
     if name == "prodigy" and o.scale_lr:
         raise ConfigError("'optimizer.scale_lr' does not apply to optimizer.name=prodigy (it estimates the step size "
                           "from the gradients, whatever the batch); remove it")
@@ -172,6 +174,43 @@ def _check_optimizer_modes(cfg: TrainConfig) -> None:
                           f"'lr_scheduler.scheduler={cfg.lr_scheduler.scheduler}' would decay it on top. Use "
                           "lr_scheduler.scheduler=ConstantWithWarmup (its warmup: lr_scheduler.params.warmup_length) "
                           "or Constant")
+
+
+def group_learning_rates(cfg: TrainConfig) -> list[tuple[str, str, float]]:
+    """(group, key it comes from, peak learning rate) of every parameter group the run trains, as the
+    optimizer's groups get them: the net's (the adapter's under model.adapter), and the text encoders'."""
+    m, base = cfg.model, ("optimizer.params.learning_rate", cfg.optimizer.params.learning_rate)
+    a = getattr(m, "adapter", None)
+    if a is not None and a.type is not None:
+        net = ("model.adapter.learning_rate", a.learning_rate) if a.learning_rate is not None else base
+        out = [("the adapter", *net)]
+        if a.text_encoders.train:
+            t = a.text_encoders.learning_rate
+            out.append(("the text encoders' adapter", *(("model.adapter.text_encoders.learning_rate", t)
+                                                         if t is not None else net)))
+        return out
+    out = [("the net", *base)]
+    if m.text_encoder.train:
+        t = m.text_encoder.learning_rate
+        out.append(("the text encoder", *(("model.text_encoder.learning_rate", t) if t is not None else base)))
+    return out
+
+
+def _check_prodigy_groups(cfg: TrainConfig) -> None:
+    """Prodigy multiplies its estimated step size by each group's learning rate, and steps every group with
+    one: a per-group rate set like AdamW's (model.adapter.learning_rate=1e-4) trains ~10,000x too slowly."""
+    groups = group_learning_rates(cfg)
+    for group, key, lr in groups:
+        if lr < 0.1 and key != "optimizer.params.learning_rate":  # that one: the check below, as ever
+            raise ConfigError(
+                f"optimizer.name=prodigy estimates its step size itself and '{key}' multiplies it for {group}: "
+                f"{lr:g} looks like an AdamW learning rate and would train about {1 / lr:,.0f}x slower. Set "
+                f"{key}=1.0 or remove it (optimizer.params.d_coef scales the estimate)")
+    rates = sorted({lr for _, _, lr in groups})
+    if len(rates) > 1:
+        keys = ", ".join(f"{key}={lr:g}" for _, key, lr in groups)
+        raise ConfigError(f"optimizer.name=prodigy steps every parameter group with one learning rate, but this run's "
+                          f"groups have {len(rates)} ({keys}): set them equal (1.0) or remove the per-group keys")
 
 
 def _check_in_backward(cfg: TrainConfig) -> None:

@@ -50,6 +50,15 @@ class SampleSettings(NamedTuple):
     dtype: torch.dtype | None  # autocast dtype of sampling (None: fp32)
 
 
+class PixelGrid(NamedTuple):
+    """The image sides a trained module takes (``Family.pixel_grid``), checked at load for every size the
+    data and the samples can have (``configure.check_resolutions``)."""
+
+    multiple: int  # every side a multiple of this many pixels
+    largest: int | None  # the longest side in pixels (None: no limit)
+    why: str  # what sets them, for the message
+
+
 class Family(abc.ABC):
     """One model family, built for one run. Subclasses set the class attributes and implement the abstract
     methods (a family missing one cannot be instantiated)."""
@@ -105,6 +114,25 @@ class Family(abc.ABC):
         """Text tokens one sample's conditioning holds (what a transformer's joint attention sees beside the
         image tokens: the memory plan's activation estimate); None: CLIP's 77."""
         return None
+
+    @classmethod
+    def text_limits(cls, cfg: TrainConfig) -> dict[str, tuple[int, str]]:
+        """Text-length keys this family reads -> (the most tokens it takes, what sets that limit), checked at
+        load for every family alike (``configure.check_text_lengths``); {}: none beyond the schema's."""
+        return {}
+
+    @classmethod
+    def pixel_grid(cls, net_conf: dict, vae_factor: int) -> PixelGrid | None:
+        """The image sides the trained module ``net_conf`` (its config.json or ``model.<net_name>.params``)
+        takes behind a VAE of ``vae_factor`` pixels per latent; None: any multiple of the VAE's factor (the
+        dataset rules check that)."""
+        return None
+
+    @classmethod
+    def takes_guidance_embed(cls, net_conf: dict | None) -> bool | None:
+        """Whether the trained module ``net_conf`` has a guidance embedding that ``model.guidance_embed``
+        feeds (None: cannot tell without its config); a set value where it has none is refused at load."""
+        return False
 
     # -- what trains besides the net --------------------------------------------------------------
     def trained_encoders(self) -> dict[str, torch.nn.Module]:

@@ -48,6 +48,14 @@ class FlowFamily(PipelineFamily):
     def validate(cls, cfg: TrainConfig) -> None:
         validate_common(cfg, cls.name, net_class=cls.transformer_class)
 
+    # diffusers' SD3 and Flux pipelines refuse a longer max_sequence_length (their check_inputs); T5's own
+    # tokenizer stops at 512 too
+    t5_limit = 512
+
+    @classmethod
+    def text_limits(cls, cfg: TrainConfig) -> dict[str, tuple[int, str]]:
+        return {"model.t5.max_length": (cls.t5_limit, f"{cls.pipeline_classes[0]}'s max_sequence_length limit")}
+
     @classmethod
     def transformer_class(cls) -> type:
         """The diffusers class of the trained transformer (``net_class``), imported when asked."""

@@ -32,7 +32,7 @@ from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import StoredText
 from ..outputs.export import unwrap
-from .base import SampleSettings
+from .base import PixelGrid, SampleSettings
 from .components.text import TextEncoding
 from .components.clip import build_clip_tokenizer, build_text_encoder, load_pipeline_clip
 from .components.packing import image_ids, image_seq_len, pack, text_ids, unpack
@@ -49,6 +49,7 @@ from .components.transformer import (
 )
 from .components.unet import Components
 from .flow_family import FlowFamily
+from .options import FamilyModelFields
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -151,8 +152,6 @@ def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
          "model.text_encoder_3 / tokenizer_3 are SD3's T5; Flux's T5 is model.text_encoder_2 / tokenizer_2"),
         (not m.t5.use, "Flux's text tokens are T5's states: model.t5.use=false is SD3's"),
         (m.t5.dropout > 0, "model.t5.dropout is SD3's (its T5 may be dropped); Flux always conditions on T5"),
-        ((m.t5.max_length or 0) > T5_MAX_LENGTH, f"model.t5.max_length is at most {T5_MAX_LENGTH} for Flux "
-                                                 "(FluxPipeline's limit)"),
         (d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16),
          f"Flux packs 2x2 patches of the 8x-downsampled latents: dataset.params.resolution ({d.resolution}) and, with "
          f"aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16"),
@@ -169,6 +168,13 @@ class Flux(FlowFamily):
     def build_models(self) -> FluxModels:
         models = build_flux_models(self.cfg.model, self.device, self.seed)
         check_models(models)
+        # The same refusal as at load (configure.check_family_limits), for a transformer whose config could
+        # not be read then (a hub id not in the local cache)
+        if self.takes_guidance_embed(dict(unwrap(models.transformer).config)) is False and \
+                self.cfg.model.guidance_embed != FamilyModelFields().guidance_embed:
+            raise ConfigError(f"'model.guidance_embed'={self.cfg.model.guidance_embed:g} would be unused: the "
+                              "transformer has no guidance embedding to feed it (guidance_embeds is false). Remove "
+                              "the key")
         return models
 
     @classmethod
@@ -177,6 +183,16 @@ class Flux(FlowFamily):
             if refused:
                 raise ConfigError(message)
         validate_common(cfg, "flux", net_class=cls.transformer_class)
+
+    @classmethod
+    def pixel_grid(cls, net_conf: dict, vae_factor: int) -> PixelGrid:
+        """2x2 patches of the latents (``pack``); rotary positions, so no longest side."""
+        return PixelGrid(vae_factor * 2, None, f"2x2 patches of the VAE's {vae_factor} px per latent")
+
+    @classmethod
+    def takes_guidance_embed(cls, net_conf: dict | None) -> bool | None:
+        """FLUX.1-dev's transformer has a guidance embedding (``guidance_embeds``); schnell's has none."""
+        return None if net_conf is None else bool(net_conf.get("guidance_embeds", False))
 
     @classmethod
     def text_tokens(cls, cfg: TrainConfig) -> int:

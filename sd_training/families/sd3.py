@@ -53,6 +53,7 @@ from .components.transformer import (
     validate_common,
 )
 from .components.unet import Components, frozen, uses_channels_last
+from .base import PixelGrid
 from .flow_family import FlowFamily
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
@@ -143,6 +144,17 @@ class StableDiffusion3(FlowFamily):
                               f"to {CLIP_LENGTH}")
         if cfg.model.text_encoder_2.pretrained is None and cfg.model.pretrained is None:
             raise ConfigError("sd3 reads its components from a pipeline: set model.pretrained")
+
+    @classmethod
+    def pixel_grid(cls, net_conf: dict, vae_factor: int) -> PixelGrid:
+        """The MMDiT cuts the latents into patch_size x patch_size patches, and its position embeddings
+        cover pos_embed_max_size patches per side (diffusers' PatchEmbed crops them, and refuses more)."""
+        patch = int(net_conf.get("patch_size") or 2)
+        most = net_conf.get("pos_embed_max_size")
+        largest = int(most) * patch * vae_factor if most else None
+        why = (f"the VAE's {vae_factor} px per latent x the transformer's patch_size {patch}"
+               + (f"; at most pos_embed_max_size {most} patches per side" if most else ""))
+        return PixelGrid(vae_factor * patch, largest, why)
 
     # -- components -------------------------------------------------------------------------------
     def build_models(self) -> SD3Models:
@@ -327,6 +339,8 @@ class StableDiffusion3(FlowFamily):
 
         if clip_skip:
             raise ValueError("SD3 conditions on both CLIPs' penultimate layers: clip skip does not apply")
+        if max_length is not None and max_length > cls.t5_limit:
+            raise ValueError(f"SD3's T5 takes at most {cls.t5_limit} tokens, got max_length {max_length}")
         length = max_length or T5_LENGTH
         toks = [load_component(CLIPTokenizer.from_pretrained, pipeline, n, f"the pipeline's {n}/")
                 for n in ("tokenizer", "tokenizer_2")]

@@ -68,6 +68,22 @@ def shard_units(net: torch.nn.Module, level: str) -> list[torch.nn.Module]:
     return units
 
 
+def clip_positions(src: str | None, name: str) -> int | None:
+    """``max_position_embeddings`` of the text encoder ``name`` of a local pipeline root or component folder
+    ``src``; None when it cannot be read without loading anything."""
+    import json
+    import os
+
+    for folder in ((os.path.join(src, name), src) if src else ()):
+        try:
+            with open(os.path.join(folder, "config.json"), encoding="utf-8") as fh:
+                value = json.load(fh).get("max_position_embeddings")
+            return int(value) if isinstance(value, int) and value > 0 else None
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
 def refuse_transformer_keys(cfg: TrainConfig, family: str) -> None:
     """The keys of the transformer families (flow matching, the transformer, T5) set on a UNet family's run
     would be ignored silently: a ``ConfigError`` names the first one."""
@@ -117,6 +133,21 @@ class UNetFamily(PipelineFamily):
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
         refuse_transformer_keys(cfg, cls.name)
+
+    @classmethod
+    def text_limits(cls, cfg: TrainConfig) -> dict[str, tuple[int, str]]:
+        """``model.text_encoder.max_length``: at most the CLIP encoders' position embeddings, read from their
+        config.json (a local pipeline; else the build checks it, as for an OpenCLIP encoder)."""
+        m = cfg.model
+        if m.text_encoder.type != "clip":
+            return {}
+        positions = [clip_positions(getattr(m, name).pretrained or m.pretrained, name)
+                     for name in cls.text_encoder_names]
+        known = [p for p in positions if p]
+        if not known:
+            return {}
+        return {"model.text_encoder.max_length": (min(known), "the text encoder's position embeddings, "
+                                                  "max_position_embeddings in its config.json")}
 
     def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
         return compile_units(net)

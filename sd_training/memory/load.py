@@ -24,6 +24,7 @@ import torch
 
 from ..adapters import _layer_size, resolve_targets
 from ..config import ConfigError
+from ..config.patterns import PatternTimeout
 
 
 def json_file(path: str) -> dict | None:
@@ -116,6 +117,8 @@ def plan_adapter(cfg, conf: dict, class_name: str, presets: dict[str, str], net_
     try:
         targets = resolve_targets(net, presets, a.targets, list(a.target_modules), a.target_regex, "model.adapter",
                                   net_name)
+    except PatternTimeout:
+        raise  # the user's target_regex: refused at load, never retried at start-up
     except ConfigError:
         return None
     total = sum(p.numel() for p in net.parameters())
