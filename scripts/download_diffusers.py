@@ -7,6 +7,7 @@ Afterwards use it with model.pretrained=OUT. Needs network access to the hub.
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv=None) -> int:
@@ -34,4 +35,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+    from sd_training.config.secrets import scrub_script_output
+
+    scrub_script_output()  # URLs with user:password and tokens never reach the terminal
     sys.exit(main())

@@ -11,6 +11,9 @@ import argparse
 from sd_training.families.registry import DEFAULT_FAMILY, FAMILIES, make_tiny_pipeline
 
 if __name__ == "__main__":
+    from sd_training.config.secrets import scrub_script_output
+
+    scrub_script_output()  # URLs with user:password and tokens never reach the terminal
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="output folder (a diffusers pipeline: model_index.json and its components)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")

@@ -176,5 +176,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from sd_training.config.secrets import scrub_script_output
+
+    scrub_script_output()  # URLs with user:password and tokens never reach the terminal
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     sys.exit(main())
