@@ -30,6 +30,9 @@ def main(argv=None) -> int:
         )
         return 1
     pipe.save_pretrained(args.out)
+    from sd_training.outputs.file_modes import share_tree
+
+    share_tree(args.out)  # safetensors writes its files 0600: the umask's mode, so the group can train from it
     print(f"saved {args.model} to {args.out}; train with model.pretrained={args.out}")
     return 0
 
