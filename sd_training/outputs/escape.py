@@ -18,9 +18,9 @@ from ..config.secrets import scrub
 # Markdown's punctuation that opens or closes a construct anywhere in a line (emphasis, links, images,
 # headings, code, tables, strike-through, math on the Hub): backslash-escaped. '<', '>' and '&' become
 # entities so no tag (<script>, <img onerror=...>) or entity is ever read. A list, quote or setext
-# marker only counts at the start of a line: escaped there (_MD_LEADING).
+# marker only counts at the start of a line, before a space: escaped there (_MD_LEADING).
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]#!|~$])")
-_MD_LEADING = re.compile(r"^(\s*)([-+=.]|\d+(?=[.)]))")  # '>' is an entity already
+_MD_LEADING = re.compile(r"^(\s*)([-+](?=\s|$)|[-=]{2,}\s*$|\d+(?=[.)](?:\s|$)))")  # '>' is an entity already
 _LINE_BREAKS = re.compile(r"\r\n|[\r\n\v\f\x85\u2028\u2029]")
 _CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
 

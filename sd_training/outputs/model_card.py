@@ -192,8 +192,9 @@ def adapter_text(cfg: TrainConfig) -> str:
     """``LoRA rank 16, alpha 16 on attention (+ text encoder: rank 8, alpha 8, attention)``."""
     a = cfg.model.adapter
     kind = "DoRA" if a.use_dora else "LoRA"
-    targets = (", ".join(a.target_modules) if a.target_modules else
-               f"layers matching {a.target_regex}" if a.target_regex else f"the {a.targets} preset")
+    # The module names and the regex are the user's text: escaped for the card's Markdown table.
+    targets = (markdown(", ".join(a.target_modules)) if a.target_modules else
+               f"layers matching {markdown(a.target_regex)}" if a.target_regex else f"the {a.targets} preset")
     text = f"{kind} rank {a.rank}, alpha {a.alpha if a.alpha is not None else a.rank:g} on {targets}"
     if a.dropout:
         text += f", dropout {a.dropout:g}"
@@ -307,7 +308,7 @@ def template_vars(run: RunInfo, export: ExportInfo) -> dict:
     return {"card_data": card_data(run, export, base),
             "title": f"{markdown(run.cfg.experiment.name)} ({export.weights} weights)",
             "summary": summary, "adapter": export.adapter, "snippet": snippet(run, export, base), "sample": sample,
-            "training": [(markdown(k), markdown(v)) for k, v in training_rows(run, export, row)],
+            "training": training_rows(run, export, row),  # generated text (adapter_text escapes the user's part)
             "sources": sources, "filters": filters, "skipped": [(markdown(r), n) for r, n in data["skipped"]],
             "data_note": note, "facts": facts}
 
