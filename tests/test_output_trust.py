@@ -109,7 +109,8 @@ def test_prompts_source_names_and_paths_stay_text_in_the_card(run_info, tmp_path
     # The snippet's prompt cannot close the code fence, and it stays the prompt once run.
     snippet = card.split("```python\n", 1)[1].split("\n```", 1)[0]
     assert "```" not in snippet
-    call = next(n for n in ast.walk(ast.parse(snippet)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "pipe")
+    calls = [n for n in ast.walk(ast.parse(snippet)) if isinstance(n, ast.Call)]
+    call = next(n for n in calls if getattr(n.func, "id", "") == "pipe")
     assert call.args[0].value == PROMPT
     # The metadata is YAML that says what the run said (a hostile name cannot add keys).
     assert set(ModelCard(card).data.to_dict()) <= {"base_model", "library_name", "pipeline_tag", "tags",
