@@ -20,16 +20,18 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from urllib.parse import quote
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
+
+import yaml
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..config.secrets import scrub
 from . import card_template
-from .readers import loads
 from .escape import code_span, escape_tree, markdown, python_string
+from .readers import MAX_YAML_BYTES, load_yaml, loads
 
 CARD_FILE = "README.md"
 SAMPLE_FILE = "samples.png"
@@ -39,6 +41,7 @@ KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"  # adapters.KOHYA_FILE
 PIPELINE_INDEX = "model_index.json"
 LICENSE_KEYS = ("license", "license_name", "license_link")  # "other" licenses name and link themselves
 METRICS_TAIL = 2**20  # bytes of metrics.jsonl read first when looking for the last log line
+CARD_METADATA = re.compile(r"^(\s*---[\r\n]+)([\S\s]*?)([\r\n]+---(\r\n|\n|$))")  # huggingface_hub's
 HUB_CACHE_DIR = re.compile(r"models--([^/]+)--([^/]+)$")  # huggingface_hub's cache: models--org--name/snapshots/sha
 
 
@@ -107,14 +110,17 @@ def _cached_card(repo_id: str, revision: str | None) -> Path | None:
 
 
 def _base_license(card_path: Path | None) -> dict:
-    """The license keys of a base pipeline's card ({} when it has none or cannot be read)."""
-    from huggingface_hub import ModelCard
-
+    """The license keys of a base pipeline's card ({} when it has none or cannot be read). Its metadata is
+    read with the bounded YAML reader (no aliases, no deep nesting): the base may be any folder."""
     if card_path is None or not card_path.is_file():
         return {}
     try:
-        data = ModelCard.load(card_path).data.to_dict()
-    except Exception:  # a card that does not parse says nothing about the license
+        with open(card_path, encoding="utf-8", errors="replace") as fh:
+            block = CARD_METADATA.match(fh.read(MAX_YAML_BYTES))
+        data = load_yaml(block.group(2), str(card_path)) if block else None
+    except (OSError, ValueError, yaml.YAMLError):  # a card that does not parse says nothing about the license
+        return {}
+    if not isinstance(data, dict):
         return {}
     return {k: data[k] for k in LICENSE_KEYS if isinstance(data.get(k), str)}
 
