@@ -7,6 +7,7 @@ Afterwards use it with model.pretrained=OUT. Needs network access to the hub.
 
 import argparse
 import sys
+from pathlib import Path
 
 from sd_training.config.script_args import out_folder
 
@@ -31,9 +32,16 @@ def main(argv=None) -> int:
         )
         return 1
     pipe.save_pretrained(args.out)
+    from sd_training.outputs.file_modes import share_tree
+
+    share_tree(args.out)  # safetensors writes its files 0600: the umask's mode, so the group can train from it
     print(f"saved {args.model} to {args.out}; train with model.pretrained={args.out}")
     return 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+    from sd_training.config.secrets import scrub_script_output
+
+    scrub_script_output()  # URLs with user:password and tokens never reach the terminal
     sys.exit(main())

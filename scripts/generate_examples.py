@@ -78,8 +78,12 @@ def run_config(ckpt: Path, overrides: list[str]):
 
     from sd_training.checkpoint.layout import CONFIG
     from sd_training.config.schema import train_config_class
+    from sd_training.outputs.readers import UnsafeFile, read_yaml
 
-    saved = OmegaConf.load(ckpt / CONFIG)
+    try:  # bounded: no YAML aliases, no deep nesting (a run never writes them)
+        saved = OmegaConf.create(read_yaml(ckpt / CONFIG) or {})
+    except UnsafeFile as e:
+        raise SystemExit(str(e)) from None
     cli = OmegaConf.from_dotlist(overrides)
     bad = [k for k in cli.keys() if k != "model"]
     if bad:
@@ -139,4 +143,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
+    from sd_training.config.secrets import scrub_script_output
+
+    scrub_script_output()  # URLs with user:password and tokens never reach the terminal
     main()

@@ -207,4 +207,7 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
+    from sd_training.config.secrets import scrub_script_output
+
+    scrub_script_output()  # URLs with user:password and tokens never reach the terminal
     main()

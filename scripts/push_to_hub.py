@@ -117,7 +117,7 @@ def upload(args, files: list[tuple[str, Path]], card: bytes | None) -> str:
 
     token = get_token()
     if not token:
-        raise PushError(f"no Hugging Face token: {LOGIN_HINT}")
+        raise PushError(f"no Hugging Face token found: {LOGIN_HINT}")  # not "token: set", which reads as a header
     if constants.HF_HUB_OFFLINE:
         raise PushError("offline: HF_HUB_OFFLINE is set, so nothing can be sent to the Hub. Unset it (and check the "
                         "network) to push, or use --dry-run to list what would be sent", 3)
@@ -176,5 +176,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from sd_training.config.secrets import scrub_script_output
+
+    scrub_script_output()  # URLs with user:password and tokens never reach the terminal
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     sys.exit(main())

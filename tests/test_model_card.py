@@ -267,7 +267,7 @@ def test_push_dry_run_lists_the_files_their_sizes_and_the_repo_without_token_or_
 def test_push_errors_are_clear_without_token_offline_unreachable_and_for_a_non_export(tiny_pipeline, tmp_path):
     folder = Path(tiny_pipeline)  # a real pipeline folder, as an export is
     out = push(folder, "--repo", "me/m", HF_HOME=tmp_path)  # no HF_TOKEN, no stored login
-    assert out.returncode == 2 and "no Hugging Face token: set HF_TOKEN" in out.stderr
+    assert out.returncode == 2 and "no Hugging Face token found: set HF_TOKEN" in out.stderr
     assert "huggingface-cli login" in out.stderr and "Traceback" not in out.stderr
     out = push(folder, "--repo", "me/m", HF_HOME=tmp_path, HF_TOKEN="hf_not_a_token", HF_HUB_OFFLINE="1")
     assert out.returncode == 3 and "offline: HF_HUB_OFFLINE is set" in out.stderr and "Traceback" not in out.stderr

@@ -20,7 +20,8 @@ refuse a resume, while every other character of the value is still compared.
 Beyond the dumps: every log record of a process that loaded a config is scrubbed when it is made
 (``protect_logs``: the environment values the config read become their interpolation, credentials are
 redacted), so a skipped shard's command line reaches train.log without its token; wandb, which records
-the command line, sees the arguments scrubbed (``scrub_argument``).
+the command line, sees the arguments scrubbed (``scrub_argument``). Every script's output (its prints,
+tracebacks and logs) is scrubbed the same way (``scrub_script_output``).
 """
 
 from __future__ import annotations
@@ -348,3 +349,49 @@ def scrub_argument(arg: str) -> str:
     if sep and is_secret_key(key.rsplit(".", 1)[-1]) and value and not only_interpolations(value):
         return f"{key}={REDACTED}"
     return scrub(arg)
+
+
+class _ScrubbedStream:
+    """A text stream whose lines are scrubbed (``scrub``) before they reach ``raw``: a line is written when
+    it is complete (a URL is never cut in two), the rest on ``flush`` (the interpreter flushes at exit)."""
+
+    _MAX_PENDING = 1 << 16  # a line longer than this is written in pieces
+
+    def __init__(self, raw):
+        self._raw, self._pending = raw, ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        if "\n" in self._pending or len(self._pending) > self._MAX_PENDING:
+            done, sep, self._pending = self._pending.rpartition("\n")
+            if not sep:
+                done, self._pending = self._pending, ""
+            self._raw.write(scrub(done + sep))
+        return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, ""
+            self._raw.write(scrub(pending))
+        self._raw.flush()
+
+    def __getattr__(self, name):  # encoding, fileno, isatty, buffer...: the real stream's
+        return getattr(self._raw, name)
+
+
+def scrub_script_output() -> None:
+    """A script's whole output scrubbed as the logs are: ``sys.stdout`` and ``sys.stderr`` (prints,
+    argparse's and SystemExit's messages, tracebacks) and every log record (``protect_logs``), so a URL
+    with ``user:password`` (an ``HF_ENDPOINT``, a shard URL) or a token never reaches the terminal. Called
+    first thing by every script under ``scripts/``; calling it twice is harmless."""
+    import sys
+
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _ScrubbedStream):
+            setattr(sys, name, _ScrubbedStream(stream))
+    protect_logs({})

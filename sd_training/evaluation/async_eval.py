@@ -16,7 +16,6 @@ it never rewrites a file, so the linked files keep the weights of the submitted 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -27,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..outputs.readers import read_json
 from ..run.run_dir import step_name
 from .evaluate import EvalSettings
 
@@ -144,7 +144,13 @@ class AsyncEvaluator:
         for path in job.cleanup:
             shutil.rmtree(path, ignore_errors=True)
         if job.proc.returncode == 0 and job.result.is_file():
-            return json.loads(job.result.read_text())
+            try:
+                result = read_json(job.result)  # bounded: the file sits in the run folder
+            except ValueError as e:
+                return {"step": job.step, "error": f"{job.result} cannot be read: {e}"}
+            if isinstance(result, dict):
+                return result
+            return {"step": job.step, "error": f"{job.result} is not a JSON object"}
         log.warning("evaluation of step %d failed (exit %s); see %s", job.step, job.proc.returncode, job.log)
         return {"step": job.step, "error": f"exit {job.proc.returncode}, see {job.log}"}
 

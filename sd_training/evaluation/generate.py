@@ -20,13 +20,15 @@ def load_pipeline(folder: str, device: torch.device, dtype: torch.dtype = torch.
     """A ``StableDiffusionPipeline`` (or the class its model_index.json names) from a local folder. Components
     saved as absent (``[null, null]`` in model_index.json: an SD3 pipeline trained without T5) are passed as
     None, which diffusers requires for components that are not optional."""
-    import json
     import os
 
     from diffusers import DiffusionPipeline
 
-    with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as fh:
-        index = json.load(fh)
+    from ..outputs.readers import read_json
+
+    index = read_json(os.path.join(folder, "model_index.json"))  # bounded: an export folder may come from anywhere
+    if not isinstance(index, dict):
+        raise ValueError(f"{folder}/model_index.json is not a JSON object")
     absent = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[:1] == [None]}
     # Loaded as saved, then cast: the dtype keyword of from_pretrained changed name across diffusers versions.
     pipe = DiffusionPipeline.from_pretrained(folder, **{"safety_checker": None, **absent}, requires_safety_checker=False,

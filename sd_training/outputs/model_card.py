@@ -5,8 +5,9 @@ Made with ``huggingface_hub``'s :class:`ModelCard` / :class:`ModelCardData`: YAM
 what was trained (family, target, adapter, precision, steps, images seen, global batch, learning rate and
 schedule, the data sources with their weights and filter pass-rates), the run's last sample grid copied
 beside the card (``samples.png``) and a how-to-load snippet. The body is a Jinja2 template
-(``templates/model_card.md`` or ``experiment.model_card_template``) rendered with undefined names as errors
-(``ModelCard.from_template`` renders a misspelt name as empty text), then parsed by ``ModelCard``.
+(``templates/model_card.md`` or ``experiment.model_card_template``) rendered in a sandbox with undefined names
+as errors (:mod:`.card_template`; ``ModelCard.from_template`` renders a misspelt name as empty text), then
+parsed by ``ModelCard``. Text from configs and data is escaped for Markdown (:mod:`.escape`).
 
 The data figures are rank 0's loader counters as ``metrics.jsonl`` logged them (``data/...``, see
 :mod:`sd_training.data.stats`) at the last log line up to the export's step. No network is used: a base
@@ -16,17 +17,21 @@ Imports no torch (``scripts/push_to_hub.py`` uses :func:`export_kind` and :func:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
+
+import yaml
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..config.secrets import scrub
+from . import card_template
+from .escape import code_span, escape_tree, markdown, python_string
+from .readers import MAX_YAML_BYTES, load_yaml, loads
 
 CARD_FILE = "README.md"
 SAMPLE_FILE = "samples.png"
@@ -36,6 +41,7 @@ KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"  # adapters.KOHYA_FILE
 PIPELINE_INDEX = "model_index.json"
 LICENSE_KEYS = ("license", "license_name", "license_link")  # "other" licenses name and link themselves
 METRICS_TAIL = 2**20  # bytes of metrics.jsonl read first when looking for the last log line
+CARD_METADATA = re.compile(r"^(\s*---[\r\n]+)([\S\s]*?)([\r\n]+---(\r\n|\n|$))")  # huggingface_hub's
 HUB_CACHE_DIR = re.compile(r"models--([^/]+)--([^/]+)$")  # huggingface_hub's cache: models--org--name/snapshots/sha
 
 
@@ -104,14 +110,17 @@ def _cached_card(repo_id: str, revision: str | None) -> Path | None:
 
 
 def _base_license(card_path: Path | None) -> dict:
-    """The license keys of a base pipeline's card ({} when it has none or cannot be read)."""
-    from huggingface_hub import ModelCard
-
+    """The license keys of a base pipeline's card ({} when it has none or cannot be read). Its metadata is
+    read with the bounded YAML reader (no aliases, no deep nesting): the base may be any folder."""
     if card_path is None or not card_path.is_file():
         return {}
     try:
-        data = ModelCard.load(card_path).data.to_dict()
-    except Exception:  # a card that does not parse says nothing about the license
+        with open(card_path, encoding="utf-8", errors="replace") as fh:
+            block = CARD_METADATA.match(fh.read(MAX_YAML_BYTES))
+        data = load_yaml(block.group(2), str(card_path)) if block else None
+    except (OSError, ValueError, yaml.YAMLError):  # a card that does not parse says nothing about the license
+        return {}
+    if not isinstance(data, dict):
         return {}
     return {k: data[k] for k in LICENSE_KEYS if isinstance(data.get(k), str)}
 
@@ -132,8 +141,8 @@ def last_metrics(path: Path, step: int) -> dict:
                     lines = lines[1:]  # the first line of the tail may be cut
                 for line in reversed(lines):
                     try:
-                        r = json.loads(line)
-                    except ValueError:  # a line cut by a kill
+                        r = loads(line)
+                    except ValueError:  # a line cut by a kill, or nested too deep (readers.UnsafeFile)
                         continue
                     if isinstance(r, dict) and "loss" in r and isinstance(r.get("step"), int) and r["step"] <= step:
                         return r
@@ -189,8 +198,9 @@ def adapter_text(cfg: TrainConfig) -> str:
     """``LoRA rank 16, alpha 16 on attention (+ text encoder: rank 8, alpha 8, attention)``."""
     a = cfg.model.adapter
     kind = "DoRA" if a.use_dora else "LoRA"
-    targets = (", ".join(a.target_modules) if a.target_modules else
-               f"layers matching {a.target_regex}" if a.target_regex else f"the {a.targets} preset")
+    # The module names and the regex are the user's text: escaped for the card's Markdown table.
+    targets = (markdown(", ".join(a.target_modules)) if a.target_modules else
+               f"layers matching {markdown(a.target_regex)}" if a.target_regex else f"the {a.targets} preset")
     text = f"{kind} rank {a.rank}, alpha {a.alpha if a.alpha is not None else a.rank:g} on {targets}"
     if a.dropout:
         text += f", dropout {a.dropout:g}"
@@ -258,8 +268,8 @@ def snippet(run: RunInfo, export: ExportInfo, base: dict) -> str:
 
 
 def _quoted(text) -> str:
-    """A Python string literal in double quotes (JSON's escapes are Python's)."""
-    return json.dumps(str(text))
+    """A Python string literal in double quotes that cannot close the card's code fence."""
+    return python_string(text)
 
 
 def card_data(run: RunInfo, export: ExportInfo, base: dict):
@@ -276,58 +286,53 @@ def card_data(run: RunInfo, export: ExportInfo, base: dict):
 
 
 def template_vars(run: RunInfo, export: ExportInfo) -> dict:
-    """Everything the template sees (see templates/model_card.md)."""
+    """Everything the template sees (see templates/model_card.md). Text from the config and the data
+    (run name, prompts, source names, paths, filter rules, the base's name) is escaped for where it lands:
+    Markdown text, a code span (paths, rules), a Python string (the snippet); the metadata is YAML dumped
+    by huggingface_hub. A template of one's own gets the same escaped values."""
     base = base_model(run.cfg, run.net_source)
     row = last_metrics(run.metrics, export.step)
     data = data_facts(run.cfg, row)
     what = f"A {'LoRA adapter' if export.adapter else 'diffusers pipeline'} ({run.family})"
     summary = (f"{what} trained with sd-training for {export.step} optimizer steps ({export.images_seen} images)"
-               + (f" from [{base['name']}]({'https://huggingface.co/' + base['name']})"
-                  if base and not base["local"] else f" from {base['name']}" if base else " from scratch") + ".")
+               + (f" from [{markdown(base['name'])}](https://huggingface.co/{quote(base['name'], safe='/')})"
+                  if base and not base["local"] else f" from {markdown(base['name'])}" if base else " from scratch")
+               + ".")
     sample = None
     if export.grid is not None:
         sample = {"file": SAMPLE_FILE,
                   "caption": f"{run.samples_tag.capitalize()} at step {export.step} ({export.grid_weights} weights): "
-                             + "; ".join(run.cfg.experiment.sample_prompts or [])}
+                             + "; ".join(markdown(p) for p in run.cfg.experiment.sample_prompts or [])}
     note = (f"Data figures: rank 0's loader counters at step {row['step']} (metrics.jsonl)." if row else
             "No data figures: the run had logged no metrics by this export.")
     facts = {"step": export.step, "images_seen": export.images_seen, "global_batch": run.global_batch,
              "peak_lr": run.peak_lr, "lr_scheduler": run.cfg.lr_scheduler.scheduler, "family": run.family,
              "weights": export.weights, "adapter": export.adapter, "metrics_step": row.get("step"),
-             "data": data, "base": base}
-    return {"card_data": card_data(run, export, base), "title": f"{run.cfg.experiment.name} ({export.weights} weights)",
+             "data": escape_tree(data), "base": escape_tree(base)}
+    sources = [{**src, "name": markdown(src["name"]), "path": code_span(src["path"])} for src in data["sources"]]
+    filters = [{**flt, "key": markdown(flt["key"]), "rule": code_span(flt["rule"])} for flt in data["filters"]]
+    return {"card_data": card_data(run, export, base),
+            "title": f"{markdown(run.cfg.experiment.name)} ({export.weights} weights)",
             "summary": summary, "adapter": export.adapter, "snippet": snippet(run, export, base), "sample": sample,
-            "training": training_rows(run, export, row), "sources": data["sources"], "filters": data["filters"],
-            "skipped": data["skipped"], "data_note": note, "facts": facts}
+            "training": training_rows(run, export, row),  # generated text (adapter_text escapes the user's part)
+            "sources": sources, "filters": filters, "skipped": [(markdown(r), n) for r, n in data["skipped"]],
+            "data_note": note, "facts": facts}
 
 
 # ------------------------------------------------------------------------------------------ rendering
 
 def render(template: Path, variables: dict):
-    """The :class:`ModelCard` of ``variables`` through ``template``; a ConfigError names the template file
-    (and line) when it does not read, render or give a card with the metadata the Hub needs."""
-    import jinja2
+    """The :class:`ModelCard` of ``variables`` through ``template``, rendered in Jinja2's immutable sandbox
+    (:mod:`.card_template`); a ConfigError names the template file (and line) when it does not read,
+    render, stays inside the sandbox or gives a card with the metadata the Hub needs."""
     from huggingface_hub import ModelCard
 
     key = "experiment.model_card_template"
     template = Path(template).resolve()
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template.parent)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True, autoescape=False)
     data = variables["card_data"]
-    try:
-        text = env.get_template(template.name).render(**{**variables, "card_data": data.to_yaml()})
-    except jinja2.TemplateNotFound:
-        raise ConfigError(f"'{key}': the model card template {template} does not exist") from None
-    except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"'{key}': the model card template {template}, line {e.lineno}: {e.message}") from None
-    except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError) as e:
-        line = _template_line(template)
-        raise ConfigError(f"'{key}': the model card template {template}{f', line {line}' if line else ''} does not "
-                          f"render: {type(e).__name__}: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"'{key}': the model card template {template} cannot be read: {e}") from None
-    # Data paths and the base's path may carry credentials (a token in a URL, an env variable's value):
-    # the card says what the logs say, ${oc.env:NAME} for a variable's value, <redacted> for a literal.
+    text = card_template.render(template, {**variables, "card_data": data.to_yaml()}, key)
+    # Every value was escaped for Markdown already (template_vars); what a custom template may still
+    # carry (a literal) is scrubbed as the logs are: ${oc.env:NAME} for a variable's value, <redacted>.
     text = scrub(text)
     try:
         card = ModelCard(text)
@@ -339,16 +344,6 @@ def render(template: Path, variables: dict):
         raise ConfigError(f"'{key}': the model card template {template} renders a card without {', '.join(missing)} "
                           f"in its metadata; keep its first lines '---', '{{{{ card_data }}}}', '---'")
     return card
-
-
-def _template_line(template: Path) -> int | None:
-    """The template line of the exception being handled (Jinja2 rewrites tracebacks to the template)."""
-    tb, line = sys.exc_info()[2], None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == str(template):
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return line
 
 
 def check_template(run: RunInfo, folder: Path) -> None:

@@ -21,6 +21,7 @@ from ..evaluation.async_eval import AsyncEvaluator
 from ..evaluation.evaluate import EvalSettings, evaluate_images
 from ..evaluation.fid import image_files
 from .export import read_prompts
+from .file_modes import share_tree
 from ..families.base import Family, SampleSettings
 from ..optim import in_eval_weights, lr_scale
 from ..distributed.strategy import Strategy
@@ -125,11 +126,15 @@ class RunOutputs:
         return ema.applied_to(base, {k: v.to(self.device) for k, v in self.strategy.full_state_dict(ema.shadow).items()})
 
     def _export(self, net: torch.nn.Module, out: Path) -> dict:
-        """The family's pipeline, or with adapters their diffusers LoRA folder (and the merged pipeline)."""
+        """The family's pipeline, or with adapters their diffusers LoRA folder (and the merged pipeline), its
+        files in the umask's mode (:mod:`.file_modes`)."""
         if self.family.adapters is None:
-            return self.family.export(net, out)
-        a = self.cfg.model.adapter
-        return adapters.export(self.family.adapters, self.family, net, out, a.export_merged, a.export_kohya)
+            metrics = self.family.export(net, out)
+        else:
+            a = self.cfg.model.adapter
+            metrics = adapters.export(self.family.adapters, self.family, net, out, a.export_merged, a.export_kohya)
+        share_tree(out)  # safetensors writes every weights file 0600: the group could not load the export
+        return metrics
 
     # -- model cards ----------------------------------------------------------------------------------
     def _card_run(self) -> model_card.RunInfo:

@@ -23,6 +23,7 @@ import yaml
 from ..config.schema import TrainConfig
 from ..families.base import Family
 from ..families.registry import FAMILIES, detect_source
+from ..outputs.readers import MAX_YAML_BYTES, UnsafeFile, read_yaml
 from ..run.run_dir import RunDir
 from ..run.train_state import Plan
 from .page import render, summary_rows
@@ -52,15 +53,27 @@ def _family(cfg: dict, run: RunDir) -> str:
 
 
 def _read_config(run: RunDir) -> tuple[dict, str]:
+    """The run's config.yaml as a dict and as text (shown on the page), read with the bounded reader: a
+    file with YAML aliases or deep nesting (not one a run wrote) is left out of the summary with a warning."""
     if not run.config.is_file():
         return {}, ""
-    text = run.config.read_text()
     try:
-        cfg = yaml.safe_load(text)
-    except yaml.YAMLError as e:
+        cfg = read_yaml(run.config)
+    except UnsafeFile as e:
+        log.warning("%s: the report's summary leaves the config out", e)
+        return {}, ""
+    except (yaml.YAMLError, OSError) as e:
         log.warning("%s is not YAML (%s): the report's summary leaves its values out", run.config, e)
-        return {}, text
-    return (cfg if isinstance(cfg, dict) else {}), text
+        return {}, _text_of(run.config)
+    return (cfg if isinstance(cfg, dict) else {}), _text_of(run.config)
+
+
+def _text_of(path: Path) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(MAX_YAML_BYTES)
+    except OSError:
+        return ""
 
 
 def write_report(root: str | Path, facts: dict | None = None, window: int | None = None,

@@ -1,11 +1,14 @@
 """The report's panels drawn with matplotlib: one PNG per panel (the report's page lays them out at a fixed
 size) or all panels stacked in one PNG (``scripts/plot_metrics.py``). matplotlib's object API (``Figure``
-on an Agg canvas): no pyplot, no global backend switch in the training process, no display needed."""
+on an Agg canvas): no pyplot, no global backend switch in the training process, no display needed. Every
+text drawn from the run (source names, the run folder's name) has its ``$`` escaped: matplotlib would read
+``$...$`` as math and stop the drawing at an unknown command."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..outputs.escape import mathtext
 from .series import Panel
 
 # A panel's PNG: 7 x 3.2 inches at 100 dpi (the page shows it at that size, 700 x 320 CSS pixels).
@@ -56,17 +59,18 @@ def _draw(ax, panel: Panel, title: bool = True) -> None:
     colours = [f"C{i}" for i in range(10)]
     for i, s in enumerate(panel.series):
         colour = colours[i % len(colours)]
+        label = mathtext(s.label)  # a source named '$...$' is shown as named, not parsed as math
         ys = [v * scale for v in s.values]
         few = len(s.steps) < 30
         marker = "o" if few else None
         if s.smoothed is not None and panel.window > 1:
             ax.plot(s.steps, ys, color=colour, lw=0.7, alpha=0.35, marker=marker, ms=2)
             ax.plot(s.steps, [v * scale for v in s.smoothed], color=colour, lw=1.6,
-                    label=f"{s.label} (mean of {panel.window})")
+                    label=f"{label} (mean of {panel.window})")
         else:
-            ax.plot(s.steps, ys, color=colour, lw=1.4, label=s.label, marker=marker, ms=3)
+            ax.plot(s.steps, ys, color=colour, lw=1.4, label=label, marker=marker, ms=3)
     if title:
-        ax.set_title(spec.title, fontsize=10, loc="left")
+        ax.set_title(mathtext(spec.title), fontsize=10, loc="left")
     values = [v for s in panel.series for v in s.values]
     if spec.log_y and min(values) > 0 and max(values) > LOG_SPAN * min(values):
         _log_axis(ax)
@@ -109,7 +113,7 @@ def draw_stacked(panels: list[Panel], out: str | Path, title: str = "") -> Path:
         _draw(ax, panel)
     axes[-1].set_xlabel("optimizer step")
     if title:
-        fig.suptitle(title)
+        fig.suptitle(mathtext(title))  # a run folder's name
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,12 +8,13 @@ loader's counters as ``data/<name>``). A panel whose keys are all missing is lef
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..outputs.readers import Skipped, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -77,30 +78,22 @@ def _number(v) -> bool:
 
 def read_metrics(path: str | Path) -> Metrics:
     """{key: [(step, value), ...]} sorted by step, finite numbers only; a step logged twice keeps its last
-    value. A line that is not JSON (the last line of a killed run may be cut) is skipped with a warning."""
+    value. A line that is not a JSON object (the last line of a killed run may be cut), nested too deep or
+    too long is skipped: one warning per reason, with the count and the first line numbers
+    (:func:`sd_training.outputs.readers.read_jsonl`)."""
     by_key: dict[str, dict[int, float]] = {}
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
+    skipped = Skipped(Path(path))
+    for _n, row in read_jsonl(path, skipped):
+        for k, v in row.items():
+            # Background evaluations carry the (older) step they evaluated as "eval/step".
+            step = row.get("eval/step", row.get("step")) if k.startswith("eval/") else row.get("step")
+            if k in ("step", "eval/step") or not _number(step):
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                log.warning("%s:%d is not JSON (a line cut by a kill?): skipped", path, n)
-                continue
-            if not isinstance(row, dict):
-                log.warning("%s:%d is not a JSON object: skipped", path, n)
-                continue
-            for k, v in row.items():
-                # Background evaluations carry the (older) step they evaluated as "eval/step".
-                step = row.get("eval/step", row.get("step")) if k.startswith("eval/") else row.get("step")
-                if k in ("step", "eval/step") or not _number(step):
-                    continue
-                if v is None:  # a non-finite value: an earlier finite one at this step no longer holds
-                    by_key.get(k, {}).pop(int(step), None)
-                elif _number(v):
-                    by_key.setdefault(k, {})[int(step)] = float(v)
+            if v is None:  # a non-finite value: an earlier finite one at this step no longer holds
+                by_key.get(k, {}).pop(int(step), None)
+            elif _number(v):
+                by_key.setdefault(k, {})[int(step)] = float(v)
+    skipped.warn()
     return {k: sorted(v.items()) for k, v in by_key.items() if v}
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..outputs.file_modes import share_file
+
 log = logging.getLogger(__name__)
 
 FOLDER = "compile_cache"
@@ -94,6 +96,7 @@ class CompileCache:
                 return False
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".")
+            share_file(tmp)  # mkstemp makes it 0600: the umask's mode, as the run's other files
             with os.fdopen(fd, "wb") as fh:
                 fh.write(out[0])
             os.replace(tmp, self.path)
