@@ -56,4 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from sd_training.config.secrets import scrub_script_output
+
+    scrub_script_output()  # URLs with user:password and tokens never reach the terminal
     sys.exit(main())

@@ -8,6 +8,7 @@ from . import quickstart
 from .config import ConfigError
 from .configure import load
 from .config.loading import help_text
+from .config.secrets import scrub
 from .loop import main as train
 from .run.preemption import EXIT_STOPPED_NOT_REQUEUED, StopFlag
 
@@ -26,14 +27,14 @@ def main(argv: list[str], stop: StopFlag | None = None) -> int:
     try:
         cfg = load(argv)
     except USER_ERRORS as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(scrub(f"config error: {e}"), file=sys.stderr)  # a URL or token in a key's value stays out
         return 2
     try:
         # The generated inputs (tiny pipeline, shapes dataset) of configs that ask for them, written by
         # rank 0 before anything is built from them.
         summary = train(cfg, stop, prepare=lambda info: quickstart.prepare(cfg.quickstart, info.is_main))
     except USER_ERRORS as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(scrub(f"config error: {e}"), file=sys.stderr)  # a URL or token in a key's value stays out
         return 2
     if summary.get("stopped_by") and not summary.get("requeued"):
         return EXIT_STOPPED_NOT_REQUEUED

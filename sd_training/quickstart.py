@@ -14,6 +14,7 @@ from . import distributed
 from .config.schema import QuickstartConfig
 from .data.synthetic import write_shapes_shards, write_word_shards
 from .families.registry import make_tiny_pipeline
+from .outputs.file_modes import share_tree
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ def _build_atomically(final: Path, build) -> None:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     build(tmp)
+    share_tree(tmp)  # safetensors writes 0600: the cached pipeline follows the umask like every other file
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(final)
 

@@ -132,3 +132,13 @@ def test_resume_comparison_sees_through_redaction_and_env_interpolations():
         assert config_changes(text, cur) == ([], [], []), saved
     other = "dataset:\n  params:\n    path: \"pipe:curl -H 'Authorization: Bearer ${oc.env:HF_TOKEN}' https://h/{0..5}.tar\"\n"
     assert config_changes(other, cur)[2] == [f"dataset.params.path: {other.split(chr(34))[1]} -> {env}"]
+
+
+def test_a_config_error_prints_no_password_of_the_value_it_names(capsys):
+    # The config error echoes the refused value; before, a URL's password reached the terminal with it.
+    from sd_training.cli import main
+
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    assert main([f"config={quickstart}", "experiment.name=https://alice:hunter2@host/x"]) == 2
+    err = capsys.readouterr().err
+    assert "experiment.name" in err and "<redacted>" in err and "hunter2" not in err, err
