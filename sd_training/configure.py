@@ -21,8 +21,7 @@ from .data.synthetic import COLOURS
 from .distributed import usable_cpus
 from .families import options, registry
 from .families.components.unet import check_unet_params
-from .memory.fit import check_batch
-from .memory.fit import _trained_config as trained_config, _vae_factor as vae_factor  # read, nothing built
+from .memory.fit import check_batch, trained_config, vae_factor  # (read, nothing built)
 from .data.buckets import make_buckets
 from .families.options import FamilyModelFields
 from .adapters import check_lora_file

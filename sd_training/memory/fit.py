@@ -85,13 +85,13 @@ def _vae_config(cfg) -> dict:
     return _component_folder(m.vae.pretrained or m.pretrained, "vae", m.revision)[1] or {}
 
 
-def _vae_factor(cfg) -> int:
+def vae_factor(cfg) -> int:
     """Pixels per latent pixel: 2^(VAE levels - 1) from the VAE's config.json, else Stable Diffusion's 8."""
     levels = len(_vae_config(cfg).get("block_out_channels") or (0,) * 4)
     return 2 ** (levels - 1)
 
 
-def _trained_config(cfg) -> tuple[str | None, dict | None]:
+def trained_config(cfg) -> tuple[str | None, dict | None]:
     """(weights folder, config) of the trained module as the config names it: the family's trained
     component (``model.<net_name>``: its params, or its folder's config.json); a from-scratch module's
     params are read as the class its family names."""
@@ -117,7 +117,7 @@ def sample_activations(cfg, conf: dict, checkpointing: bool, text_tokens: int | 
     compute = 2 if cfg.model.mixed_precision in ("bf16", "fp16") else 4
     vae = _vae_config(cfg)
     text = text_tokens if text_tokens is not None else int(fam.text_tokens(cfg) or 77)
-    sample = SampleShape(cfg.dataset.params.resolution, _vae_factor(cfg), vae.get("latent_channels"), text)
+    sample = SampleShape(cfg.dataset.params.resolution, vae_factor(cfg), vae.get("latent_channels"), text)
     return fam.sample_activation_elements(conf, sample, checkpointing) * compute
 
 
@@ -186,7 +186,7 @@ def load_plan(cfg) -> LoadPlan | None:
     """The trained module of ``cfg`` counted without building it; None when its config cannot be read
     yet (a hub id not in the cache, a pipeline the quickstart builds at start-up), its family's estimate
     does not know it, or an adapter's targets resolve to nothing (the build reports that)."""
-    folder, conf = _trained_config(cfg)
+    folder, conf = trained_config(cfg)
     class_name = _planned_class(cfg, conf) if conf is not None else None
     if class_name is None:
         return None
