@@ -117,9 +117,10 @@ def parse(argv: List[str]) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------
 
 
-def pipeline_family(args) -> str:
+def pipeline_family(args, strict: bool = True) -> str:
     """The family's name: ``--family``, else from the pipeline's model_index.json (the registry's
-    detection; a folder without one: the default family)."""
+    detection; a folder without one: the default family). ``strict=False`` (latents only): a pipeline no
+    family trains is read with the default family's VAE class, as before families chose it."""
     from sd_training.config import ConfigError
     from sd_training.families.registry import DEFAULT_FAMILY, detect_source
 
@@ -127,18 +128,16 @@ def pipeline_family(args) -> str:
         return detect_source(args.family, args.pipeline, must=False, family_key="--family",
                              source_key="--pipeline") or DEFAULT_FAMILY
     except ConfigError as exn:
+        if not strict:
+            return DEFAULT_FAMILY
         raise SystemExit(f"precompute_latents: {exn}") from None
 
 
 def load_models(args, device: torch.device):
     """The VAE (and the family's caption encoder, ``Family.text_encoding``), frozen, and a fingerprint of
     the VAE's weights."""
-    from diffusers import AutoencoderKL
-
-    from sd_training.loading import load_component
-
-    vae = load_component(AutoencoderKL.from_pretrained, args.pipeline, "vae", "--pipeline",
-                         torch_dtype=VAE_DTYPES[args.vae_dtype])
+    family = FAMILIES[pipeline_family(args, strict=bool(args.text_embeddings))]
+    vae = family.latent_vae(args.pipeline, "--pipeline", VAE_DTYPES[args.vae_dtype])  # the family's VAE class
     fingerprint = hashlib.sha1()
     for name, tensor in sorted(vae.state_dict().items()):  # which weights made these latents (~1 s for SD's VAE)
         fingerprint.update(name.encode())
@@ -146,7 +145,6 @@ def load_models(args, device: torch.device):
     vae = vae.to(device).eval().requires_grad_(False)
     encoder = None
     if args.text_embeddings:
-        family = FAMILIES[pipeline_family(args)]
         try:  # as the training's text encoder (model.text_encoder.clip_skip / max_length) would see the caption
             encoder = family.text_encoding(args.pipeline, device, clip_skip=args.clip_skip, max_length=args.max_length)
         except (ValueError, NotImplementedError) as exn:

@@ -99,7 +99,7 @@ def generate(pipe, keys, prompt="a red circle on a blue background", **kw):
         kw["max_sequence_length"] = keys["model.t5.max_length"]
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        return pipe(prompt, height=RES, width=RES, num_inference_steps=2, generator=torch.Generator().manual_seed(3),
+        return pipe(prompt=prompt, height=RES, width=RES, num_inference_steps=2, generator=torch.Generator().manual_seed(3),
                     output_type="np", **kw).images[0]
 
 

@@ -62,8 +62,8 @@ def generate_images(
             for start in range(0, len(todo), batch_size):
                 idx = todo[start : start + batch_size]
                 texts = [prompts[i % len(prompts)] for i in idx]
-                images = pipe(
-                    texts, num_inference_steps=steps, guidance_scale=guidance,
+                images = pipe(  # the prompt by name: FLUX.2's pipelines take a conditioning image first
+                    prompt=texts, num_inference_steps=steps, guidance_scale=guidance,
                     generator=[torch.Generator("cpu").manual_seed(seed + i) for i in idx], **size,
                 ).images
                 for i, text, im in zip(idx, texts, images):

@@ -229,6 +229,18 @@ class Family(abc.ABC):
         the pipeline's own); a family raises ``ValueError`` for settings it cannot apply."""
         raise NotImplementedError(f"the {cls.name or cls.__name__} family stores no text embeddings")
 
+    @classmethod
+    def latent_vae(cls, pipeline: str, what: str, dtype: torch.dtype) -> torch.nn.Module:
+        """The VAE latent shards are made with (``scripts/precompute_latents.py``; ``what`` names the
+        argument in errors): a diffusers autoencoder whose ``encode(pixels).latent_dist`` gives latents in the
+        denoiser's units as ``(latent - config.shift_factor) * config.scaling_factor`` (an ``AutoencoderKL``
+        here; a family whose VAE normalises otherwise returns a view that does)."""
+        from diffusers import AutoencoderKL
+
+        from ..loading import load_component
+
+        return load_component(AutoencoderKL.from_pretrained, pipeline, "vae", what, torch_dtype=dtype)
+
     # memory and FLOP estimates -------------------------------------------------------------------
     # What sd_training.memory asks the family before anything is built (the plan at config load,
     # scripts/plan_memory.py, the README's table); ``net_class`` names the trained module's class.

@@ -88,8 +88,8 @@ def sample_grid(
         for prompt in prompts:
             gens = [torch.Generator("cpu").manual_seed(seed + i) for i in range(per_prompt)]
             with inference_autocast(device, dtype):
-                out = pipe(
-                    [prompt] * per_prompt, height=resolution, width=resolution, num_inference_steps=steps,
+                out = pipe(  # the prompt by name: FLUX.2's pipelines take a conditioning image first
+                    prompt=[prompt] * per_prompt, height=resolution, width=resolution, num_inference_steps=steps,
                     guidance_scale=guidance, generator=gens,
                 )
             images.extend(out.images)
