@@ -271,7 +271,8 @@ def check_latents_match(loader, vae, text: Optional[StoredText] = None) -> None:
     if loader.kind != "latents" or info is None:
         return
     problems = []
-    scale = float(vae.config.scaling_factor)
+    # A VAE without a scaling factor (FLUX.2's: it normalises by batch-norm statistics) stores latents at scale 1
+    scale = float(vae.config.get("scaling_factor", None) or 1.0)
     if abs(float(info["latent_scaling_factor"]) - scale) > 1e-6 * scale:
         problems.append(f"scaling factor {info['latent_scaling_factor']} (the run's VAE: {scale})")
     shift = float(getattr(vae.config, "shift_factor", None) or 0.0)

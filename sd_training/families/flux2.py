@@ -32,7 +32,7 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import ModelConfig, TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText, check_latents_match
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
 from ..loading import load_component
 from ..memory import activations
 from ..outputs.export import unwrap
@@ -42,7 +42,6 @@ from .components import vae as vae_encoding
 from .components.transformer import source
 from .components.unet import frozen, load_weights
 from .flow_family import FlowFamily
-from .pipeline_family import is_latent_data
 
 # FLUX.2's scheduler (scheduler/scheduler_config.json of FLUX.2-dev and klein): Flux.1's, dynamic shifting.
 FLUX2_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
@@ -246,10 +245,6 @@ class Flux2Family(FlowFamily):
             raise ValueError(f"the batch has a stored pooled text embedding ({POOLED_KEY}): these latent shards were "
                              f"not made for {self.display_name} (scripts/precompute_latents.py with its pipeline)")
         return batch[TEXT_STATES_KEY].to(self.device, non_blocking=True).float(), None
-
-    def check_data(self, loader) -> None:
-        if is_latent_data(self.cfg):
-            check_latents_match(loader, NormalizedVAE(self.models.vae), self.stored_text())
 
     @classmethod
     def latent_vae(cls, pipeline: str, what: str, dtype: torch.dtype) -> torch.nn.Module:
