@@ -228,8 +228,8 @@ def stored_width(hidden_size: int, settings: LLMTextSettings) -> int:
     return hidden_size * len(settings.layers) + int(settings.masked)
 
 
-from .llm_tokenizers import QWEN3_CHAT_TEMPLATE, build_qwen_tokenizer, tiny_qwen3  # noqa: E402 (re-exported)
+from .llm_tokenizers import QWEN3_CHAT_TEMPLATE, TINY_QWEN3, build_qwen_tokenizer, tiny_qwen3  # noqa: E402 (re-exported)
 
 __all__ = ["PAD", "LLMTextSettings", "PromptTokenizer", "render", "encode_llm", "real_tokens", "with_mask",
            "split_mask", "frozen_dtype", "load_llm", "load_tokenizer", "check_length", "text_encoding",
-           "stored_width", "QWEN3_CHAT_TEMPLATE", "build_qwen_tokenizer", "tiny_qwen3"]
+           "stored_width", "QWEN3_CHAT_TEMPLATE", "TINY_QWEN3", "build_qwen_tokenizer", "tiny_qwen3"]

@@ -1,0 +1,202 @@
+"""FLUX.2 (klein and dev) as families: the conditioning equals the pipeline's ``encode_prompt`` (the empty
+caption and a caption cut at the configured length included), the latents, patches and position ids are the
+pipeline's, one training step equals a step written as diffusers' ``train_dreambooth_lora_flux2*.py`` computes
+it, and the refusals. What every family does (bf16 runs, exports, resume, LoRA, 2 ranks, latent shards):
+test_family_conformance.py."""
+
+import pytest
+import torch
+from helpers import args_with
+
+from sd_training.config import ConfigError
+from sd_training.configure import load
+from sd_training.families import flux2
+from sd_training.families import registry as families
+from sd_training.families.components.ddpm import sample_generators
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NAMES = [n for n in ("flux2_klein", "flux2_dev") if n in families.FAMILIES]
+LLM_LEN = 24  # model.llm.max_length of the tests (the pipelines' default is 512)
+
+flux2_args = args_with({"dataset.params.resolution": 32, "model.llm.max_length": LLM_LEN})
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def pipeline(name, family_pipeline):
+    return family_pipeline(name)
+
+
+@pytest.fixture(scope="module")
+def pipe(pipeline):
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(pipeline)
+
+
+@pytest.fixture(scope="module")
+def family(pipeline, shapes_shards, tmp_path_factory):
+    """The run's family (fp32, posterior mean, cosmap weighting), built from a config as the trainer builds it."""
+    tmp = tmp_path_factory.mktemp("flux2_family")
+    cfg = load(flux2_args(tmp, pipeline, shapes_shards, model__vae__latent_sampling="mean",
+                          flow_matching__weighting="cosmap"))
+    return families.create(cfg, torch.device("cpu"), 0, True)
+
+
+def test_the_family_is_read_from_the_pipeline(name, pipeline, shapes_shards, tmp_path):
+    assert families.detect(load(flux2_args(tmp_path, pipeline, shapes_shards)).model) == name
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"model.t5.max_length": 16}, "model.t5"),
+    ({"model.text_encoder_2.pretrained": "/nowhere"}, "one text encoder"),
+    ({"model.llm.max_length": 513}, "at most 512"),
+    ({"model.text_encoder.train": "true"}, "transformer only"),
+    ({"model.train_target": "vae"}, "transformer"),
+    ({"dataset.params.resolution": 40}, "multiples of 16"),
+])
+def test_refusals_name_the_key(pipeline, shapes_shards, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load(flux2_args(tmp_path, pipeline, shapes_shards, **override))
+
+
+def test_conditioning_equals_the_pipelines_encode_prompt(family, pipe):
+    """The LLM's states equal the pipeline's ``encode_prompt`` at the configured length: a caption, the empty
+    caption (caption dropout: the pipeline's own negative prompt, no zeroing) and one cut at LLM_LEN tokens;
+    the text ids are the pipeline's (0, 0, 0, l)."""
+    prompts = ["a red circle on a blue background", "", " ".join(["a small green square"] * 20)]
+    ids = family.tokenizers[0](prompts).input_ids
+    assert ids.shape == (3, LLM_LEN) and (ids[2] >= 0).all() and (ids[0] < 0).any()  # cut; padded
+    states, pooled = family.encode_condition({"input_ids": ids}, validation=True)
+    with torch.no_grad():
+        want, want_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=LLM_LEN)
+    assert pooled is None and states.shape == (3, LLM_LEN, family.text_width) == want.shape
+    assert torch.equal(states, want.float())
+    assert states[1].abs().sum() > 0 and not torch.equal(states[0], states[1])
+    assert torch.equal(flux2.text_ids(states), want_ids)
+
+
+def test_latents_patches_and_ids_are_the_pipelines(family, pipe):
+    """The family's latents, patchified, are ``_encode_vae_image``'s (the posterior mode, batch-norm
+    normalised); its tokens are ``_pack_latents``'s, its image ids ``prepare_latents``' and the output's
+    unpacking ``_unpack_latents_with_ids``'."""
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = family.encode(pixels, mean=True)
+    assert latents.shape == (2, pipe.vae.config.latent_channels, 4, 4)
+    with torch.no_grad():
+        want = torch.cat([pipe._encode_vae_image(p[None], None) for p in pixels])
+    torch.testing.assert_close(flux2.patchify(latents), want, rtol=1e-6, atol=1e-6)
+    tokens = flux2.tokens(latents)
+    assert torch.equal(tokens, type(pipe)._pack_latents(flux2.patchify(latents)))
+    packed, want_ids = pipe.prepare_latents(2, pipe.vae.config.latent_channels, 32, 32, torch.float32, "cpu", None)
+    assert tokens.shape == packed.shape and torch.equal(flux2.image_ids(latents), want_ids)
+    unpacked = type(pipe)._unpack_latents_with_ids(tokens, want_ids)
+    assert torch.equal(flux2.untokens(tokens, latents.shape), flux2.unpatchify(unpacked))
+    assert torch.equal(flux2.untokens(tokens, latents.shape), latents)
+
+
+def test_blocks_are_the_fsdp_and_compile_units_and_lora_targets_exist(family):
+    net = family.net
+    blocks = [*net.transformer_blocks, *net.single_transformer_blocks]
+    assert family.shard_units(net, "block") == blocks and family.compile_units(net) == blocks
+    import re
+
+    names = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
+    for preset, pattern in family.adapter_presets.items():
+        hit = [n for n in names if re.fullmatch(pattern, n)]
+        assert hit, preset
+    attention = [n for n in names if re.fullmatch(family.adapter_presets["attention"], n)]
+    # diffusers' example's default targets: to_q/k/v/out.0 and the single blocks' fused projections
+    assert {"single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_out",
+            "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_out.0"} <= set(attention)
+
+
+def reference_step(pipe, transformer, pixels, prompts, u, noise, weighting_scheme, guidance_scale):
+    """One step as diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py (and _flux2.py) computes
+    it, given u and the noise (in its patchified layout): the posterior mode, the batch-norm normalisation,
+    the scheduler's unshifted table, the guidance embedding where the transformer has one."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    cls, vae = type(pipe), pipe.vae
+    latents_bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    latents_bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    with torch.no_grad():
+        prompt_embeds, text_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=LLM_LEN)
+        model_input = vae.encode(pixels).latent_dist.mode()
+    model_input = cls._patchify_latents(model_input)
+    model_input = (model_input - latents_bn_mean) / latents_bn_std
+    model_input_ids = cls._prepare_latent_ids(model_input)
+    bsz = model_input.shape[0]
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    indices = (u * scheduler.config.num_train_timesteps).long()
+    timesteps = scheduler.timesteps[indices]
+    step_indices = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
+    sigmas = scheduler.sigmas[step_indices].flatten().view(bsz, 1, 1, 1)
+    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+    packed = cls._pack_latents(noisy_model_input)
+    guidance = torch.full([1], guidance_scale).expand(bsz) if transformer.config.guidance_embeds else None
+    model_pred = transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                             encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=model_input_ids,
+                             return_dict=False)[0]
+    model_pred = model_pred[:, : packed.size(1):]
+    model_pred = cls._unpack_latents_with_ids(model_pred, model_input_ids)
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
+    target = noise - model_input
+    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(bsz, -1), 1).mean()
+    return loss, timesteps
+
+
+def test_one_step_equals_diffusers_training_example(family, pipe):
+    """Loss and gradients of one step equal the example's for the same batch, u and noise (drawn from the
+    sample seeds' streams as the family draws them, the noise patchified for the example), with its unshifted
+    sigma table and cosmap weighting: within 1e-5 relative (float32; only summation order differs)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    fm = family.cfg.flow_matching
+    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
+    captions = ["a red circle", "", "a blue square on green", "a yellow triangle"]
+    seeds = torch.arange(10, 14)
+    pixels = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    batch = {"pixel_values": pixels, "input_ids": family.tokenizers[0](captions).input_ids, "sample_seeds": seeds}
+    c = pipe.vae.config.latent_channels
+    try:
+        u = torch.cat([compute_density_for_timestep_sampling(fm.timestep_sampling, 1, fm.logit_mean, fm.logit_std,
+                                                             fm.mode_scale, generator=g)
+                       for g in sample_generators(seeds, "timesteps", "cpu")])
+        noise = torch.cat([torch.randn(1, c, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
+        net = family.net
+        net.zero_grad(set_to_none=True)
+        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
+        ours.loss.backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        net.zero_grad(set_to_none=True)
+        want, timesteps = reference_step(pipe, net, pixels, captions, u, flux2.patchify(noise), "cosmap",
+                                         family.cfg.model.guidance_embed)
+        want.backward()
+    finally:
+        fm.shift, fm.resolution_shift = None, None
+    assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
+    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
+    if net.config.guidance_embeds:  # dev: the guidance path trains
+        assert net.time_guidance_embed.guidance_embedder.linear_1.weight.grad.abs().sum() > 0
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+    net.zero_grad(set_to_none=True)
+
+
+def test_step_flops_count_the_transformer_over_image_and_text_tokens(family):
+    """MFU's FLOPs: 3 x one forward over the image patches and the LLM's tokens; the VAE and the LLM are
+    hardware FLOPs. More text tokens cost more (joint attention)."""
+    flops = family.step_flops()
+    assert flops.model == 3 * flops.unet_forward > 0 and flops.vae_encode > 0 and flops.text_encode > 0
+    tok = family.models.tokenizer
+    tok.max_length = 2 * LLM_LEN
+    try:
+        assert family.step_flops().unet_forward > flops.unet_forward
+    finally:
+        tok.max_length = LLM_LEN
