@@ -16,7 +16,7 @@ from sd_training.families.components.ddpm import sample_generators
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMES = [n for n in ("flux2_klein", "flux2_dev") if n in families.FAMILIES]
-LLM_LEN = 24  # model.llm.max_length of the tests (the pipelines' default is 512)
+LLM_LEN = 48  # model.llm.max_length of the tests (the pipelines' default is 512)
 
 flux2_args = args_with({"dataset.params.resolution": 32, "model.llm.max_length": LLM_LEN})
 

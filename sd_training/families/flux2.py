@@ -38,6 +38,7 @@ from ..memory import activations
 from ..outputs.export import unwrap
 from ..speed.precision import frozen_vae_dtype
 from .base import PixelGrid, SampleSettings
+from .components import llm_text
 from .components import vae as vae_encoding
 from .components.transformer import source
 from .components.unet import frozen, load_weights
@@ -188,6 +189,8 @@ def check_models(transformer, vae, text_width: int, what: str) -> None:
 class Flux2Family(FlowFamily):
     """What FLUX.2 dev and klein share (see the module); a subclass names its text encoder and pipeline."""
 
+    text_settings: llm_text.LLMTextSettings  # how the pipeline's encode_prompt runs its LLM
+
     net_class = "Flux2Transformer2DModel"
     card_tags = ("flux2", "flux2-diffusers")
     # LoRA presets by Flux2's layer names: the joint attention's projections (the double blocks' image and text
@@ -209,7 +212,10 @@ class Flux2Family(FlowFamily):
              or m.text_encoder_3.pretrained is not None or m.tokenizer_3.pretrained is not None,
              f"{cls.display_name} has one text encoder (model.text_encoder / model.tokenizer): model.text_encoder_2/3 "
              "and tokenizer_2/3 are other families'"),
-            (m.t5 != type(m.t5)(), f"model.t5 is SD3's and Flux.1's T5; {cls.display_name}'s text encoder is an LLM"),
+            (m.t5 != type(m.t5)(), f"model.t5 is SD3's and Flux.1's T5; {cls.display_name}'s text encoder is an LLM "
+                                   "whose length is model.llm.max_length"),
+            (m.text_encoder.max_length is not None,
+             f"model.text_encoder.max_length: {cls.display_name}'s LLM length is model.llm.max_length"),
             (d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16),
              f"{cls.display_name} patches the 8x-downsampled latents 2x2: dataset.params.resolution ({d.resolution}) "
              f"and, with aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16"),
@@ -218,6 +224,20 @@ class Flux2Family(FlowFamily):
             if refused:
                 raise ConfigError(message)
         super().validate(cfg)
+
+    @classmethod
+    def text_limits(cls, cfg: TrainConfig) -> dict[str, tuple[int, str]]:
+        return {"model.llm.max_length": (cls.text_settings.limit,
+                                         f"{cls.pipeline_classes[0]}'s tokenizer_max_length")}
+
+    @classmethod
+    def text_length(cls, cfg: TrainConfig) -> int:
+        """LLM tokens per caption, template included: ``model.llm.max_length``, else the pipeline's 512."""
+        return int(cfg.model.llm.max_length or cls.text_settings.max_length)
+
+    @classmethod
+    def text_tokens(cls, cfg: TrainConfig) -> int:
+        return cls.text_length(cfg)
 
     @classmethod
     def pixel_grid(cls, net_conf: dict, vae_factor: int) -> PixelGrid:

@@ -98,15 +98,6 @@ class Flux2Klein(Flux2Family):
 
     # -- text -------------------------------------------------------------------------------------
     @classmethod
-    def text_length(cls, cfg: TrainConfig) -> int:
-        """Qwen3 tokens per caption (the pipeline's max_sequence_length, 512)."""
-        return int(cls.text_settings.max_length)
-
-    @classmethod
-    def text_tokens(cls, cfg: TrainConfig) -> int:
-        return cls.text_length(cfg)
-
-    @classmethod
     def _width(cls, encoder) -> int:
         return int(encoder.config.hidden_size) * len(cls.text_settings.layers)
 
