@@ -10,7 +10,7 @@ from helpers import args_with
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
-from sd_training.families import flux2
+from sd_training.families import flux2_latents as flux2
 from sd_training.families import registry as families
 from sd_training.families.components.ddpm import sample_generators
 

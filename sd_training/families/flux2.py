@@ -5,15 +5,12 @@ text encoders and their pipelines are ``flux2_klein.py`` (Qwen3, ``Flux2KleinPip
 
 As the FLUX.2 pipelines (and diffusers' ``train_dreambooth_lora_flux2*.py``) see the image:
 
-* latents: the VAE's posterior (mean or sample) in 2x2 patches (``_patchify_latents``: [B, 4C, h/2, w/2]),
-  each of the 4C channels normalised with the VAE's batch-norm running statistics,
-  ``(z - running_mean) / sqrt(running_var + batch_norm_eps)`` (``_encode_vae_image``). The family keeps
-  them unpatchified ([B, C, h, w]: the VAE's channels and 8x grid, as latent shards and the memory plan
-  expect), the same numbers in another order; the noise is drawn in that layout, and the loss is the
-  per-sample mean over all of them, so the order does not change it;
+* latents (``flux2_latents.py``): the VAE's posterior (mean or sample) in 2x2 patches, each of the 4C patch
+  channels normalised with the VAE's batch-norm running statistics, ``(z - running_mean) /
+  sqrt(running_var + batch_norm_eps)`` (``_encode_vae_image``), kept unpatchified; the noise is drawn in
+  that layout, and the loss is the per-sample mean over all of them, so the order does not change it;
 * the transformer's tokens: the patches packed row by row (``_pack_latents``: [B, h/2 * w/2, 4C]), with
-  4-axis position ids (t, row, column, 0) (``_prepare_latent_ids``); the text tokens' ids are (0, 0, 0, l)
-  (``_prepare_text_ids``); there is no pooled embedding;
+  4-axis position ids (t, row, column, 0); the text tokens' ids are (0, 0, 0, l); no pooled embedding;
 * timestep: sigma (the transformer multiplies by 1000); a guidance-distilled transformer
   (``guidance_embeds``: FLUX.2 dev) gets ``model.guidance_embed``, klein none.
 
@@ -24,9 +21,11 @@ another: diffusers' example trains on the unshifted table, the pipelines sample 
 
 from __future__ import annotations
 
-import abc
 import copy
-from typing import Any
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,141 +35,27 @@ from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
 from ..loading import load_component
 from ..memory import activations
 from ..outputs.export import unwrap
-from ..speed.precision import frozen_vae_dtype
 from .base import PixelGrid, SampleSettings
 from .components import llm_text
 from .components import vae as vae_encoding
-from .components.transformer import source
-from .components.unet import frozen, load_weights
+from .components.text import TextEncoding
+from .components.transformer import build_transformer, load_schedulers, source
+from .components.unet import Components
 from .flow_family import FlowFamily
+from .flux2_latents import (TINY_FLUX2_VAE, NormalizedVAE, frozen_flux2_vae, image_ids, load_flux2_vae, text_ids,
+                            tokens, untokens)
 
 # FLUX.2's scheduler (scheduler/scheduler_config.json of FLUX.2-dev and klein): Flux.1's, dynamic shifting.
 FLUX2_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                        base_image_seq_len=256, max_image_seq_len=4096)
 FLUX2_LATENT_CHANNELS = 32  # AutoencoderKLFlux2's (the memory plan's default)
-# The tiny pipelines' VAE: 8 latent channels (the real one has 32) x 4 patch positions = the transformer's 32
-# input channels; four levels, 8 px per latent as the real one.
-TINY_FLUX2_VAE = dict(block_out_channels=(32, 32, 64, 64), layers_per_block=1, latent_channels=8, norm_num_groups=32,
-                      sample_size=64, use_quant_conv=True, use_post_quant_conv=True)
 # The tiny transformer: 1 double- + 1 single-stream block of 2 heads x 16 (rotary axes 4 x 4 = 16).
 TINY_FLUX2_TRANSFORMER = dict(patch_size=1, in_channels=4 * TINY_FLUX2_VAE["latent_channels"], num_layers=1,
                               num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                               timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4))
 
 
-# -- latents: the pipelines' own static helpers, so the layout is theirs by construction -------------------
-def _pipe():
-    from diffusers import Flux2Pipeline
-
-    return Flux2Pipeline
-
-
-def patchify(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, 4C, h/2, w/2] (``Flux2Pipeline._patchify_latents``)."""
-    return _pipe()._patchify_latents(latents)
-
-
-def unpatchify(patches: torch.Tensor) -> torch.Tensor:
-    """[B, 4C, h/2, w/2] -> [B, C, h, w] (``Flux2Pipeline._unpatchify_latents``)."""
-    return _pipe()._unpatchify_latents(patches)
-
-
-def bn_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) [1, 4C, 1, 1] float32 of the VAE's batch norm over the patchified latents: what the pipeline
-    normalises latents with (``sqrt(running_var + batch_norm_eps)``)."""
-    mean = vae.bn.running_mean.view(1, -1, 1, 1).float()
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).float() + vae.config.batch_norm_eps)
-    return mean, std
-
-
-def normalize(vae, latents: torch.Tensor, std_only: bool = False) -> torch.Tensor:
-    """The VAE's latents [B, C, h, w] (float32) in the transformer's units, unpatchified; ``std_only``: a
-    posterior std (divided by the batch norm's std, not shifted)."""
-    mean, std = bn_stats(vae)
-    patches = patchify(latents.float())
-    out = patches / std.to(patches.device) if std_only else (patches - mean.to(patches.device)) / std.to(patches.device)
-    return unpatchify(out)
-
-
-class NormalizedPosterior:
-    """The VAE's posterior in the transformer's units (:func:`normalize`): what ``components.vae.encode`` reads."""
-
-    def __init__(self, vae, dist):
-        self.vae, self.dist = vae, dist
-
-    @property
-    def mean(self) -> torch.Tensor:
-        return normalize(self.vae, self.dist.mean)
-
-    @property
-    def std(self) -> torch.Tensor:
-        return normalize(self.vae, self.dist.std, std_only=True)
-
-    def sample(self, generator=None) -> torch.Tensor:
-        return normalize(self.vae, self.dist.sample(generator=generator))
-
-
-class NormalizedVAE(torch.nn.Module):
-    """``AutoencoderKLFlux2`` as the one VAE encode (``components.vae``), latent shards
-    (``scripts/precompute_latents.py``) and their checks see it: ``encode(pixels).latent_dist`` is already in
-    the transformer's units, so its ``scaling_factor`` is 1 and its ``shift_factor`` 0 (the normalisation
-    is per channel, by the batch norm's statistics, which the VAE's fingerprint covers)."""
-
-    def __init__(self, vae):
-        from diffusers.configuration_utils import FrozenDict
-
-        super().__init__()
-        self.vae = vae
-        self.config = FrozenDict({**vae.config, "scaling_factor": 1.0, "shift_factor": 0.0})
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae.dtype
-
-    def encode(self, pixels: torch.Tensor):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(latent_dist=NormalizedPosterior(self.vae, self.vae.encode(pixels).latent_dist))
-
-
-def tokens(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> the transformer's tokens [B, h/2 * w/2, 4C] (patchify, ``_pack_latents``)."""
-    return _pipe()._pack_latents(patchify(latents))
-
-
-def untokens(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The transformer's output [B, h/2 * w/2, 4C] -> [B, C, h, w] (the inverse of :func:`tokens`)."""
-    b, c, h, w = shape
-    return unpatchify(out.permute(0, 2, 1).reshape(b, 4 * c, h // 2, w // 2))
-
-
-def image_ids(latents: torch.Tensor) -> torch.Tensor:
-    """(t, row, column, layer) ids [B, h/2 * w/2, 4] of the patches (``_prepare_latent_ids``)."""
-    b, c, h, w = latents.shape
-    return _pipe()._prepare_latent_ids(latents.new_empty(b, 4 * c, h // 2, w // 2, device="meta")).to(latents.device)
-
-
-def text_ids(states: torch.Tensor) -> torch.Tensor:
-    """(0, 0, 0, l) ids [B, L, 4] of the text tokens (``_prepare_text_ids``)."""
-    return _pipe()._prepare_text_ids(states).to(states.device)
-
-
 # -- components ----------------------------------------------------------------------------------------------
-def load_flux2_vae(cfg: ModelConfig, device: torch.device | None, dtype: torch.dtype) -> torch.nn.Module:
-    """The frozen ``AutoencoderKLFlux2`` of ``model.vae.pretrained`` / the pipeline's ``vae/``."""
-    from diffusers import AutoencoderKLFlux2
-
-    src, kw = source(cfg, "vae")
-    if src is None:
-        raise ConfigError("the VAE has no source: set model.pretrained or model.vae.pretrained")
-    vae = load_weights(AutoencoderKLFlux2.from_pretrained, src, "vae", "model.vae.pretrained", **kw)
-    return frozen(vae, device or torch.device("cpu"), dtype)
-
-
-def frozen_flux2_vae(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
-    return load_flux2_vae(cfg, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision))
-
-
 def check_models(transformer, vae, text_width: int, what: str) -> None:
     """The components fit together (a transformer of another size, another VAE ...)."""
     c = unwrap(transformer).config
@@ -186,10 +71,80 @@ def check_models(transformer, vae, text_width: int, what: str) -> None:
                               "(model.transformer.params or model.transformer.pretrained)")
 
 
+@dataclass
+class Flux2Models(Components):
+    tokenizer: Any  # llm_text.PromptTokenizer over the pipeline's tokenizer (klein) or processor (dev)
+    text_encoder: torch.nn.Module  # the LLM, frozen: its hidden states
+    vae: torch.nn.Module  # AutoencoderKLFlux2, frozen
+    transformer: torch.nn.Module  # Flux2Transformer2DModel, trained
+    noise_scheduler: Any
+    inference_scheduler: Any
+    pipeline_config: dict = field(default_factory=dict)  # the pipeline's own settings (klein: is_distilled)
+    reload_fp32: Optional[Callable[[str], torch.nn.Module]] = None
+    _fp32_copies: dict = field(default_factory=dict, repr=False)
+
+
+def load_text_encoder(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The frozen LLM of ``model.text_encoder.pretrained`` / the pipeline's ``text_encoder/`` (the class its
+    config.json names: Qwen3ForCausalLM, Mistral3ForConditionalGeneration)."""
+    src, kw = source(cfg, "text_encoder")
+    if src is None:
+        raise ConfigError("the text encoder has no source: set model.pretrained or model.text_encoder.pretrained")
+    return llm_text.load_llm(src, "text_encoder", "model.text_encoder.pretrained", device, dtype, **kw)
+
+
+def pipeline_settings(cfg: ModelConfig, keys: tuple[str, ...]) -> dict:
+    """``keys`` of the pipeline root's model_index.json that it has (none without a local pipeline root)."""
+    path = os.path.join(cfg.pretrained or "", "model_index.json")
+    if not cfg.pretrained or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        index = json.load(fh)
+    return {k: index[k] for k in keys if k in index}
+
+
 class Flux2Family(FlowFamily):
     """What FLUX.2 dev and klein share (see the module); a subclass names its text encoder and pipeline."""
 
     text_settings: llm_text.LLMTextSettings  # how the pipeline's encode_prompt runs its LLM
+    text_encoder_name = ""  # the LLM, in messages ("Qwen3", "Mistral-3")
+    pipeline_keys: tuple[str, ...] = ()  # model_index.json settings its pipeline class takes (klein: is_distilled)
+
+    def build_models(self) -> Flux2Models:
+        from diffusers import Flux2Transformer2DModel
+
+        cfg = self.cfg.model
+
+        def reload_fp32(name: str) -> torch.nn.Module:
+            if name == "vae":
+                return load_flux2_vae(cfg, None, torch.float32)
+            return load_text_encoder(cfg, torch.device("cpu"), torch.float32)
+
+        noise_scheduler, inference_scheduler = load_schedulers(cfg)
+        models = Flux2Models(
+            tokenizer=self.load_prompt_tokenizer(*source(cfg, "tokenizer"), "model.tokenizer.pretrained",
+                                                 self.text_length(self.cfg)),
+            text_encoder=load_text_encoder(cfg, self.device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
+                                                                                    cfg.mixed_precision)),
+            vae=frozen_flux2_vae(cfg, self.device),
+            transformer=build_transformer(cfg, Flux2Transformer2DModel, self.device, self.seed),
+            noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler,
+            pipeline_config=pipeline_settings(cfg, self.pipeline_keys), reload_fp32=reload_fp32)
+        check_models(models.transformer, models.vae, self.width(models.text_encoder), self.text_encoder_name)
+        return models
+
+    @classmethod
+    def load_prompt_tokenizer(cls, src: str | None, kw: dict, what: str, length: int) -> llm_text.PromptTokenizer:
+        """The pipeline's tokenizer with its template, ``length`` tokens per caption."""
+        if src is None:
+            raise ConfigError("the tokenizer has no source: set model.pretrained or model.tokenizer.pretrained")
+        return llm_text.load_tokenizer(src, "tokenizer", what, cls.text_settings, length, **kw)
+
+    @classmethod
+    def width(cls, encoder) -> int:
+        """Channels of the text states: the LLM's hidden size x the layers taken."""
+        conf = getattr(encoder.config, "text_config", encoder.config)  # Mistral-3's language model
+        return int(conf.hidden_size) * len(cls.text_settings.layers)
 
     net_class = "Flux2Transformer2DModel"
     card_tags = ("flux2", "flux2-diffusers")
@@ -255,9 +210,41 @@ class Flux2Family(FlowFamily):
 
     # -- the text ------------------------------------------------------------------------------------
     @property
-    @abc.abstractmethod
     def text_width(self) -> int:
-        """Channels of the text states (the LLM's hidden size x the layers taken)."""
+        return self.width(self.models.text_encoder)
+
+    @property
+    def max_sequence_length(self) -> int:
+        return int(self.models.tokenizer.max_length)
+
+    @property
+    def tokenizers(self):
+        return (self.models.tokenizer,)
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        return [self.models.vae, self.models.text_encoder]
+
+    def encode_condition(self, batch: dict, validation: bool) -> tuple[torch.Tensor, None]:
+        """The LLM's chosen layers side by side per token, every padded token included (no mask)."""
+        m = self.models
+        cond = llm_text.encode_llm(m.text_encoder, batch["input_ids"].to(self.device, non_blocking=True),
+                                   m.tokenizer.pad_token_id, self.text_settings)
+        return cond.states, None
+
+    def text_encoder_runs(self) -> list[tuple[torch.nn.Module, int, int]]:
+        return [(self.models.text_encoder, self.max_sequence_length, 1)]
+
+    @classmethod
+    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
+                      max_length: int | None = None) -> TextEncoding:
+        """The LLM's states as :meth:`encode_condition` computes them (``max_length`` tokens, None: 512), in bf16."""
+        if clip_skip:
+            raise ValueError(f"{cls.display_name} conditions on chosen {cls.text_encoder_name} layers: clip skip does "
+                             "not apply")
+        length = llm_text.check_length(max_length, cls.text_settings, "--max-length", cls.display_name)
+        tokenizer = cls.load_prompt_tokenizer(pipeline, {}, "the pipeline's tokenizer/", length)
+        encoder = llm_text.load_llm(pipeline, "text_encoder", "the pipeline's text_encoder/", device)
+        return llm_text.text_encoding(cls.text_tag, tokenizer, encoder, cls.text_settings)
 
     def stored_condition(self, batch: dict) -> tuple[torch.Tensor, None]:
         """The LLM states latent shards store (no pooled embedding)."""
@@ -316,13 +303,12 @@ class Flux2Family(FlowFamily):
                     guidance=torch.ones(1, device="meta") if config.guidance_embeds else None)
 
     # -- artifacts ----------------------------------------------------------------------------------------
-    @abc.abstractmethod
-    def pipeline_class(self) -> type:
-        """The diffusers pipeline class."""
+    @classmethod
+    def pipeline_class(cls) -> type:
+        """The diffusers pipeline class (``pipeline_classes[0]``)."""
+        import diffusers
 
-    def pipeline_config(self) -> dict:
-        """Extra arguments of the pipeline's constructor (klein: ``is_distilled``)."""
-        return {}
+        return getattr(diffusers, cls.pipeline_classes[0])
 
     def pipeline(self, transformer: torch.nn.Module, for_export: bool = False):
         """The family's pipeline with ``transformer``; ``for_export``: the frozen parts in fp32 as loaded."""
@@ -330,7 +316,7 @@ class Flux2Family(FlowFamily):
         parts: dict[str, Any] = {n: m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder")}
         tokenizer = getattr(m.tokenizer, "tokenizer", m.tokenizer)  # the pipeline's own, not the template wrapper
         return self.pipeline_class()(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=tokenizer,
-                                     transformer=unwrap(transformer), **parts, **self.pipeline_config())
+                                     transformer=unwrap(transformer), **parts, **m.pipeline_config)
 
     def sampling(self, settings: SampleSettings) -> SampleSettings:
         """A guidance-distilled transformer samples with the guidance it trained with (the pipeline's
