@@ -16,14 +16,21 @@ from sd_training.families.components.ddpm import sample_generators
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMES = [n for n in ("flux2_klein", "flux2_dev") if n in families.FAMILIES]
-LLM_LEN = 48  # model.llm.max_length of the tests (the pipelines' default is 512)
+# model.llm.max_length of the tests (the pipelines' default is 512): room for the template (dev's has the
+# pipeline's system message) and a short caption, and a long caption is cut
+LLM_LEN = {"flux2_klein": 48, "flux2_dev": 160}
 
-flux2_args = args_with({"dataset.params.resolution": 32, "model.llm.max_length": LLM_LEN})
+flux2_args = args_with({"dataset.params.resolution": 32})
 
 
 @pytest.fixture(scope="module", params=NAMES)
 def name(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def length(name):
+    return LLM_LEN[name]
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +46,11 @@ def pipe(pipeline):
 
 
 @pytest.fixture(scope="module")
-def family(pipeline, shapes_shards, tmp_path_factory):
+def family(pipeline, length, shapes_shards, tmp_path_factory):
     """The run's family (fp32, posterior mean, cosmap weighting), built from a config as the trainer builds it."""
     tmp = tmp_path_factory.mktemp("flux2_family")
     cfg = load(flux2_args(tmp, pipeline, shapes_shards, model__vae__latent_sampling="mean",
-                          flow_matching__weighting="cosmap"))
+                          flow_matching__weighting="cosmap", model__llm__max_length=length))
     return families.create(cfg, torch.device("cpu"), 0, True)
 
 
@@ -64,17 +71,18 @@ def test_refusals_name_the_key(pipeline, shapes_shards, tmp_path, override, mess
         load(flux2_args(tmp_path, pipeline, shapes_shards, **override))
 
 
-def test_conditioning_equals_the_pipelines_encode_prompt(family, pipe):
+def test_conditioning_equals_the_pipelines_encode_prompt(family, pipe, length):
     """The LLM's states equal the pipeline's ``encode_prompt`` at the configured length: a caption, the empty
-    caption (caption dropout: the pipeline's own negative prompt, no zeroing) and one cut at LLM_LEN tokens;
+    caption (caption dropout: the pipeline's own negative prompt, no zeroing) and one cut at the length;
     the text ids are the pipeline's (0, 0, 0, l)."""
-    prompts = ["a red circle on a blue background", "", " ".join(["a small green square"] * 20)]
+    # "[IMG]": FLUX.2 dev's format_input removes it (klein keeps it as text)
+    prompts = ["a red circle [IMG] on blue", "", " ".join(["a small green square"] * 20)]
     ids = family.tokenizers[0](prompts).input_ids
-    assert ids.shape == (3, LLM_LEN) and (ids[2] >= 0).all() and (ids[0] < 0).any()  # cut; padded
+    assert ids.shape == (3, length) and (ids[2] >= 0).all() and (ids[0] < 0).any()  # cut; padded
     states, pooled = family.encode_condition({"input_ids": ids}, validation=True)
     with torch.no_grad():
-        want, want_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=LLM_LEN)
-    assert pooled is None and states.shape == (3, LLM_LEN, family.text_width) == want.shape
+        want, want_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=length)
+    assert pooled is None and states.shape == (3, length, family.text_width) == want.shape
     assert torch.equal(states, want.float())
     assert states[1].abs().sum() > 0 and not torch.equal(states[0], states[1])
     assert torch.equal(flux2.text_ids(states), want_ids)
@@ -115,7 +123,7 @@ def test_blocks_are_the_fsdp_and_compile_units_and_lora_targets_exist(family):
             "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_out.0"} <= set(attention)
 
 
-def reference_step(pipe, transformer, pixels, prompts, u, noise, weighting_scheme, guidance_scale):
+def reference_step(pipe, transformer, pixels, prompts, u, noise, weighting_scheme, guidance_scale, length):
     """One step as diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py (and _flux2.py) computes
     it, given u and the noise (in its patchified layout): the posterior mode, the batch-norm normalisation,
     the scheduler's unshifted table, the guidance embedding where the transformer has one."""
@@ -126,7 +134,7 @@ def reference_step(pipe, transformer, pixels, prompts, u, noise, weighting_schem
     latents_bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
     latents_bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
     with torch.no_grad():
-        prompt_embeds, text_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=LLM_LEN)
+        prompt_embeds, text_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=length)
         model_input = vae.encode(pixels).latent_dist.mode()
     model_input = cls._patchify_latents(model_input)
     model_input = (model_input - latents_bn_mean) / latents_bn_std
@@ -151,7 +159,7 @@ def reference_step(pipe, transformer, pixels, prompts, u, noise, weighting_schem
     return loss, timesteps
 
 
-def test_one_step_equals_diffusers_training_example(family, pipe):
+def test_one_step_equals_diffusers_training_example(family, pipe, length):
     """Loss and gradients of one step equal the example's for the same batch, u and noise (drawn from the
     sample seeds' streams as the family draws them, the noise patchified for the example), with its unshifted
     sigma table and cosmap weighting: within 1e-5 relative (float32; only summation order differs)."""
@@ -176,7 +184,7 @@ def test_one_step_equals_diffusers_training_example(family, pipe):
         grads = {n: p.grad.clone() for n, p in net.named_parameters()}
         net.zero_grad(set_to_none=True)
         want, timesteps = reference_step(pipe, net, pixels, captions, u, flux2.patchify(noise), "cosmap",
-                                         family.cfg.model.guidance_embed)
+                                         family.cfg.model.guidance_embed, length)
         want.backward()
     finally:
         fm.shift, fm.resolution_shift = None, None
@@ -189,14 +197,14 @@ def test_one_step_equals_diffusers_training_example(family, pipe):
     net.zero_grad(set_to_none=True)
 
 
-def test_step_flops_count_the_transformer_over_image_and_text_tokens(family):
+def test_step_flops_count_the_transformer_over_image_and_text_tokens(family, length):
     """MFU's FLOPs: 3 x one forward over the image patches and the LLM's tokens; the VAE and the LLM are
     hardware FLOPs. More text tokens cost more (joint attention)."""
     flops = family.step_flops()
     assert flops.model == 3 * flops.unet_forward > 0 and flops.vae_encode > 0 and flops.text_encode > 0
     tok = family.models.tokenizer
-    tok.max_length = 2 * LLM_LEN
+    tok.max_length = 2 * length
     try:
         assert family.step_flops().unet_forward > flops.unet_forward
     finally:
-        tok.max_length = LLM_LEN
+        tok.max_length = length

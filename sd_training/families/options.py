@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from ..config.fields import ComponentConfig, ConfigError, f
 from ..config.schema import register_fields
 
-FLOW_FAMILIES = ("sd3", "flux", "zimage", "flux2_klein")  # the families trained with flow matching (families/flow_matching.py)
+FLOW_FAMILIES = ("sd3", "flux", "zimage", "flux2_klein", "flux2_dev")  # the families trained with flow matching (families/flow_matching.py)
 
 
 @dataclass
