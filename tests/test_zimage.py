@@ -1,9 +1,9 @@
-"""Z-Image as a family, and the LLM text-encoder component it shares with the other LLM families: the
+"""Z-Image as a family on the LLM text-encoder component (components/llm_text.py): the
 conditioning equals ZImagePipeline.encode_prompt (empty prompts and prompts cut at the configured length
-included), the component's layer stacking equals Flux2KleinPipeline's, one training step equals a step written
-after diffusers' train_dreambooth_lora_z_image.py, every draw is per sample, the stored text round-trips through
-the shards' bf16 storage, and the refusals. What every family does (bf16 runs, resume, LoRA, 2 ranks, latent
-shards): test_family_conformance.py."""
+included), one training step equals a step written after diffusers' train_dreambooth_lora_z_image.py, every draw
+is per sample, the stored text round-trips through the shards' bf16 storage, and the refusals. The component's
+other pipelines (FLUX.2, Qwen-Image): test_llm_text.py. What every family does (bf16 runs, resume, LoRA, 2 ranks,
+latent shards): test_family_conformance.py."""
 
 import numpy as np
 import pytest
@@ -82,38 +82,6 @@ def test_conditioning_equals_the_pipelines_own(family, pipe):
         assert torch.equal(g, w.float())
     assert len(got[2]) == LLM_LEN and 0 < len(got[1]) < len(got[0]) < LLM_LEN  # cut; the empty prompt's template
     assert tok.pad_token_id in tok.text_tokenizer(CAPTIONS[3]).input_ids
-
-
-def test_the_chat_template_is_the_pipelines(pipe):
-    """The tiny tokenizer's template writes Qwen3's: enable_thinking=False (FLUX.2 klein) adds the empty think
-    block, True (Z-Image) none; a format string template (Qwen-Image's kind) replaces it."""
-    tok = pipe.tokenizer
-    thinking = llm_text.render(tok, "a cat", ZIMAGE_TEXT)
-    assert thinking == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n"
-    no_think = llm_text.render(tok, "a cat", llm_text.LLMTextSettings((1,), 8, 8, enable_thinking=False))
-    assert no_think == thinking + "<think>\n\n</think>\n\n"
-    assert llm_text.render(tok, "a cat", llm_text.LLMTextSettings((1,), 8, 8, template="<s>{}</s>")) == "<s>a cat</s>"
-    assert tok.convert_ids_to_tokens(tok(thinking).input_ids)[0] == "<|im_start|>"  # a special token, one id
-
-
-def test_stacked_layers_equal_flux2_klein_prompt_embeds(pipe):
-    """Several layers (FLUX.2's) side by side per token, every padded token kept, equal
-    Flux2KleinPipeline._get_qwen3_prompt_embeds for the same Qwen3 and tokenizer."""
-    from diffusers import Flux2KleinPipeline
-
-    from sd_training.families.components.llm_tokenizers import tiny_qwen3
-
-    torch.manual_seed(0)
-    encoder = tiny_qwen3(len(pipe.tokenizer), causal_lm=True, num_hidden_layers=3).eval()
-    settings = llm_text.LLMTextSettings(layers=(1, 2, 3), max_length=16, limit=512, enable_thinking=False)
-    tok = llm_text.PromptTokenizer(pipe.tokenizer, settings)
-    prompts = CAPTIONS[:3]
-    got = llm_text.encode_llm(encoder, tok(prompts).input_ids, tok.pad_token_id, settings)
-    with torch.no_grad():
-        want = Flux2KleinPipeline._get_qwen3_prompt_embeds(encoder, pipe.tokenizer, prompts, max_sequence_length=16,
-                                                           hidden_states_layers=(1, 2, 3))
-    assert got.mask is None and got.states.shape == want.shape == (3, 16, 3 * encoder.config.hidden_size)
-    assert torch.equal(got.states, want.float())
 
 
 def test_stored_text_round_trips_through_bf16_storage(family):

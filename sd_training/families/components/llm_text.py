@@ -12,8 +12,9 @@ What each diffusers pipeline does in its ``encode_prompt`` (and what :class:`LLM
   ``masked=False``.
 * ``Flux2Pipeline._get_mistral_3_small_prompt_embeds`` (Mistral-3, an ``AutoProcessor``): a system message
   and the user's prompt as typed content parts (``[{"type": "text", ...}]``), tokenized by the chat template
-  (``add_special_tokens=False``: the template writes the BOS), layers 10, 20, 30: ``system=...``,
-  ``content_parts=True``, ``add_special_tokens=False``, ``layers=(10, 20, 30)``.
+  (``add_special_tokens=False``: the template writes the BOS; no generation prompt), ``[IMG]`` removed from
+  prompts, layers 10, 20, 30: ``system=SYSTEM_MESSAGE``, ``content_parts=True``, ``add_special_tokens=False``,
+  ``generation_prompt=False``, ``strip=("[IMG]",)``, ``layers=(10, 20, 30)``.
 * ``QwenImagePipeline._get_qwen_prompt_embeds`` (Qwen2.5-VL): a format string with a system prompt (not the
   chat template), ``max_length + 34`` tokens, ``hidden_states[-1]``, the template's first 34 tokens dropped,
   real tokens only with a mask: ``template=<the string>``, ``drop_prefix=34``, ``layers=(-1,)``,
@@ -36,7 +37,8 @@ How it is wired:
   again by :func:`split_mask` when the batch is read (the shards' fixed [L, D] layout needs no new member).
 * Offline tokenizers: :func:`build_qwen_tokenizer`, a tiny real ``Qwen2Tokenizer`` (Qwen3's class) with a
   byte-level BPE of the ASCII bytes and a few hundred words, and a chat template like Qwen3's
-  (``enable_thinking`` as the pipelines call it). No Mistral-3 processor builder yet.
+  (``enable_thinking`` as the pipelines call it); :func:`build_mistral3_processor`, a tiny ``PixtralProcessor``
+  (FLUX.2 dev's ``AutoProcessor``) with Mistral's control tokens and chat template (``llm_tokenizers``).
 """
 
 from __future__ import annotations
@@ -72,11 +74,14 @@ class LLMTextSettings:
     generation_prompt: bool = True  # the chat template's add_generation_prompt (FLUX.2 dev: False)
     drop_prefix: int = 0  # template tokens dropped from the front of the states (Qwen-Image's 34)
     masked: bool = False  # the conditioning is the real tokens only (a mask); False: every padded token
+    strip: tuple[str, ...] = ()  # removed from prompts first (FLUX.2 dev's format_input removes "[IMG]")
 
 
 # -- prompts and tokens ---------------------------------------------------------------------------
 def render(tokenizer, prompt: str, s: LLMTextSettings) -> str:
     """The text the pipeline tokenizes for ``prompt``: its chat template or format string applied."""
+    for text in s.strip:
+        prompt = prompt.replace(text, "")
     if s.template != "chat":
         return s.template.format(prompt)
     content = [{"type": "text", "text": prompt}] if s.content_parts else prompt
@@ -228,8 +233,15 @@ def stored_width(hidden_size: int, settings: LLMTextSettings) -> int:
     return hidden_size * len(settings.layers) + int(settings.masked)
 
 
-from .llm_tokenizers import QWEN3_CHAT_TEMPLATE, TINY_QWEN3, build_qwen_tokenizer, tiny_qwen3  # noqa: E402 (re-exported)
+from .llm_tokenizers import (  # noqa: E402 (re-exported)
+    QWEN3_CHAT_TEMPLATE,
+    TINY_QWEN3,
+    build_mistral3_processor,
+    build_qwen_tokenizer,
+    tiny_mistral3,
+    tiny_qwen3,
+)
 
 __all__ = ["PAD", "LLMTextSettings", "PromptTokenizer", "render", "encode_llm", "real_tokens", "with_mask",
            "split_mask", "frozen_dtype", "load_llm", "load_tokenizer", "check_length", "text_encoding",
-           "stored_width", "QWEN3_CHAT_TEMPLATE", "TINY_QWEN3", "build_qwen_tokenizer", "tiny_qwen3"]
+           "stored_width", "QWEN3_CHAT_TEMPLATE", "TINY_QWEN3", "build_mistral3_processor", "tiny_mistral3", "build_qwen_tokenizer", "tiny_qwen3"]
