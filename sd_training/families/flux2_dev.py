@@ -18,7 +18,6 @@ from pathlib import Path
 from .components import llm_text
 from .flux2 import FLUX2_SCHEDULER, TINY_FLUX2_TRANSFORMER, Flux2Family
 from .flux2_latents import tiny_flux2_vae
-from .flux2_processor import TINY_MISTRAL3, build_mistral_processor, tiny_mistral3
 from .tiny import save, tokenizer_folder
 
 
@@ -26,16 +25,14 @@ def dev_text_settings() -> llm_text.LLMTextSettings:
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
     return llm_text.LLMTextSettings(layers=(10, 20, 30), max_length=512, limit=512, system=SYSTEM_MESSAGE,
-                                    content_parts=True, add_special_tokens=False, generation_prompt=False)
+                                    content_parts=True, add_special_tokens=False, generation_prompt=False,
+                                    strip=("[IMG]",))
 
 
-class DevPrompts(llm_text.PromptTokenizer):
-    """The processor with the pipeline's template; captions lose ``[IMG]`` first, as ``format_input`` drops it
-    (the processor would count it as an image placeholder)."""
-
-    def __call__(self, captions, *args, **kwargs):
-        captions = [captions] if isinstance(captions, str) else list(captions)
-        return super().__call__([c.replace("[IMG]", "") for c in captions], *args, **kwargs)
+# The tiny Mistral-3 language model: 30 layers (the pipeline reads hidden state 30) of 16 channels -> 48-wide
+# text states (llm_text's tiny processor and Pixtral tower around it).
+TINY_DEV_MISTRAL3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=30, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8)
 
 
 class Flux2Dev(Flux2Family):
@@ -47,7 +44,8 @@ class Flux2Dev(Flux2Family):
 
     @classmethod
     def load_prompt_tokenizer(cls, src: str | None, kw: dict, what: str, length: int) -> llm_text.PromptTokenizer:
-        """The pipeline's processor (``AutoProcessor``: its chat template takes typed content parts)."""
+        """The pipeline's processor (``AutoProcessor``: its chat template takes typed content parts, and the
+        exports keep it as the pipeline's tokenizer); ``llm_text.load_tokenizer`` reads a tokenizer only."""
         from transformers import AutoProcessor
 
         from ..config import ConfigError
@@ -55,18 +53,18 @@ class Flux2Dev(Flux2Family):
 
         if src is None:
             raise ConfigError("the tokenizer has no source: set model.pretrained or model.tokenizer.pretrained")
-        return DevPrompts(load_component(AutoProcessor.from_pretrained, src, "tokenizer", what, **kw),
+        return llm_text.PromptTokenizer(load_component(AutoProcessor.from_pretrained, src, "tokenizer", what, **kw),
                           cls.text_settings, length)
 
     @classmethod
     def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
-        """A ``Flux2Pipeline``: a tiny Pixtral processor and a 30-layer tiny Mistral3ForConditionalGeneration, an
+        """A ``Flux2Pipeline``: llm_text's tiny Pixtral processor, a 30-layer tiny Mistral3ForConditionalGeneration, an
         8-channel AutoencoderKLFlux2, a tiny guidance-distilled transformer, FLUX.2's scheduler."""
         from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
 
         scratch = tokenizer_folder(out, "tokenizer")
-        processor = build_mistral_processor(scratch)
-        encoder = tiny_mistral3(processor, **TINY_MISTRAL3)
+        processor = llm_text.build_mistral3_processor(scratch)
+        encoder = llm_text.tiny_mistral3(len(processor.tokenizer), **TINY_DEV_MISTRAL3)
         transformer = Flux2Transformer2DModel(**TINY_FLUX2_TRANSFORMER, guidance_embeds=True,
                                               joint_attention_dim=cls.width(encoder))
         pipe = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
