@@ -55,6 +55,11 @@ TINY_FLUX2_TRANSFORMER = dict(patch_size=1, in_channels=4 * TINY_FLUX2_VAE["late
                               timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4))
 
 
+# The published transformers' config.json, what the memory table plans (``reference_models``)
+FLUX2_REFERENCE = dict(patch_size=1, in_channels=128, attention_head_dim=128, timestep_guidance_channels=256,
+                       mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000)
+
+
 # -- components ----------------------------------------------------------------------------------------------
 def check_models(transformer, vae, text_width: int, what: str) -> None:
     """The components fit together (a transformer of another size, another VAE ...)."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import reference_models as references
 from .components import llm_text
-from .flux2 import FLUX2_SCHEDULER, TINY_FLUX2_TRANSFORMER, Flux2Family
+from .flux2 import FLUX2_REFERENCE, FLUX2_SCHEDULER, TINY_FLUX2_TRANSFORMER, Flux2Family
 from .flux2_latents import tiny_flux2_vae
 from .tiny import save, tokenizer_folder
 
@@ -71,3 +72,11 @@ class Flux2Dev(Flux2Family):
                              vae=tiny_flux2_vae(scaling_factor), text_encoder=encoder, tokenizer=processor,
                              transformer=transformer)
         return save(pipe, out, scratch)
+
+    @classmethod
+    def reference_models(cls) -> dict[str, references.ReferenceModel]:
+        """FLUX.2 dev (32B) with Mistral Small 3.1, 512 text tokens, the 32-channel VAE."""
+        dev = dict(FLUX2_REFERENCE, num_layers=8, num_single_layers=48, num_attention_heads=48,
+                   joint_attention_dim=15360, guidance_embeds=True)
+        return {"FLUX.2-dev": references.ReferenceModel(cls.net_class, dev, ("Mistral-Small-3.1",), 512,
+                                                        references.VAE_FLUX2)}

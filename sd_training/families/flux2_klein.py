@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import reference_models as references
 from .components import llm_text
-from .flux2 import FLUX2_SCHEDULER, TINY_FLUX2_TRANSFORMER, Flux2Family
+from .flux2 import FLUX2_REFERENCE, FLUX2_SCHEDULER, TINY_FLUX2_TRANSFORMER, Flux2Family
 from .flux2_latents import tiny_flux2_vae
 from .tiny import save, tokenizer_folder
 
@@ -52,3 +53,13 @@ class Flux2Klein(Flux2Family):
                                   vae=tiny_flux2_vae(scaling_factor), text_encoder=encoder, tokenizer=tokenizer,
                                   transformer=transformer)
         return save(pipe, out, scratch)
+
+    @classmethod
+    def reference_models(cls) -> dict[str, references.ReferenceModel]:
+        """FLUX.2 klein 4B (Qwen3-4B) and 9B (Qwen3-8B), 512 text tokens, the 32-channel VAE."""
+        four = dict(FLUX2_REFERENCE, num_layers=5, num_single_layers=20, num_attention_heads=24,
+                    joint_attention_dim=7680, guidance_embeds=False)
+        nine = dict(FLUX2_REFERENCE, num_layers=8, num_single_layers=24, num_attention_heads=32,
+                    joint_attention_dim=12288, guidance_embeds=False)
+        return {"FLUX.2-klein-4B": references.ReferenceModel(cls.net_class, four, ("Qwen3-4B",), 512, references.VAE_FLUX2),
+                "FLUX.2-klein-9B": references.ReferenceModel(cls.net_class, nine, ("Qwen3-8B",), 512, references.VAE_FLUX2)}

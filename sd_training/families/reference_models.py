@@ -20,6 +20,17 @@ ENCODERS: dict[str, tuple[str, dict]] = {
     "Qwen3-4B": ("Qwen3Model", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                     max_position_embeddings=40960, tie_word_embeddings=True)),
+    # FLUX.2 klein 9B's LLM (a CausalLM: the pipeline runs its head too), FLUX.2 dev's Mistral Small 3.1 (24B)
+    "Qwen3-8B": ("Qwen3ForCausalLM", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                          head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)),
+    "Mistral-Small-3.1": ("Mistral3ForConditionalGeneration", dict(
+        text_config=dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
+                         num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=131072, tie_word_embeddings=False),
+        vision_config=dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                           num_attention_heads=16, head_dim=64, image_size=1540, patch_size=14),
+        spatial_merge_size=2, multimodal_projector_bias=False, projector_hidden_act="gelu")),
 }
 # The 16-channel VAE of SD3 and Flux.1 (its config.json, with its diffusers class)
 VAE16 = dict(_class_name="AutoencoderKL", in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,
@@ -36,3 +47,7 @@ class ReferenceModel(NamedTuple):
     encoders: tuple[str, ...]
     text_tokens: int
     vae: dict = VAE16
+# FLUX.2's 32-channel VAE (AutoencoderKLFlux2: a batch norm over its 2x2-patchified latents)
+VAE_FLUX2 = dict(_class_name="AutoencoderKLFlux2", in_channels=3, out_channels=3, latent_channels=32, layers_per_block=2,
+                 block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                 up_block_types=("UpDecoderBlock2D",) * 4)
