@@ -71,6 +71,21 @@ def test_refusals_name_the_key(pipeline, shapes_shards, tmp_path, override, mess
         load(flux2_args(tmp_path, pipeline, shapes_shards, **override))
 
 
+def test_guidance_embed_feeds_dev_and_is_refused_for_klein(name, family, pipeline, shapes_shards, tmp_path):
+    """dev's transformer has a guidance embedding (model.guidance_embed, also its samples' guidance); klein's has
+    none, so a set value would be unused and is refused naming the key."""
+    if family.net.config.guidance_embeds:
+        assert torch.equal(family.guidance(2), torch.full((2,), float(family.cfg.model.guidance_embed)))
+        from sd_training.families.base import SampleSettings
+
+        settings = SampleSettings(["a"], 1, 0, 2, 7.0, 32, None)
+        assert family.sampling(settings).guidance == family.cfg.model.guidance_embed
+    else:
+        assert family.guidance(2) is None
+        with pytest.raises(ConfigError, match="guidance_embed"):
+            load(flux2_args(tmp_path, pipeline, shapes_shards, model__guidance_embed=4.0))
+
+
 def test_conditioning_equals_the_pipelines_encode_prompt(family, pipe, length):
     """The LLM's states equal the pipeline's ``encode_prompt`` at the configured length: a caption, the empty
     caption (caption dropout: the pipeline's own negative prompt, no zeroing) and one cut at the length;

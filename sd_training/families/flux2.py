@@ -99,13 +99,22 @@ def load_text_encoder(cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 
 
 def pipeline_settings(cfg: ModelConfig, keys: tuple[str, ...]) -> dict:
-    """``keys`` of the pipeline root's model_index.json that it has (none without a local pipeline root)."""
-    path = os.path.join(cfg.pretrained or "", "model_index.json")
-    if not cfg.pretrained or not os.path.isfile(path):
+    """``keys`` of the pipeline root's model_index.json that it has (a local folder, or a hub id in the cache;
+    none without a pipeline root), so the exports keep them."""
+    if not keys or not cfg.pretrained:
         return {}
-    with open(path, encoding="utf-8") as fh:
-        index = json.load(fh)
-    return {k: index[k] for k in keys if k in index}
+    path = os.path.join(cfg.pretrained, "model_index.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            index = json.load(fh)
+    else:
+        from diffusers import DiffusionPipeline
+
+        try:
+            index = DiffusionPipeline.load_config(cfg.pretrained)
+        except Exception:  # noqa: BLE001 -- components set one by one: no pipeline settings to keep
+            return {}
+    return {k: index[k] for k in keys if isinstance(index, dict) and k in index}
 
 
 class Flux2Family(FlowFamily):
