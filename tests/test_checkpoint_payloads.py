@@ -224,5 +224,74 @@ def test_a_payload_in_an_fsdp_checkpoint_never_runs_on_either_rank(tmp_path, tin
         assert (ckpt / name).exists() and (ckpt / "DAMAGED").exists()
 
 
+# -- case 3: step folders without their marker stop the run; nothing of it is touched ------------------------
+
+def produced(run: Path) -> dict:
+    """What a run has made that a start from step 1 would erase or overwrite: metrics, exports, grids, checkpoints."""
+    keep = ("metrics.jsonl", "current_pipeline", "samples", "checkpoints")
+    return {str(p.relative_to(run)): p.read_bytes() if p.is_file() else None
+            for p in sorted(run.rglob("*")) if p.relative_to(run).parts[0] in keep}
+
+
+def test_checkpoints_without_their_marker_stop_the_run_and_nothing_is_touched(tmp_path, tiny_pipeline, shapes_shards,
+                                                                               monkeypatch, capsys):
+    from sd_training.cli import main as cli
+
+    scratch = scratch_at(tmp_path, tiny_pipeline, shapes_shards, "one_process")
+    monkeypatch.chdir(scratch)
+    run = scratch / "runs" / "one_process"
+    (run / "checkpoints" / STEP / MARKER).unlink()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in range(1, 5)))
+    (run / "current_pipeline").mkdir()
+    (run / "current_pipeline" / "model_index.json").write_text("{}")
+    (run / "samples").mkdir()
+    (run / "samples" / "step_00000004.png").write_bytes(b"a grid")
+    before = produced(run)
+    assert cli(ARGS + ONE) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{STEP}: has no {MARKER} marker" in err and "start_fresh" in err, err
+    assert produced(run) == before  # no row cut, no export, no grid, no folder moved aside
+
+
+def test_a_new_run_over_step_folders_without_their_marker_is_refused_or_moved_aside(tmp_path):
+    from sd_training.config import ConfigError
+    from sd_training.run.run_dir import RunDir
+
+    run = RunDir.at(tmp_path / "run")
+    (run.checkpoints / STEP).mkdir(parents=True)
+    (run.metrics).write_text('{"step": 4}\n')
+    with pytest.raises(ConfigError, match="holds checkpoints of an earlier run"):
+        run.refuse_or_move_aside([], resume=False, start_fresh=False)
+    aside = run.refuse_or_move_aside([], resume=True, start_fresh=True)
+    assert (aside / "checkpoints" / STEP).is_dir() and (aside / "metrics.jsonl").exists()
+    assert not run.checkpoints.exists()
+
+
+# -- case 10: another optimizer on resume --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, extra", [("lion", []), ("prodigy", ["optimizer.params.learning_rate=1.0"])])
+def test_another_optimizer_on_resume_is_refused_or_its_state_dropped_with_a_warning(
+        tmp_path, tiny_pipeline, shapes_shards, monkeypatch, capsys, name, extra):
+    from sd_training.cli import main as cli
+
+    scratch = scratch_at(tmp_path, tiny_pipeline, shapes_shards, "one_process")
+    monkeypatch.chdir(scratch)
+    run = scratch / "runs" / "one_process"
+    switch = ARGS + ONE + [f"optimizer.name={name}", *extra]
+    assert cli(switch) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"optimizer.name: adamw -> {name}" in err, err
+    allowed = switch + ["experiment.allow_config_change=true", "experiment.num_examples_to_see=24",
+                        "experiment.report=false"]
+    assert cli(allowed) == 0, capsys.readouterr().err[-3000:]
+    log = (run / "train.log").read_text()
+    assert "resumed from" in log and "at step 4" in log
+    dropped = [line for line in log.splitlines() if "optimizer state of step_00000004 is dropped" in line]
+    assert len(dropped) == 1 and f"optimizer.name={name}" in dropped[0] and "moments restart" in dropped[0], log[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(losses) == [5, 6] and all(0 < v < 10 for v in losses.values()), losses
+
+
 if __name__ == "__main__":
     fsdp_worker(sys.argv[1], json.loads(Path(sys.argv[2]).read_text()), sys.argv[3:])
