@@ -62,18 +62,21 @@ class SystemPayload(OpenPayload):
 
 
 def plant(ckpt: Path, name: str, marker: Path, rerecord: bool = False, link: bool = False) -> None:
-    """A payload as ``ckpt/name`` (a torch.save of it for ``.pt`` files, a bare pickle otherwise); ``rerecord``:
-    ``COMPLETE`` records its size and CRC32 (the checksums pass: the reader behind them must refuse it);
-    ``link``: the file is a symbolic link to the payload, outside the folder."""
+    """A payload as ``ckpt/name`` (a torch.save of it for ``.pt`` files, a bare pickle otherwise, padded to the
+    size of the file it replaces, as the red team's was: only the CRC32 of the rank that hashes it differs);
+    ``rerecord``: ``COMPLETE`` records its size and CRC32 (the checksums pass: the reader behind them must
+    refuse it); ``link``: the file is a symbolic link to the payload, outside the folder."""
     path = ckpt / name
     target = ckpt.parent.parent / f"payload-{path.name}" if link else path
+    size = path.stat().st_size if path.exists() else 0
     path.unlink(missing_ok=True)
     path.parent.mkdir(exist_ok=True)
     payload = (SystemPayload if name.endswith(".metadata") else OpenPayload)(marker)
     if name.endswith(".pt"):
         torch.save(payload, target)
-    else:
-        target.write_bytes(pickle.dumps(payload))
+    else:  # pickle.load stops at the pickle's end: the padding is never read
+        data = pickle.dumps(payload)
+        target.write_bytes(data + b"\0" * max(0, size - len(data)))
     if link:
         path.symlink_to(target)
     if rerecord:
