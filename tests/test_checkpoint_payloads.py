@@ -16,6 +16,7 @@ run in one torchrun launch, a CheckpointManager per case over one Trainer's part
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -155,6 +156,18 @@ def test_a_payload_in_a_one_process_checkpoint_never_runs(one_process, case):
     line = str(e.value).split(f"{STEP}: {ckpt / name} ", 1)  # the file named, then its problem
     assert len(line) == 2 and problem in line[1].split(". They are left")[0], str(e.value)
     assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*") if p.name != "DAMAGED") == before
+
+
+def test_init_from_a_checkpoint_with_a_file_complete_does_not_list_names_it(one_process):
+    from sd_training.checkpoint import init_weights_from
+    from sd_training.config import ConfigError
+
+    scratch, trainer = one_process
+    ckpt = copy_case(scratch, "one_process", "init_from")
+    plant(ckpt, "notes.pt", scratch / "RAN-init_from")
+    with pytest.raises(ConfigError, match=re.escape(f"'model.init_from': {ckpt / 'notes.pt'} is not recorded by the COMPLETE")):
+        init_weights_from(str(ckpt), trainer.net, "unet", want_ema=False)
+    assert not (scratch / "RAN-init_from").exists()
 
 
 # -- 2 FSDP ranks: DCP's index and shards, each rank's file -------------------------------------------------
