@@ -165,7 +165,8 @@ def test_init_from_a_checkpoint_with_a_file_complete_does_not_list_names_it(one_
     scratch, trainer = one_process
     ckpt = copy_case(scratch, "one_process", "init_from")
     plant(ckpt, "notes.pt", scratch / "RAN-init_from")
-    with pytest.raises(ConfigError, match=re.escape(f"'model.init_from': {ckpt / 'notes.pt'} is not recorded by the COMPLETE")):
+    refusal = f"'model.init_from': {ckpt / 'notes.pt'} is not recorded by the COMPLETE"
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
         init_weights_from(str(ckpt), trainer.net, "unet", want_ema=False)
     assert not (scratch / "RAN-init_from").exists()
 

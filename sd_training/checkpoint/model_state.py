@@ -240,7 +240,8 @@ class ModelState:
             del state[DCP_OPTIMIZER]  # DCP loads only the keys asked for
         dcp.load(state, storage_reader=safe_reader(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
         if optimizer:
-            set_state_dict(self.net, self.optimizer, model_state_dict=state[DCP_NET], optim_state_dict=state[DCP_OPTIMIZER])
+            set_state_dict(self.net, self.optimizer, model_state_dict=state[DCP_NET],
+                           optim_state_dict=state[DCP_OPTIMIZER])
         else:
             set_model_state_dict(self.net, state[DCP_NET])
         if self.ema is not None:

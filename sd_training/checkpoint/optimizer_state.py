@@ -50,7 +50,8 @@ def filled_keys(optimizer: torch.optim.Optimizer, keys: set) -> set:
     group = {k: None for k in keys} | {"params": []}
     probe = object.__new__(type(optimizer))
     try:
-        type(optimizer).__setstate__(probe, {"defaults": dict(optimizer.defaults), "state": {}, "param_groups": [group]})
+        type(optimizer).__setstate__(probe, {"defaults": dict(optimizer.defaults), "state": {},
+                                             "param_groups": [group]})
     except Exception:  # noqa: BLE001 -- an optimizer whose __setstate__ needs more: no keys are added
         return set(keys)
     return set(group) - {"params"}
@@ -70,6 +71,7 @@ def optimizer_change(folder: Path, shared: dict, optimizer: torch.optim.Optimize
     if (saved_name is None or saved_name == name) and not missing:
         return None
     was = f"optimizer.name={saved_name}" if saved_name else "another optimizer"
-    lack = f"; its parameter groups lack {', '.join(missing[:8])}, which {type(optimizer).__name__} reads" if missing else ""
+    lack = (f"; its parameter groups lack {', '.join(missing[:8])}, which {type(optimizer).__name__} reads"
+            if missing else "")
     return (f"its optimizer state was written by {was} (state per parameter: {', '.join(sorted(state)) or 'none'}), "
             f"this run trains with optimizer.name={name}{lack}")
