@@ -226,7 +226,7 @@ class ModelState:
                 self.optimizer.load_state_dict(shared[OPTIMIZER])
             if self.ema is not None:
                 self.ema.load_state_dict(shared[EMA])
-        return describe(saved, self.strategy.sharded, world_size, self.ema is not None)
+        return describe(saved, self.strategy.sharded, world_size, self.ema is not None, optimizer)
 
     def _load_sharded(self, folder: Path, optimizer: bool = True) -> None:
         """DCP shards, written on any number of ranks, into this run's own layout: each rank's DTensor shards
@@ -357,11 +357,12 @@ def indexed_to_named(osd: dict, names: list[list[str]], params: dict[str, torch.
     return {"state": state, "param_groups": [{**g, "params": n} for g, n in zip(groups, names)]}
 
 
-def describe(saved: Layout, sharded: bool, world_size: int, ema: bool) -> str | None:
+def describe(saved: Layout, sharded: bool, world_size: int, ema: bool, optimizer: bool = True) -> str | None:
     """The log line of a resume across layouts or rank counts; None when nothing changed."""
     if saved.sharded == sharded and saved.world_size == world_size:
         return None
-    what = "model, optimizer and EMA" if ema else "model and optimizer"
+    parts = ["model"] + ["optimizer"] * optimizer + ["EMA"] * ema
+    what = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
     if saved.sharded:
         how = "resharded by DCP" if sharded else "gathered from DCP shards"
     else:
