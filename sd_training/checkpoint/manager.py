@@ -29,13 +29,13 @@ from ..config import ConfigError
 from ..config.loading import public_dict, to_yaml
 from ..config.schema import TrainConfig
 from ..distributed import DistInfo
-from ..run.run_dir import RunDir, step_name
+from ..run.run_dir import RunDir, step_folders, step_name
 from ..run.train_state import Plan, TrainState
 from .integrity import CheckpointDamaged, mark_damaged, verify
 from .layout import CONFIG, DAMAGED, MARKER, RANK_DATA, RANK_RNG
 from .model_state import ModelState
 from .resume_config import check_resume_config, saved_optimizer_name
-from .store import Checkpointer, check_writable, complete_steps, incomplete_steps, rng_state, set_rng_state
+from .store import Checkpointer, check_writable, complete_steps, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,13 @@ class CheckpointManager:
         every file's size and kind) and the ranks agree on the result before any rank reads a file of the
         folder; a problem found on any rank rejects the folder on all."""
         steps = _broadcast(complete_steps(self.store.root))
+        # Step folders without a marker: never a killed save (saves are staged under <step>.tmp and renamed
+        # once complete), so a copy cut short or a marker removed: never read, and never started over on.
+        unfinished = _broadcast([s for s in step_folders(self.store.root)
+                                 if not (self.store.root / step_name(s) / MARKER).exists()])
+        if unfinished and self.info.is_main:
+            log.warning("checkpoint folder(s) %s have no %s marker: they cannot be verified and are not read",
+                        ", ".join(step_name(s) for s in unfinished[-8:]), MARKER)
         rejected = []
         for i, step in enumerate(reversed(steps)):
             folder = self.store.root / step_name(step)
@@ -157,13 +164,11 @@ class CheckpointManager:
                             folder.name, damaged, DAMAGED,
                             f"trying the older {step_name(older)}" if older is not None else "no older checkpoint")
                 mark_damaged(folder, damaged)
-        # Step folders without a marker: never a killed save (saves are staged under <step>.tmp and renamed
-        # complete), so a copy cut short or a marker removed; the run never starts over on top of them.
-        unfinished = [(self.store.root / step_name(s), f"has no {MARKER} marker (a copy cut short, or the marker was "
-                                                        "removed): it cannot be verified, so it is not read")
-                      for s in _broadcast(incomplete_steps(self.store.root))]
-        if rejected or unfinished:
-            found = sorted(rejected + unfinished, key=lambda fp: fp[0].name, reverse=True)
+        unverifiable = [(self.store.root / step_name(s), f"has no {MARKER} marker (a copy cut short, or the marker "
+                                                          "was removed): it cannot be verified, so it is not read")
+                        for s in unfinished]
+        if rejected or unverifiable:
+            found = sorted(rejected + unverifiable, key=lambda fp: fp[0].name, reverse=True)
             raise NoUsableCheckpoint(
                 f"no checkpoint in {self.store.root} can be resumed from: "
                 + "; ".join(f"{f.name}: {p}" for f, p in found)

@@ -123,20 +123,6 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def incomplete_steps(root: Path) -> list[int]:
-    """Steps of the step folders under ``root`` without a ``COMPLETE`` marker, oldest first. A killed save
-    never leaves one (it writes ``<step>.tmp`` and renames it once complete): a copy cut short, or a marker
-    removed. ``*.tmp`` staging leftovers are not counted."""
-    if not root.is_dir():
-        return []
-    steps = []
-    for d in root.iterdir():
-        m = STEP_RE.match(d.name)
-        if m and d.is_dir() and not (d / MARKER).exists():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
 def describe_write_error(path: Path, e: BaseException) -> str:
     """One line that says why writing ``path`` failed and what to do."""
     folder = Path(path).parent
