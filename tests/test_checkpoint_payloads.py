@@ -125,7 +125,7 @@ def one_process(tmp_path_factory, tiny_pipeline, shapes_shards):
 
     from sd_training.configure import load
 
-    scratch = scratch_at(tmp_path_factory.mktemp("payloads"), tiny_pipeline, shapes_shards, "one_process")
+    scratch = scratch_at(tmp_path_factory.mktemp("payloads"), tiny_pipeline, shapes_shards, "one_process", "fsdp2")
     cwd = os.getcwd()
     os.chdir(scratch)
     try:
@@ -156,6 +156,47 @@ def test_a_payload_in_a_one_process_checkpoint_never_runs(one_process, case):
     line = str(e.value).split(f"{STEP}: {ckpt / name} ", 1)  # the file named, then its problem
     assert len(line) == 2 and problem in line[1].split(". They are left")[0], str(e.value)
     assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*") if p.name != "DAMAGED") == before
+
+
+# DCP's index of the 2-rank FSDP fixture, resumed in one process (the same global batch: 4 x 1 = 2 x 2).
+FSDP_IN_ONE_PROCESS = {
+    "DCP index": ("sharded/.metadata", False, "fails its checksum"),
+    "DCP index, recorded": ("sharded/.metadata", True, "is refused: it names posix.system"),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP_IN_ONE_PROCESS))
+def test_a_payload_as_the_dcp_index_never_runs_in_one_process(one_process, case):
+    from test_checkpoint_integrity import resume_in
+
+    from sd_training.checkpoint.manager import NoUsableCheckpoint
+
+    scratch, trainer = one_process
+    name, rerecord, problem = FSDP_IN_ONE_PROCESS[case]
+    slug = "one_" + case.replace(" ", "_").replace(",", "")
+    ckpt = copy_case(scratch, "fsdp2", slug)
+    config = ckpt / "config.yaml"  # the run's name as the one-process Trainer's, recorded: the config check passes
+    config.write_text(config.read_text().replace("name: fsdp2\n", "name: one_process\n"))
+    m = json.loads((ckpt / MARKER).read_text())
+    m["files"]["config.yaml"] = file_record(config)
+    (ckpt / MARKER).write_text(json.dumps(m))
+    plant(ckpt, name, scratch / f"RAN-{slug}", rerecord)
+    with pytest.raises(NoUsableCheckpoint, match=re.escape(f"{STEP}: {ckpt / name} {problem}")):
+        resume_in(trainer, ckpt.parent.parent)
+    assert not (scratch / f"RAN-{slug}").exists()
+
+
+def test_the_restricted_reader_reads_dcp_index_and_refuses_anything_else(tmp_path):
+    from sd_training.checkpoint import CheckpointDamaged
+    from sd_training.checkpoint.dcp_metadata import read_metadata
+
+    md = read_metadata(FIXTURE / "fsdp2" / "checkpoints" / STEP / "sharded" / ".metadata")
+    assert "unet.conv_in.weight" in md.state_dict_metadata and md.storage_data
+    for payload in (OpenPayload(tmp_path / "RAN"), SystemPayload(tmp_path / "RAN"), {"x": eval}, [b"x"] * 3):
+        (tmp_path / ".metadata").write_bytes(pickle.dumps(payload))
+        with pytest.raises(CheckpointDamaged, match=r"\.metadata (is refused|holds a)"):
+            read_metadata(tmp_path / ".metadata")
+        assert not (tmp_path / "RAN").exists()
 
 
 def test_init_from_a_checkpoint_with_a_file_complete_does_not_list_names_it(one_process):
