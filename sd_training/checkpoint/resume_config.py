@@ -150,3 +150,15 @@ def check_resume_config(saved_yaml: str, current: dict, allow: bool, checkpoint:
     for line in applied:
         log.warning("resuming with a new value that takes effect now: %s", line)
     return applied
+
+
+def saved_optimizer_name(saved_yaml: str | None) -> str | None:
+    """``optimizer.name`` of a checkpoint's ``config.yaml`` text; None when it has none (or none is readable)."""
+    if not saved_yaml:
+        return None
+    try:
+        saved = OmegaConf.to_container(OmegaConf.create(saved_yaml))
+        name = (saved.get("optimizer") or {}).get("name")
+    except Exception:  # noqa: BLE001 -- unreadable: the config check above says so
+        return None
+    return name if isinstance(name, str) else None

@@ -186,7 +186,10 @@ class RunDir:
         return fh
 
     def refuse_or_move_aside(self, checkpoint_steps: list[int], resume: bool, start_fresh: bool) -> Path | None:
-        return prepare_fresh_start(self.root, checkpoint_steps, resume, start_fresh)
+        # Step folders without their marker count too: a new run must not train over them, and
+        # start_fresh moves them aside with the rest.
+        steps = sorted(set(checkpoint_steps) | set(step_folders(self.checkpoints)))
+        return prepare_fresh_start(self.root, steps, resume, start_fresh)
 
     def cut_metrics_back(self, step: int) -> int:
         return cut_metrics_back(self.metrics, step)
@@ -251,6 +254,13 @@ def release_run_folder(lock) -> None:
     except OSError:
         pass
     lock.close()
+
+
+def step_folders(root: Path) -> list[int]:
+    """Steps of every ``step_<N>`` folder under ``root`` (complete or not; not ``*.tmp`` staging ones)."""
+    if not Path(root).is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in Path(root).iterdir() if (m := STEP_RE.match(d.name)) and d.is_dir())
 
 
 def prepare_fresh_start(root: Path, checkpoint_steps: list[int], resume: bool, start_fresh: bool) -> Path | None:
