@@ -38,7 +38,6 @@ The guards (rank 0):
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import re
@@ -49,6 +48,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError
+from ..outputs.readers import loads
 
 log = logging.getLogger(__name__)
 
@@ -293,11 +293,12 @@ def cut_metrics_back(path: Path, step: int) -> int:
     keep, dropped = [], 0
     for line in path.read_text().splitlines():
         try:
-            row_step = json.loads(line).get("step", 0)
-        except json.JSONDecodeError:  # a line cut by the kill
+            row = loads(line, "a metrics.jsonl line")  # bounded: a line nested 100,000 deep is refused, not recursed
+        except ValueError:  # a line cut by the kill (or one no run wrote)
             dropped += 1
             continue
-        if row_step > step:
+        row_step = row.get("step", 0) if isinstance(row, dict) else 0
+        if not isinstance(row_step, (int, float)) or row_step > step:
             dropped += 1
         else:
             keep.append(line)
