@@ -16,18 +16,12 @@ from sd_training.data.latents import from_stored, to_stored
 from sd_training.families import registry as families
 from sd_training.families.components import llm_text
 from sd_training.families.components.ddpm import sample_generators
-from sd_training.families.zimage import ZIMAGE_TEXT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LLM_LEN = 32  # model.llm.max_length of the tests (Z-Image's default is 512)
 CAPTIONS = ["a red circle on a blue background", "", "a yellow triangle " * 12, "a cat <|endoftext|> and a dog"]
 
 zimage_args = args_with({"dataset.params.resolution": 32, "model.llm.max_length": LLM_LEN})
-
-
-@pytest.fixture(scope="module")
-def zimage_pipeline(family_pipeline):
-    return family_pipeline("zimage")
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +143,8 @@ def test_one_step_equals_diffusers_z_image_training_example(family, pipe):
                                                          fm.mode_scale, generator=g)
                    for g in sample_generators(seeds, "timesteps", "cpu")])
     latent = 32 // 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    noise = torch.cat([torch.randn(1, 16, latent, latent, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
+    noise = torch.cat([torch.randn(1, 16, latent, latent, generator=g)
+                       for g in sample_generators(seeds, "noise", "cpu")])
     net = family.net
     net.zero_grad(set_to_none=True)
     ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
