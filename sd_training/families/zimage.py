@@ -63,8 +63,9 @@ TINY_ZIMAGE_TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_ch
                                cap_feat_dim=llm_text.TINY_QWEN3["hidden_size"], axes_dims=[8, 4, 4],
                                axes_lens=[1024, 32, 32])
 # Two levels (2x downsampling): a 32 px test image is 16x16 latents, 64 patches, a multiple of the 32 the
-# transformer pads the image's tokens to with a learned pad token (attended, not masked): as at real sizes (from
-# 512 px up), no pad token stands in for the image, whose summed gradient would dominate the tiny runs' checks.
+# transformer pads the image's tokens to with a learned pad token (attended, not masked). As for 512 and 1024 px
+# squares, no pad token stands in for the image: its gradient, summed over 28 of 32 tokens, would dominate the
+# tiny runs' checks.
 TINY_ZIMAGE_VAE = dict(TINY_VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
                        block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
                        up_block_types=("UpDecoderBlock2D",) * 2)
