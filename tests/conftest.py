@@ -128,7 +128,14 @@ def assert_shard_step_equals_online(online, from_shards, latents, shard, ids: di
         torch.testing.assert_close(loss, want, rtol=tol, atol=1e-6)
         rtol, atol = max(tol, grad_tol[0]), max(tol * 1e-2, grad_tol[1])
         for n in grads:
-            torch.testing.assert_close(grads[n], want_grads[n], rtol=rtol, atol=atol)
+            if extra and tol > 1e-3:
+                # Rounded (bf16) text: each gradient within the rounding as a whole. Elementwise, a sum over many
+                # tokens (Z-Image's learned caption pad token, attended at every padded position) has
+                # elements that nearly cancel, where the storage's 0.4 % moves them by more than their size.
+                err = float((grads[n] - want_grads[n]).norm())
+                assert err <= rtol * float(want_grads[n].norm()) + atol, (n, err, float(want_grads[n].norm()))
+            else:
+                torch.testing.assert_close(grads[n], want_grads[n], rtol=rtol, atol=atol)
     online.net.zero_grad(set_to_none=True)
 
 
@@ -244,6 +251,12 @@ def sd3_pipeline(family_pipeline):
 def flux_pipeline(family_pipeline):
     """A tiny random-weight FluxPipeline (CLIP pooled + T5 states, 16-channel VAE, guidance-distilled transformer)."""
     return family_pipeline("flux")
+
+
+@pytest.fixture(scope="session")
+def zimage_pipeline(family_pipeline):
+    """A tiny random-weight ZImagePipeline (Qwen3 text encoder, 16-channel VAE, single-stream transformer)."""
+    return family_pipeline("zimage")
 
 
 def counting_backend():

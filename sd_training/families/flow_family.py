@@ -12,7 +12,8 @@ pipeline, and overrides the few hooks where its transformer differs:
 * ``transformer_inputs``: the conditioning as the forward's keyword arguments (default: SD3's and Flux's
   ``encoder_hidden_states`` and ``pooled_projections``; Flux adds position ids and the guidance embedding);
 * ``pack`` / ``unpack``: latents -> the transformer's input and its output -> latents (Flux: 2x2 patches);
-* ``transformer_timestep``: the timestep as the transformer takes it (``sigma * 1000``; Flux: sigma);
+* ``transformer_timestep``: the timestep as the transformer takes it (``sigma * 1000``; Flux: sigma), and
+  ``forward_names`` the forward's names for it and the latents;
 * ``image_seq_len``: the image's token count for a resolution-dependent shift (None: no such shift);
 * ``validation_timesteps``: the held-out batch's fixed timesteps (default: spread over the sigma table);
 * ``flops_inputs`` / ``text_encoder_runs``: one image's forward inputs and the text encoders' runs, for MFU.
@@ -43,6 +44,8 @@ class FlowFamily(PipelineFamily):
     shard_units = staticmethod(shard_units)
     adapter_presets = ADAPTER_PRESETS
     display_name = ""  # how messages name the family ("SD3", "Flux")
+    # the forward's argument names of the packed noisy latents and the timestep (Z-Image's: x, t)
+    forward_names = ("hidden_states", "timestep")
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -145,7 +148,8 @@ class FlowFamily(PipelineFamily):
 
         def predict(noisy, timesteps):
             with autocast:
-                out = model(hidden_states=self.pack(noisy), timestep=self.transformer_timestep(timesteps),
+                image, time = self.forward_names
+                out = model(**{image: self.pack(noisy), time: self.transformer_timestep(timesteps)},
                             return_dict=False, **inputs)[0]
             return self.unpack(out, latents.shape)
 

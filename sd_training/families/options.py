@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from ..config.fields import ComponentConfig, ConfigError, f
 from ..config.schema import register_fields
 
-FLOW_FAMILIES = ("sd3", "flux")  # the families trained with flow matching (families/flow_matching.py)
+FLOW_FAMILIES = ("sd3", "flux", "zimage")  # the families trained with flow matching (families/flow_matching.py)
 
 
 @dataclass
@@ -55,6 +55,15 @@ class T5Config:
     max_length: Optional[int] = f(None, "T5 tokens per caption (None: the pipeline's default, sd3 256, flux 512)", ge=1)
     dropout: float = f(0.0, "sd3: probability that a training sample's T5 states are zeros (the SD3 paper drops T5 part of the time)",
                        ge=0, le=1)
+
+
+@dataclass
+class LLMConfig:
+    """``model.llm``: the decoder-only LLM text encoder of the LLM families (zimage; its model and dtype are
+    model.text_encoder's, as the pipeline's text_encoder/)."""
+
+    max_length: Optional[int] = f(None, "zimage: LLM tokens per caption, chat template included (None: the pipeline's "
+                                  "default max_sequence_length, 512)", ge=1)
 
 
 ADAPTER_INITS = ("default", "gaussian")  # peft's init_lora_weights: True (Kaiming A, zero B) or "gaussian"
@@ -115,6 +124,7 @@ class FamilyModelFields:
     tokenizer_3: ComponentConfig = f(ComponentConfig, "sd3: the T5 tokenizer; flux's is tokenizer_2")
     transformer: TransformerConfig = f(TransformerConfig, "sd3/flux: the trained transformer")
     t5: T5Config = f(T5Config, "sd3/flux: the T5 encoder's use and length")
+    llm: LLMConfig = f(LLMConfig, "zimage: the LLM text encoder's length")
     guidance_embed: float = f(3.5, "flux: the guidance value fed to a guidance-distilled transformer (guidance_embeds) in training", ge=0)
     adapter: AdapterConfig = f(AdapterConfig, "LoRA / DoRA adapters trained instead of the full net (every family)")
 

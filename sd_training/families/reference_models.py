@@ -16,6 +16,10 @@ ENCODERS: dict[str, tuple[str, dict]] = {
                                                    num_attention_heads=20, projection_dim=1280, hidden_act="gelu")),
     "T5-XXL": ("T5EncoderModel", dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
                                       num_heads=64, feed_forward_proj="gated-gelu")),
+    # Z-Image's (and FLUX.2 klein 4B's) LLM
+    "Qwen3-4B": ("Qwen3Model", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                    max_position_embeddings=40960, tie_word_embeddings=True)),
 }
 # The 16-channel VAE of SD3 and Flux.1 (its config.json, with its diffusers class)
 VAE16 = dict(_class_name="AutoencoderKL", in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,

@@ -17,9 +17,11 @@ from .flux import Flux
 from .sd import StableDiffusion
 from .sd3 import StableDiffusion3
 from .sdxl import StableDiffusionXL
+from .zimage import ZImage
 
 # model.family -> the family; adding one is a module and a line here.
-FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "sd3": StableDiffusion3, "flux": Flux}
+FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "sd3": StableDiffusion3, "flux": Flux,
+                                     "zimage": ZImage}
 DEFAULT_FAMILY = "sd"  # the family of components set one by one (no pipeline root to read)
 
 

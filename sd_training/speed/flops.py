@@ -142,7 +142,8 @@ def _meta_net(net, gradient_checkpointing: bool = False) -> torch.nn.Module:
 
 
 def _first(out) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+    out = out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+    return out[0] if isinstance(out, list) else out  # a net that returns a list of per-image outputs: the one image
 
 
 def net_forward_flops(net, inputs: MetaInputs) -> int:
