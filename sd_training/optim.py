@@ -289,4 +289,6 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float | None) -> 
     if in_backward is not None:
         return in_backward.grad_norm()
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    # FSDP2's sharded gradients give a DTensor norm (replicated): the guards read it as a plain tensor
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -253,6 +253,12 @@ def flux_pipeline(family_pipeline):
     return family_pipeline("flux")
 
 
+@pytest.fixture(scope="session")
+def zimage_pipeline(family_pipeline):
+    """A tiny random-weight ZImagePipeline (Qwen3 text encoder, 16-channel VAE, single-stream transformer)."""
+    return family_pipeline("zimage")
+
+
 def counting_backend():
     """A torch.compile backend that runs each graph eagerly and records it: (backend, graphs)."""
     graphs = []

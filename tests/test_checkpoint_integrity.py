@@ -219,6 +219,35 @@ def test_a_damaged_newest_checkpoint_is_named_kept_and_the_older_one_resumes(cas
     assert problem in (newest / DAMAGED).read_text()
 
 
+# A pickle planted in the newest checkpoint (tests/test_checkpoint_payloads.py has every kind of file, on one
+# and two ranks, with no older checkpoint): it never runs, and the older one resumes.
+PAYLOADS = {
+    "DCP index added to a full-tensor folder": ("sharded/.metadata", False, "is not recorded by the COMPLETE marker"),
+    "a file COMPLETE does not list": ("notes.pt", False, "is not recorded by the COMPLETE marker"),
+    "optimizer state, recorded": ("optimizer.pt", True, "holds objects other than tensors"),
+    "a FIFO COMPLETE does not list": ("queue", False, "is a FIFO, not a regular file"),
+}
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("payload", list(PAYLOADS))
+def test_a_payload_in_the_newest_checkpoint_never_runs_and_the_older_one_resumes(case, trainer, payload, caplog):
+    from test_checkpoint_payloads import plant
+
+    tmp, _ = case
+    run = tmp / "runs" / "run"
+    newest = run / "checkpoints" / NEWEST
+    name, rerecord, problem = PAYLOADS[payload]
+    if name == "queue":
+        os.mkfifo(newest / name)  # read, it would block the resume
+    else:
+        plant(newest, name, tmp / "RAN", rerecord)
+    assert resume_in(trainer, run).state.step == 4 and not (tmp / "RAN").exists()
+    lines = rejection_lines(run, caplog)
+    assert len(lines) == 1 and f"{newest / name} {problem}" in lines[0], lines
+    assert os.path.lexists(newest / name) and (newest / DAMAGED).exists()
+
+
 @pytest.mark.faults
 def test_an_intact_checkpoint_with_an_earlier_format_marker_resumes(case, trainer, caplog):
     tmp, args = case

@@ -68,7 +68,7 @@ def losses(run: Path) -> dict[int, float]:
             if "loss" in r}
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "zimage"])
 def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank(tmp_path, family, request,
                                                                                  shapes_shards):
     pipeline = request.getfixturevalue(f"{family}_pipeline")

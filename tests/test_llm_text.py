@@ -66,7 +66,8 @@ def test_mistral3_processor_equals_flux2_dev_prompt_embeds(tmp_path):
     system = "Describe the image."  # short: the prompts fit the tokens
     settings = llm_text.LLMTextSettings(layers=(1, 2), max_length=96, limit=512, system=system, content_parts=True,
                                         add_special_tokens=False, generation_prompt=False, strip=("[IMG]",))
-    assert llm_text.render(processor, "a [IMG]cat", settings) == f"<s>[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT][INST]a cat[/INST]"
+    want = f"<s>[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT][INST]a cat[/INST]"
+    assert llm_text.render(processor, "a [IMG]cat", settings) == want
     torch.manual_seed(0)
     encoder = tiny_mistral3(len(processor.tokenizer)).eval()
     tok = llm_text.PromptTokenizer(processor, settings)
@@ -108,7 +109,8 @@ def test_the_mask_is_stored_as_a_last_channel():
     """with_mask / split_mask round-trip exactly; an unmasked conditioning is stored as it is."""
     states, mask = torch.randn(2, 5, 3), torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
     stored = llm_text.with_mask(llm_text.TextConditioning(states, None, mask))
-    assert stored.shape == (2, 5, 4) and llm_text.stored_width(3, llm_text.LLMTextSettings((1,), 5, 5, masked=True)) == 4
+    assert stored.shape == (2, 5, 4)
+    assert llm_text.stored_width(3, llm_text.LLMTextSettings((1,), 5, 5, masked=True)) == 4
     back, back_mask = llm_text.split_mask(stored.bfloat16().float(), True)  # 0 / 1 are exact in bf16
     assert torch.equal(back_mask, mask) and torch.equal(back, states.bfloat16().float())
     assert [len(t) for t in llm_text.real_tokens(states, mask)] == [3, 1]

@@ -97,3 +97,21 @@ def test_config_changes_sorts_keys_into_free_applied_and_refused():
     assert free == ["experiment.log_every: 10 -> 5"]
     assert applied == ["optimizer.params.learning_rate: 0.001 -> 0.002"]
     assert refused == ["model.use_ema: True -> False"]
+
+
+def test_the_zero_weight_stop_limit_may_change_on_resume():
+    # The zero-weight stop says "raise the limit and run the same command": the resume must accept it.
+    saved = "experiment:\n  max_zero_weight_steps: 100\n"
+    free, _, refused = config_changes(saved, {"experiment": {"max_zero_weight_steps": 1000}})
+    assert free == ["experiment.max_zero_weight_steps: 100 -> 1000"] and not refused
+
+
+def test_cutting_metrics_back_on_resume_survives_hostile_lines(tmp_path):
+    # A line nested 100,000 deep (or one that is not a row) in metrics.jsonl: before, a RecursionError at resume.
+    from sd_training.run.run_dir import cut_metrics_back
+
+    path = tmp_path / "metrics.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    path.write_text("\n".join(['{"step": 1}', deep, '{"step": "abc"}', '"text"', '{"step": 3}', '{"step": 2']) + "\n")
+    assert cut_metrics_back(path, 2) == 4  # the deep line, the non-numeric step, step 3, the cut line
+    assert path.read_text().splitlines() == ['{"step": 1}', '"text"']

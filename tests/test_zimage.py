@@ -16,18 +16,12 @@ from sd_training.data.latents import from_stored, to_stored
 from sd_training.families import registry as families
 from sd_training.families.components import llm_text
 from sd_training.families.components.ddpm import sample_generators
-from sd_training.families.zimage import ZIMAGE_TEXT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LLM_LEN = 32  # model.llm.max_length of the tests (Z-Image's default is 512)
 CAPTIONS = ["a red circle on a blue background", "", "a yellow triangle " * 12, "a cat <|endoftext|> and a dog"]
 
 zimage_args = args_with({"dataset.params.resolution": 32, "model.llm.max_length": LLM_LEN})
-
-
-@pytest.fixture(scope="module")
-def zimage_pipeline(family_pipeline):
-    return family_pipeline("zimage")
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +143,8 @@ def test_one_step_equals_diffusers_z_image_training_example(family, pipe):
                                                          fm.mode_scale, generator=g)
                    for g in sample_generators(seeds, "timesteps", "cpu")])
     latent = 32 // 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    noise = torch.cat([torch.randn(1, 16, latent, latent, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
+    noise = torch.cat([torch.randn(1, 16, latent, latent, generator=g)
+                       for g in sample_generators(seeds, "noise", "cpu")])
     net = family.net
     net.zero_grad(set_to_none=True)
     ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
@@ -204,3 +199,20 @@ def test_the_memory_plan_has_a_z_image_row():
     small = cls.sample_activation_elements(ref.config, SampleShape(512, 8, 16, 512), False)
     assert 0 < small < cls.sample_activation_elements(ref.config, SampleShape(1024, 8, 16, 512), False)
     assert cls.sample_activation_elements(ref.config, SampleShape(1024, 8, 16, 512), True) < small * 4
+
+
+def test_a_transformer_from_params_is_built_and_checked(zimage_pipeline, shapes_shards, tmp_path):
+    """model.transformer.params builds the transformer from scratch (seeded); one that does not fit the LLM's
+    width is refused naming the key."""
+    params = ("{in_channels: 16, dim: 32, n_layers: 1, n_refiner_layers: 1, n_heads: 2, n_kv_heads: 2, cap_feat_dim: 32,"
+              " axes_dims: [8, 4, 4], axes_lens: [1024, 32, 32]}")
+    cfg = load(zimage_args(tmp_path, zimage_pipeline, shapes_shards, model__transformer__params=params))
+    fam = families.create(cfg, torch.device("cpu"), 0, True)
+    assert len(fam.net.layers) == 1 and "from scratch" in str(fam.component_sources()["transformer"])
+    with torch.no_grad():
+        out = fam.loss(fam.net, _batch(fam, 2), torch.autocast("cpu", enabled=False))
+    assert torch.isfinite(out.loss)
+    wrong = load(zimage_args(tmp_path, zimage_pipeline, shapes_shards,
+                             model__transformer__params=params.replace("cap_feat_dim: 32", "cap_feat_dim: 16")))
+    with pytest.raises(ConfigError, match="cap_feat_dim 16 != the text encoder's hidden_size 32"):
+        families.create(wrong, torch.device("cpu"), 0, True)

@@ -3,8 +3,11 @@
 - ``layout``: the names inside a checkpoint folder, spelled once;
 - ``store``: the folder format (atomic, asynchronous, retained, every file's size and CRC32 recorded),
   read back with weights_only;
-- ``integrity``: whether a complete folder can be trusted (sizes, checksums, every value read back);
+- ``integrity``: whether a complete folder can be trusted (only regular files its marker lists, sizes, checksums,
+  every value read back);
 - ``model_state``: the net, optimizer and EMA in full tensors or DCP shards, resharded as they are read;
+- ``dcp_metadata``: DCP's index read with an unpickler that builds DCP's metadata classes only;
+- ``optimizer_state``: whether a checkpoint's optimizer state is this run's optimizer's;
 - ``resume_config``: which config changes a resume accepts;
 - ``manager``: :class:`CheckpointManager`, ``save()`` and ``resume()`` of everything a run continues from;
 - ``init_from``: stage 2, the trained module's weights from another run or pipeline (and ``model.ema.path``'s),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,6 +59,7 @@ def read_marker(folder: Path) -> dict | None:
     which records no files. Raises :class:`CheckpointDamaged`."""
     path = Path(folder) / MARKER
     try:
+        _regular(path)  # a FIFO would block the read, a link would read another folder's marker
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointDamaged(path, f"cannot be read ({e})") from None
@@ -97,13 +99,14 @@ def verify(folder: Path, checksums: bool = True, rank: int = 0, world: int = 1) 
     loading checks what it can). Raises :class:`CheckpointDamaged` naming the first bad file."""
     folder = Path(folder)
     marker = read_marker(folder)
+    check_members(folder, marker["files"] if marker is not None else None)
     if marker is None:
         return None
     files = marker["files"]
     for name, rec in sorted(files.items()):
         path = folder / name
         try:
-            size = path.stat().st_size
+            size = _regular(path).st_size
         except FileNotFoundError:
             raise CheckpointDamaged(path, "is missing (the COMPLETE marker records it)") from None
         except OSError as e:
@@ -132,6 +135,62 @@ def verify(folder: Path, checksums: bool = True, rank: int = 0, world: int = 1) 
                                                            f"records {files[name][CHECKSUM]}): its bytes changed "
                                                            "after the save")
     return marker
+
+
+def _kind(mode: int) -> str | None:
+    """What a non-regular file is ("a symbolic link" ...); None for a regular file."""
+    for test, what in ((stat.S_ISREG, None), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _regular(path: Path) -> os.stat_result:
+    """``path``'s lstat, which must be a regular file's (links are not followed: a checkpoint's bytes are
+    its own). Raises FileNotFoundError, or :class:`CheckpointDamaged` naming what it is instead."""
+    st = os.lstat(path)
+    what = _kind(st.st_mode)
+    if what is not None:
+        raise CheckpointDamaged(path, f"is {what}, not a regular file: a checkpoint holds regular files only, and "
+                                      "nothing is read through it")
+    return st
+
+
+def check_members(folder: Path, listed: dict | None) -> None:
+    """Every entry of ``folder`` (and of its ``sharded/``) is a regular file the marker lists (``listed``;
+    None for an earlier-format marker, which lists nothing: then only the kind is checked), the marker
+    itself or a ``DAMAGED`` note. A file added after the save, or a link, FIFO or device, raises
+    :class:`CheckpointDamaged` naming it, before any file of the folder is read."""
+    folder = Path(folder)
+    for entry in _entries(folder):
+        path = folder / entry.name
+        if entry.name == SHARDED and entry.is_dir(follow_symlinks=False):
+            for sub in _entries(path):
+                _listed(path / sub.name, f"{SHARDED}/{sub.name}", listed)
+            continue
+        if entry.name in (MARKER, DAMAGED):
+            _regular(path)
+            continue
+        _listed(path, entry.name, listed)
+
+
+def _entries(folder: Path) -> list:
+    try:
+        return sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as e:
+        raise CheckpointDamaged(folder, f"cannot be listed ({e.strerror})") from None
+
+
+def _listed(path: Path, name: str, listed: dict | None) -> None:
+    try:
+        _regular(path)
+    except FileNotFoundError:  # removed meanwhile (a DAMAGED note cleared by another rank)
+        return
+    if listed is not None and name not in listed:
+        raise CheckpointDamaged(path, "is not recorded by the COMPLETE marker: it was added after the save, and "
+                                      "nothing a checkpoint does not record is read (move it out to resume)")
 
 
 def sizes_intact(folder: Path) -> bool:

@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .dcp_metadata import read_metadata, safe_reader
 from .integrity import CheckpointDamaged
+from .optimizer_state import optimizer_change
 from .layout import (
     DCP_EMA,
     DCP_METADATA,
@@ -123,15 +125,21 @@ class ModelState:
         return state
 
     # -- check ------------------------------------------------------------------------------------
-    def check_shapes(self, folder: Path, shared: dict, modules: dict | None = None) -> None:
+    def optimizer_change(self, folder: Path, shared: dict, saved_name: str | None, name: str) -> str | None:
+        """How the checkpoint's optimizer state differs from this run's optimizer (``optimizer_state``);
+        None when this run's optimizer can load it."""
+        return optimizer_change(folder, shared, self.optimizer, saved_name, name)
+
+    def check_shapes(self, folder: Path, shared: dict, modules: dict | None = None, optimizer: bool = True) -> None:
         """Before anything is loaded: the checkpoint's tensors against this run's model, names and shapes
         (the net, the EMA shadow, the optimizer state; ``modules``: other trained modules by file name).
         Sharded: DCP's index, and every byte range it names inside its files. Raises
-        :class:`CheckpointDamaged` naming the file and the parameter."""
+        :class:`CheckpointDamaged` naming the file and the parameter. ``optimizer``: False when the optimizer
+        state is not loaded (another optimizer's, dropped)."""
         folder = Path(folder)
         expected = shapes_of(self.net)
         if is_sharded(folder):
-            self._check_dcp(folder / SHARDED, expected)
+            self._check_dcp(folder / SHARDED, expected, optimizer)
         else:
             if self.net_name in shared:
                 check_state_shapes(shared_file(folder, self.net_name), shared[self.net_name], expected)
@@ -140,22 +148,15 @@ class ModelState:
                 if not isinstance(ema, dict) or not isinstance(ema.get("shadow"), dict):
                     raise CheckpointDamaged(shared_file(folder, EMA), "holds no EMA 'shadow' state dict")
                 check_state_shapes(shared_file(folder, EMA), ema["shadow"], shapes_of(self.shadow), "EMA parameter")
-            if OPTIMIZER in shared:
+            if optimizer and OPTIMIZER in shared:
                 check_optimizer_shapes(shared_file(folder, OPTIMIZER), shared[OPTIMIZER], self.optimizer, self.net)
         for name, module in (modules or {}).items():
             if name in shared and isinstance(module, torch.nn.Module):
                 check_state_shapes(shared_file(folder, name), shared[name], shapes_of(module))
 
-    def _check_dcp(self, folder: Path, expected: dict) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-
+    def _check_dcp(self, folder: Path, expected: dict, optimizer: bool = True) -> None:
         meta = folder / DCP_METADATA
-        if not meta.exists():
-            raise CheckpointDamaged(meta, "is missing (DCP's index of the shards)")
-        try:
-            md = FileSystemReader(str(folder)).read_metadata()
-        except Exception as e:  # a cut or garbled pickle
-            raise CheckpointDamaged(meta, f"cannot be read ({_first_line(e)}): cut short or garbled") from None
+        md = read_metadata(meta)  # never torch's reader: it unpickles anything (see dcp_metadata)
         sizes: dict[str, int] = {}
         for info in md.storage_data.values():
             rel = info.relative_path
@@ -185,7 +186,7 @@ class ModelState:
                     raise CheckpointDamaged(meta, f"holds {what} '{key}' of shape {tuple(size)}, this run's model has "
                                                   f"{shape}: it was written for another model size")
         state_prefix = f"{DCP_OPTIMIZER}.state."
-        for key, m in saved.items():
+        for key, m in saved.items() if optimizer else ():
             if key.startswith(state_prefix) and getattr(m, "size", None) is not None and len(m.size) > 0:
                 param, entry = key[len(state_prefix):].rsplit(".", 1)
                 if entry in PARAM_SHAPED_STATE and param in expected and tuple(m.size) != expected[param]:
@@ -193,13 +194,14 @@ class ModelState:
                                                   f"run's parameter {param} has {expected[param]}")
 
     # -- load -------------------------------------------------------------------------------------
-    def load(self, folder: Path, shared: dict, world_size: int) -> str | None:
+    def load(self, folder: Path, shared: dict, world_size: int, optimizer: bool = True) -> str | None:
         """Load the checkpoint ``folder`` (``shared``: its plain files, as ``Checkpointer.load`` read them
         on every rank) whichever layout and rank count wrote it. Collective under fsdp. Returns a line
-        saying what was converted; None when the layout is this run's own."""
+        saying what was converted; None when the layout is this run's own. ``optimizer``: False leaves this
+        run's optimizer as it is (the checkpoint's state is another optimizer's: dropped)."""
         folder = Path(folder)
         saved = Layout.of(folder)
-        needed = [] if saved.sharded else [self.net_name, OPTIMIZER]
+        needed = [] if saved.sharded else [self.net_name] + [OPTIMIZER] * optimizer
         if self.ema is not None:
             needed.append(EMA_META if saved.sharded else EMA)
         for name in needed:
@@ -208,23 +210,25 @@ class ModelState:
                                    "(model.use_ema); resume with those, or start a new run name")
         if saved.sharded:
             param_names(self.net, self.optimizer)  # a trained text encoder has no state there: say so before DCP
-            self._load_sharded(folder / SHARDED)
+            self._load_sharded(folder / SHARDED, optimizer)
             if self.ema is not None:
                 self.ema.load_meta_state_dict(shared[EMA_META])
         elif self.strategy.sharded:
             params = dict(self.net.named_parameters())
-            optim_sd = indexed_to_named(shared[OPTIMIZER], param_names(self.net, self.optimizer), params)
+            optim_sd = (indexed_to_named(shared[OPTIMIZER], param_names(self.net, self.optimizer), params)
+                        if optimizer else None)
             self._load_full(shared[self.net_name], optim_sd, shared[EMA]["shadow"] if self.ema is not None else None)
             if self.ema is not None:
                 self.ema.load_meta_state_dict(shared[EMA])
         else:
             self.net.load_state_dict(shared[self.net_name])
-            self.optimizer.load_state_dict(shared[OPTIMIZER])
+            if optimizer:
+                self.optimizer.load_state_dict(shared[OPTIMIZER])
             if self.ema is not None:
                 self.ema.load_state_dict(shared[EMA])
-        return describe(saved, self.strategy.sharded, world_size, self.ema is not None)
+        return describe(saved, self.strategy.sharded, world_size, self.ema is not None, optimizer)
 
-    def _load_sharded(self, folder: Path) -> None:
+    def _load_sharded(self, folder: Path, optimizer: bool = True) -> None:
         """DCP shards, written on any number of ranks, into this run's own layout: each rank's DTensor shards
         under fsdp, the full tensors under ddp (every rank) and in one process (no process group: no
         collective), resharding as it reads."""
@@ -232,8 +236,14 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         state = self._sharded_state()  # the layout to load into
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
-        set_state_dict(self.net, self.optimizer, model_state_dict=state[DCP_NET], optim_state_dict=state[DCP_OPTIMIZER])
+        if not optimizer:
+            del state[DCP_OPTIMIZER]  # DCP loads only the keys asked for
+        dcp.load(state, storage_reader=safe_reader(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
+        if optimizer:
+            set_state_dict(self.net, self.optimizer, model_state_dict=state[DCP_NET],
+                           optim_state_dict=state[DCP_OPTIMIZER])
+        else:
+            set_model_state_dict(self.net, state[DCP_NET])
         if self.ema is not None:
             set_model_state_dict(self.shadow, state[DCP_EMA])
 
@@ -243,13 +253,12 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         full = StateDictOptions(full_state_dict=True)
-        set_state_dict(self.net, self.optimizer, model_state_dict=net_sd, optim_state_dict=optim_sd, options=full)
+        if optim_sd is None:  # the optimizer state is dropped
+            set_model_state_dict(self.net, net_sd, options=full)
+        else:
+            set_state_dict(self.net, self.optimizer, model_state_dict=net_sd, optim_state_dict=optim_sd, options=full)
         if self.ema is not None:
             set_model_state_dict(self.shadow, ema_sd, options=full)
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 def shapes_of(module: torch.nn.Module) -> dict[str, tuple]:
@@ -348,11 +357,12 @@ def indexed_to_named(osd: dict, names: list[list[str]], params: dict[str, torch.
     return {"state": state, "param_groups": [{**g, "params": n} for g, n in zip(groups, names)]}
 
 
-def describe(saved: Layout, sharded: bool, world_size: int, ema: bool) -> str | None:
+def describe(saved: Layout, sharded: bool, world_size: int, ema: bool, optimizer: bool = True) -> str | None:
     """The log line of a resume across layouts or rank counts; None when nothing changed."""
     if saved.sharded == sharded and saved.world_size == world_size:
         return None
-    what = "model, optimizer and EMA" if ema else "model and optimizer"
+    parts = ["model"] + ["optimizer"] * optimizer + ["EMA"] * ema
+    what = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
     if saved.sharded:
         how = "resharded by DCP" if sharded else "gathered from DCP shards"
     else:

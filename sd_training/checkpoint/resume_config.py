@@ -31,7 +31,7 @@ MAY_CHANGE = (
     "experiment.keep_last_checkpoints", "experiment.keep_checkpoint_every", "experiment.save_only_most_recent",
     "experiment.sample_", "experiment.num_eval_images", "experiment.eval_caption_file", "experiment.requeue",
     "experiment.resume", "experiment.start_fresh", "experiment.allow_config_change", "experiment.tensorboard",
-    "experiment.peak_tflops", "experiment.max_nonfinite_steps", "experiment.export_weights", "experiment.log_dir",
+    "experiment.peak_tflops", "experiment.max_nonfinite_steps", "experiment.max_zero_weight_steps", "experiment.export_weights", "experiment.log_dir",
     "evaluation.", "validation.", "wandb.", "quickstart.", "system.workers", "dataset.params.workers",
     "system.device", "system.tf32", "system.stop_timeout_s", "distributed.timeout_minutes", "distributed.dist_url", "distributed.dist_backend",
     "distributed.flag_sync_every", "experiment.progress_bar", "experiment.record_sample_keys", "experiment.model_card_",
@@ -150,3 +150,15 @@ def check_resume_config(saved_yaml: str, current: dict, allow: bool, checkpoint:
     for line in applied:
         log.warning("resuming with a new value that takes effect now: %s", line)
     return applied
+
+
+def saved_optimizer_name(saved_yaml: str | None) -> str | None:
+    """``optimizer.name`` of a checkpoint's ``config.yaml`` text; None when it has none (or none is readable)."""
+    if not saved_yaml:
+        return None
+    try:
+        saved = OmegaConf.to_container(OmegaConf.create(saved_yaml))
+        name = (saved.get("optimizer") or {}).get("name")
+    except Exception:  # noqa: BLE001 -- unreadable: the config check above says so
+        return None
+    return name if isinstance(name, str) else None

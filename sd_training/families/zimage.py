@@ -23,14 +23,14 @@ more channel. Exports and samples are ``ZImagePipeline`` folders; LoRA exports l
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..config import ConfigError
-from ..config.schema import TextEncoderConfig, TrainConfig
+from ..config.schema import TrainConfig
 from ..data.latents import TEXT_STATES_KEY, StoredText
 from ..memory import activations
 from ..outputs.export import unwrap
@@ -49,7 +49,7 @@ from .components.transformer import (
 )
 from .components.unet import Components
 from .flow_family import FlowFamily
-from .options import LLMConfig, T5Config
+from .options import T5Config
 from .tiny import TINY_VAE, save, tokenizer_folder
 
 # ZImagePipeline._encode_prompt. The limit: the transformer's caption positions (RoPE axes_lens[0], 1024 by
@@ -63,8 +63,9 @@ TINY_ZIMAGE_TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_ch
                                cap_feat_dim=llm_text.TINY_QWEN3["hidden_size"], axes_dims=[8, 4, 4],
                                axes_lens=[1024, 32, 32])
 # Two levels (2x downsampling): a 32 px test image is 16x16 latents, 64 patches, a multiple of the 32 the
-# transformer pads the image's tokens to with a learned pad token (attended, not masked): as at real sizes (from
-# 512 px up), no pad token stands in for the image, whose summed gradient would dominate the tiny runs' checks.
+# transformer pads the image's tokens to with a learned pad token (attended, not masked). As for 512 and 1024 px
+# squares, no pad token stands in for the image: its gradient, summed over 28 of 32 tokens, would dominate the
+# tiny runs' checks.
 TINY_ZIMAGE_VAE = dict(TINY_VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
                        block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
                        up_block_types=("UpDecoderBlock2D",) * 2)
@@ -108,7 +109,8 @@ def build_zimage_models(cfg, device: torch.device, seed: int) -> ZImageModels:
     def load_llm(dev, dtype):
         src, kw = source(cfg, "text_encoder")
         if src is None:
-            raise ConfigError("Z-Image's text encoder has no source: set model.pretrained or model.text_encoder.pretrained")
+            raise ConfigError("Z-Image's text encoder has no source: set model.pretrained or "
+                              "model.text_encoder.pretrained")
         return llm_text.load_llm(src, "text_encoder", "model.text_encoder.pretrained", dev, dtype, **kw)
 
     def reload_fp32(name: str) -> torch.nn.Module:
@@ -120,8 +122,9 @@ def build_zimage_models(cfg, device: torch.device, seed: int) -> ZImageModels:
     tokenizer = llm_text.load_tokenizer(tok_src, "tokenizer", "model.tokenizer.pretrained", ZIMAGE_TEXT,
                                         cfg.llm.max_length, **tok_kw)
     noise_scheduler, inference_scheduler = load_schedulers(cfg)
+    llm_dtype = llm_text.frozen_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)
     return ZImageModels(
-        tokenizer=tokenizer, text_encoder=load_llm(device, llm_text.frozen_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)),
+        tokenizer=tokenizer, text_encoder=load_llm(device, llm_dtype),
         vae=load_vae(cfg, device), transformer=build_transformer(cfg, ZImageTransformer2DModel, device, seed),
         noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32)
 
@@ -148,8 +151,10 @@ def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
                              "length with model.llm.max_length"),
         (m.text_encoder.max_length is not None, "model.text_encoder.max_length: Z-Image's LLM length is "
                                                 "model.llm.max_length"),
-        (any(getattr(m, k).pretrained is not None for k in ("text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")),
-         "model.text_encoder_2/3 and tokenizer_2/3: Z-Image has one text encoder, model.text_encoder / model.tokenizer"),
+        (any(getattr(m, k).pretrained is not None for k in ("text_encoder_2", "tokenizer_2", "text_encoder_3",
+                                                            "tokenizer_3")),
+         "model.text_encoder_2/3 and tokenizer_2/3: Z-Image has one text encoder, model.text_encoder / "
+         "model.tokenizer"),
     ]
 
 
@@ -292,8 +297,8 @@ class ZImage(FlowFamily):
         """Its blocks as single-stream blocks over the image patches and the caption (``memory.activations``)."""
         c = {**cls.net_defaults(), **conf}
         heads = int(c["n_heads"])
-        shaped = dict(patch_size=int(c["all_patch_size"][0]), in_channels=int(c["in_channels"]), num_attention_heads=heads,
-                      attention_head_dim=int(c["dim"]) // heads, num_layers=0,
+        shaped = dict(patch_size=int(c["all_patch_size"][0]), in_channels=int(c["in_channels"]),
+                      num_attention_heads=heads, attention_head_dim=int(c["dim"]) // heads, num_layers=0,
                       num_single_layers=int(c["n_layers"]) + 2 * int(c["n_refiner_layers"]))
         return activations.transformer_sample_elements(shaped, sample, checkpointing, latent_channels=16)
 

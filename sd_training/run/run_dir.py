@@ -38,7 +38,6 @@ The guards (rank 0):
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import re
@@ -49,6 +48,7 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError
+from ..outputs.readers import loads
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,10 @@ class RunDir:
         return fh
 
     def refuse_or_move_aside(self, checkpoint_steps: list[int], resume: bool, start_fresh: bool) -> Path | None:
-        return prepare_fresh_start(self.root, checkpoint_steps, resume, start_fresh)
+        # Step folders without their marker count too: a new run must not train over them, and
+        # start_fresh moves them aside with the rest.
+        steps = sorted(set(checkpoint_steps) | set(step_folders(self.checkpoints)))
+        return prepare_fresh_start(self.root, steps, resume, start_fresh)
 
     def cut_metrics_back(self, step: int) -> int:
         return cut_metrics_back(self.metrics, step)
@@ -253,6 +256,13 @@ def release_run_folder(lock) -> None:
     lock.close()
 
 
+def step_folders(root: Path) -> list[int]:
+    """Steps of every ``step_<N>`` folder under ``root`` (complete or not; not ``*.tmp`` staging ones)."""
+    if not Path(root).is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in Path(root).iterdir() if (m := STEP_RE.match(d.name)) and d.is_dir())
+
+
 def prepare_fresh_start(root: Path, checkpoint_steps: list[int], resume: bool, start_fresh: bool) -> Path | None:
     """Refuse to train a new run on top of an old one; with ``start_fresh`` move the old one aside.
 
@@ -283,11 +293,12 @@ def cut_metrics_back(path: Path, step: int) -> int:
     keep, dropped = [], 0
     for line in path.read_text().splitlines():
         try:
-            row_step = json.loads(line).get("step", 0)
-        except json.JSONDecodeError:  # a line cut by the kill
+            row = loads(line, "a metrics.jsonl line")  # bounded: a line nested 100,000 deep is refused, not recursed
+        except ValueError:  # a line cut by the kill (or one no run wrote)
             dropped += 1
             continue
-        if row_step > step:
+        row_step = row.get("step", 0) if isinstance(row, dict) else 0
+        if not isinstance(row_step, (int, float)) or row_step > step:
             dropped += 1
         else:
             keep.append(line)

@@ -121,11 +121,13 @@ class PromptTokenizer:
 
     def __call__(self, captions, padding="max_length", truncation=True, max_length=None, return_tensors="pt",
                  **_ignored):
-        """Ids of ``captions`` (a str or a list), each padded to ``max_length`` (None: ``model_max_length``)."""
+        """Ids of ``captions`` (a str or a list), each padded to ``max_length`` (None: ``model_max_length``) and
+        truncated, as the pipelines tokenize (the other arguments are the loader's and always these)."""
         captions = [captions] if isinstance(captions, str) else list(captions)
-        enc = self.text_tokenizer([render(self.tokenizer, c, self.settings) for c in captions], padding="max_length",
-                             truncation=True, max_length=int(max_length or self.model_max_length),
-                             add_special_tokens=self.settings.add_special_tokens, return_tensors="pt")
+        texts = [render(self.tokenizer, c, self.settings) for c in captions]
+        enc = self.text_tokenizer(texts, padding="max_length", truncation=True,
+                                  max_length=int(max_length or self.model_max_length),
+                                  add_special_tokens=self.settings.add_special_tokens, return_tensors="pt")
         ids = enc["input_ids"].to(torch.long)
         return _Ids(ids.masked_fill(enc["attention_mask"] == 0, PAD))
 
@@ -244,4 +246,5 @@ from .llm_tokenizers import (  # noqa: E402 (re-exported)
 
 __all__ = ["PAD", "LLMTextSettings", "PromptTokenizer", "render", "encode_llm", "real_tokens", "with_mask",
            "split_mask", "frozen_dtype", "load_llm", "load_tokenizer", "check_length", "text_encoding",
-           "stored_width", "QWEN3_CHAT_TEMPLATE", "TINY_QWEN3", "build_mistral3_processor", "tiny_mistral3", "build_qwen_tokenizer", "tiny_qwen3"]
+           "stored_width", "QWEN3_CHAT_TEMPLATE", "TINY_QWEN3", "build_mistral3_processor", "tiny_mistral3",
+           "build_qwen_tokenizer", "tiny_qwen3"]

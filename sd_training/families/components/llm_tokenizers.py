@@ -105,7 +105,7 @@ def tiny_qwen3(vocab_size: int, causal_lm: bool = False, **sizes):
 
 MISTRAL_SPECIAL = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 10: "[IMG]", 11: "<pad>",
                    12: "[IMG_BREAK]", 13: "[IMG_END]", 17: "[SYSTEM_PROMPT]", 18: "[/SYSTEM_PROMPT]"}
-MISTRAL_RESERVED = 20  # ids below this are control tokens (unused ones as <SPECIAL_n>), as in Mistral's tekken vocabulary
+MISTRAL_RESERVED = 20  # ids below this are control tokens (unused ones <SPECIAL_n>), as in Mistral's tekken vocabulary
 # Mistral-Small-3.1's template for system / user / assistant messages whose content is a string or text parts
 MISTRAL3_CHAT_TEMPLATE = (
     "{{- bos_token }}"
