@@ -259,6 +259,12 @@ def zimage_pipeline(family_pipeline):
     return family_pipeline("zimage")
 
 
+@pytest.fixture(scope="session")
+def flux2_klein_pipeline(family_pipeline):
+    """A tiny random-weight Flux2KleinPipeline (Qwen3 text encoder, AutoencoderKLFlux2, Flux2 transformer)."""
+    return family_pipeline("flux2_klein")
+
+
 def counting_backend():
     """A torch.compile backend that runs each graph eagerly and records it: (backend, graphs)."""
     graphs = []
