@@ -123,6 +123,18 @@ class Flux2Family(FlowFamily):
     text_settings: llm_text.LLMTextSettings  # how the pipeline's encode_prompt runs its LLM
     text_encoder_name = ""  # the LLM, in messages ("Qwen3", "Mistral-3")
     pipeline_keys: tuple[str, ...] = ()  # model_index.json settings its pipeline class takes (klein: is_distilled)
+    net_class = "Flux2Transformer2DModel"
+    card_tags = ("flux2", "flux2-diffusers")
+    # LoRA presets by Flux2's layer names: the joint attention's projections (the double blocks' image and text
+    # sides, the single blocks' fused qkv+mlp input and output); + the double blocks' feed-forwards; every
+    # Linear. diffusers' example trains to_q/k/v/out.0 + the single blocks' to_qkv_mlp_proj and to_out.
+    _ATTENTION = (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
+                  r"to_add_out)|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
+    adapter_presets = {
+        "attention": _ATTENTION,
+        "attention_ffn": rf"{_ATTENTION}|transformer_blocks\.\d+\.ff(_context)?\.(linear_in|linear_out)",
+        "all_linear": r".+",
+    }
 
     def build_models(self) -> Flux2Models:
         from diffusers import Flux2Transformer2DModel
@@ -159,19 +171,6 @@ class Flux2Family(FlowFamily):
         """Channels of the text states: the LLM's hidden size x the layers taken."""
         conf = getattr(encoder.config, "text_config", encoder.config)  # Mistral-3's language model
         return int(conf.hidden_size) * len(cls.text_settings.layers)
-
-    net_class = "Flux2Transformer2DModel"
-    card_tags = ("flux2", "flux2-diffusers")
-    # LoRA presets by Flux2's layer names: the joint attention's projections (the double blocks' image and text
-    # sides, the single blocks' fused qkv+mlp input and output); + the double blocks' feed-forwards; every
-    # Linear. diffusers' example trains to_q/k/v/out.0 + the single blocks' to_qkv_mlp_proj and to_out.
-    _ATTENTION = (r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
-                  r"to_add_out)|single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)")
-    adapter_presets = {
-        "attention": _ATTENTION,
-        "attention_ffn": rf"{_ATTENTION}|transformer_blocks\.\d+\.ff(_context)?\.(linear_in|linear_out)",
-        "all_linear": r".+",
-    }
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
