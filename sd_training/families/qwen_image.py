@@ -32,13 +32,12 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import TEXT_STATES_KEY, StoredText, check_latents_match
+from ..data.latents import TEXT_STATES_KEY, StoredText
 from ..outputs.export import unwrap
 from ..speed.flops import StepFlops, count_net_flops, encoder_flops, height_width
 from . import qwen_image_parts as parts
 from .base import PixelGrid
 from .components import llm_text
-from .components import vae as vae_encoding
 from .components.text import TextEncoding
 from .components.transformer import build_transformer, component_sources, load_schedulers, source
 from .components.unet import Components
@@ -69,7 +68,7 @@ ADAPTER_PRESETS = {
 class QwenImageModels(Components):
     tokenizer: Any  # llm_text.PromptTokenizer: the pipeline's format string, max_length + 34 tokens
     text_encoder: torch.nn.Module  # Qwen2_5_VLForConditionalGeneration, frozen
-    vae: torch.nn.Module  # AutoencoderKLQwenImage, frozen
+    vae: torch.nn.Module  # qwen_image_parts.QwenLatentVAE: the frozen AutoencoderKLQwenImage (``.vae``) as 4-D latents
     transformer: torch.nn.Module  # QwenImageTransformer2DModel, trained
     noise_scheduler: Any
     inference_scheduler: Any
@@ -101,7 +100,7 @@ def load_text_encoder(cfg, device: torch.device, dtype: torch.dtype) -> torch.nn
 
 def check_models(m: QwenImageModels) -> None:
     """The components fit together (a transformer of another size, another VAE ...)."""
-    c, z = unwrap(m.transformer).config, m.vae.config.z_dim
+    c, z = unwrap(m.transformer).config, m.vae.config.latent_channels
     problems = [
         (c.in_channels != 4 * z, f"in_channels {c.in_channels} != 4 x the VAE's z_dim {z} (2x2 patches)"),
         ((c.out_channels or c.in_channels) != z, f"out_channels {c.out_channels} != the VAE's z_dim {z}"),
@@ -129,7 +128,7 @@ class QwenImage(FlowFamily):
 
         def reload_fp32(name: str) -> torch.nn.Module:
             if name == "vae":
-                return parts.load_qwen_vae(cfg, None, torch.float32)
+                return parts.QwenLatentVAE(parts.load_qwen_vae(cfg, None, torch.float32))
             return load_text_encoder(cfg, torch.device("cpu"), torch.float32)
 
         noise_scheduler, inference_scheduler = load_schedulers(cfg)
@@ -138,7 +137,7 @@ class QwenImage(FlowFamily):
                                             self.text_tokens(self.cfg)),
             text_encoder=load_text_encoder(cfg, self.device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
                                                                                     cfg.mixed_precision)),
-            vae=parts.frozen_qwen_vae(cfg, self.device),
+            vae=parts.QwenLatentVAE(parts.frozen_qwen_vae(cfg, self.device)),
             transformer=build_transformer(cfg, QwenImageTransformer2DModel, self.device, self.seed),
             noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32)
         check_models(models)
@@ -241,16 +240,6 @@ class QwenImage(FlowFamily):
         vae = load_component(AutoencoderKLQwenImage.from_pretrained, pipeline, "vae", what, torch_dtype=dtype)
         return parts.QwenLatentVAE(vae)
 
-    def check_data(self, loader) -> None:
-        if is_latent_data(self.cfg):
-            check_latents_match(loader, parts.QwenLatentVAE(self.models.vae), self.stored_text())
-
-    def encode(self, pixels: torch.Tensor, mean: bool | None = None, sample_seeds=None) -> torch.Tensor:
-        """The one VAE encode of the normalised posterior (:class:`~.qwen_image_parts.QwenLatentVAE`)."""
-        mean = self.cfg.model.vae.latent_sampling == "mean" if mean is None else mean
-        return vae_encoding.encode(parts.QwenLatentVAE(self.models.vae), pixels, 1.0, 0.0, mean=mean,
-                                   sample_seeds=sample_seeds)
-
     def transformer_inputs(self, latents: torch.Tensor, states: torch.Tensor, mask: torch.Tensor | None) -> dict:
         return dict(encoder_hidden_states=states, encoder_hidden_states_mask=mask, img_shapes=parts.img_shapes(latents))
 
@@ -280,14 +269,14 @@ class QwenImage(FlowFamily):
         """As ``FlowFamily.step_flops``, with the 3-D VAE's factor and encode of one frame."""
         m, cfg = self.models, self.cfg
         res = cfg.dataset.params.resolution
-        factor = parts.vae_factor(m.vae)
+        factor = parts.vae_factor(m.vae.vae)
         h, w = (s // factor for s in height_width(res))
         latent = is_latent_data(cfg)
         stored = latent and bool(cfg.dataset.params.text_embeddings)
         text = 0 if stored else sum(k * encoder_flops(e, n) for e, n, k in self.text_encoder_runs())
         return count_net_flops(self.net, lambda meta: self.flops_inputs(meta.config, h, w),
                                cfg.model.gradient_checkpointing,
-                               vae_encode=0 if latent else parts.vae_encode_flops(m.vae, res), text_encode=text)
+                               vae_encode=0 if latent else parts.vae_encode_flops(m.vae.vae, res), text_encode=text)
 
     def component_sources(self) -> dict:
         return component_sources(self.cfg.model, ("transformer", "vae", "text_encoder"))
@@ -299,9 +288,9 @@ class QwenImage(FlowFamily):
         from diffusers import QwenImagePipeline
 
         m = self.models
-        parts_ = {n: m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder")}
+        vae, encoder = (m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder"))
         return QwenImagePipeline(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer.tokenizer,
-                                 transformer=unwrap(transformer), **parts_)
+                                 transformer=unwrap(transformer), vae=vae.vae, text_encoder=encoder)
 
     @classmethod
     def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:

@@ -6,7 +6,7 @@ takes, the prompt template, and the tiny offline tokenizer and Qwen2.5-VL of the
   per channel with the config's ``latents_mean`` / ``latents_std``, ``(z - mean) * (1 / std)`` (the example's
   expression; the pipeline decodes ``z / (1 / std) + mean``). The families keep latents [B, C, h, w] (the frame
   axis dropped: latent shards and the memory plan expect 4-D latents): :class:`QwenLatentVAE` is the view that
-  the one VAE encode (``components.vae``) and ``scripts/precompute_latents.py`` read, its posterior already in
+  the family's ``models.vae``, what the one VAE encode (``components.vae``) and ``scripts/precompute_latents.py`` read, its posterior already in
   the transformer's units (scaling factor 1, shift 0) and its config naming ``latent_channels`` and the
   spatial levels (``block_out_channels``) that generic code reads of a VAE.
 * Tokens: ``QwenImagePipeline._pack_latents`` (2x2 patches row by row, [B, h/2 * w/2, 4C]) and
