@@ -113,6 +113,21 @@ def check_models(m: QwenImageModels) -> None:
                               "(model.transformer.params or model.transformer.pretrained)")
 
 
+def _tie_text(module, args, output):
+    text, image = output
+    if not torch.is_grad_enabled():
+        return output
+    return text, image + text.reshape(-1)[0] * 0  # exactly the image (x + 0 = x); the text side now has a gradient
+
+
+def tie_last_text_output(net: torch.nn.Module) -> None:
+    """The last block's text-stream output feeds nothing (the transformer returns the image's), so its text
+    MLP, output projection and their adapters would get no gradient, which DDP refuses (every trained parameter
+    must have one each step) and gradient checks cannot compare. Tie it into the image's output with weight 0:
+    the outputs are unchanged bit for bit and those parameters get zero gradients, as they would if used."""
+    net.transformer_blocks[-1].register_forward_hook(_tie_text)
+
+
 class QwenImage(FlowFamily):
     name = text_tag = "qwen_image"
     display_name = "Qwen-Image"
@@ -141,6 +156,7 @@ class QwenImage(FlowFamily):
             transformer=build_transformer(cfg, QwenImageTransformer2DModel, self.device, self.seed),
             noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32)
         check_models(models)
+        tie_last_text_output(unwrap(models.transformer))
         return models
 
     @classmethod
