@@ -95,15 +95,17 @@ def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
     assert ddp.frozen == pytest.approx(frozen / GIB)
     assert 0 < offload.activations and offload.total == pytest.approx(
         offload.gathered + offload.frozen + offload.activations)
-    assert set(reference_models.ENCODERS) == {"T5-XXL", "CLIP-L", "CLIP-G", "Qwen3-4B", "Qwen3-8B", "Mistral-Small-3.1"}
+    assert set(reference_models.ENCODERS) == {"T5-XXL", "CLIP-L", "CLIP-G", "Qwen3-4B", "Qwen3-8B", "Mistral-Small-3.1",
+                                              "Qwen2.5-VL-7B"}
 
 
 def test_the_readme_table():
     table = mt.reference_table(world_size=8)
     lines = [x for x in table.splitlines() if x.startswith("| ") and "strategy" not in x]
-    assert len(lines) == 21 and {x.split(" (")[0][2:] for x in lines} == {"SD3.5-medium", "SD3.5-large", "Flux.1-dev",
+    assert len(lines) == 24 and {x.split(" (")[0][2:] for x in lines} == {"SD3.5-medium", "SD3.5-large", "Flux.1-dev",
                                                                           "Z-Image", "FLUX.2-klein-4B",
-                                                                          "FLUX.2-klein-9B", "FLUX.2-dev"}
+                                                                          "FLUX.2-klein-9B", "FLUX.2-dev",
+                                                                          "Qwen-Image"}
     assert "| SD3.5-large (8.06B) | ddp |" in table and "| Flux.1-dev (11.90B) | fsdp |" in table
 
 
@@ -162,7 +164,8 @@ def test_every_reference_model_is_its_familys():
     refs = mt.reference_models()
     assert {name: fam.name for name, (fam, _m) in refs.items()} == {
         "SD3.5-medium": "sd3", "SD3.5-large": "sd3", "Flux.1-dev": "flux", "Z-Image": "zimage",
-        "FLUX.2-klein-4B": "flux2_klein", "FLUX.2-klein-9B": "flux2_klein", "FLUX.2-dev": "flux2_dev"}
+        "FLUX.2-klein-4B": "flux2_klein", "FLUX.2-klein-9B": "flux2_klein", "FLUX.2-dev": "flux2_dev",
+        "Qwen-Image": "qwen_image"}
     for name, (fam, model) in refs.items():
         assert registry.FAMILIES[fam.name] is fam and model.net_class == fam.net_class
         assert set(model.encoders) <= set(reference_models.ENCODERS)

@@ -36,6 +36,7 @@ from ..data.latents import TEXT_STATES_KEY, StoredText
 from ..outputs.export import unwrap
 from ..speed.flops import StepFlops, count_net_flops, encoder_flops, height_width
 from . import qwen_image_parts as parts
+from . import reference_models as references
 from .base import PixelGrid
 from .components import llm_text
 from .components.text import TextEncoding
@@ -199,7 +200,9 @@ class QwenImage(FlowFamily):
     def sample_activation_elements(cls, conf: dict, sample, checkpointing: bool) -> float:
         from ..memory import activations
 
-        return activations.transformer_sample_elements(conf, sample, checkpointing, latent_channels=16)
+        # in_channels (64) already holds the 2x2 patches packed (as Flux's); patch_size only sizes the output
+        return activations.transformer_sample_elements({**conf, "patch_size": 1}, sample, checkpointing,
+                                                       latent_channels=16)
 
     # -- the text ---------------------------------------------------------------------------------
     @property
@@ -326,6 +329,16 @@ class QwenImage(FlowFamily):
                                  text_encoder=parts.tiny_qwen25_vl(tokenizer), tokenizer=tokenizer,
                                  transformer=QwenImageTransformer2DModel(**parts.TINY_QWEN_TRANSFORMER))
         return save(pipe, out, scratch)
+
+
+    @classmethod
+    def reference_models(cls) -> dict[str, references.ReferenceModel]:
+        """Qwen-Image (20B: its transformer's config.json) with Qwen2.5-VL-7B, 512 tokens, its 3-D VAE."""
+        conf = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                    num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+        vae = dict(_class_name="AutoencoderKLQwenImage", base_dim=96, z_dim=16)  # 16 latent channels
+        return {"Qwen-Image": references.ReferenceModel(cls.net_class, conf, ("Qwen2.5-VL-7B",),
+                                                        QWEN_IMAGE_TEXT.max_length, vae)}
 
 
 __all__ = ["QWEN_IMAGE_TEXT", "QwenImage", "QwenImageModels"]

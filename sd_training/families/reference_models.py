@@ -24,6 +24,16 @@ ENCODERS: dict[str, tuple[str, dict]] = {
     "Qwen3-8B": ("Qwen3ForCausalLM", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                                           num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                                           head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)),
+    # Qwen-Image's (the pipeline runs the text model; the vision tower is loaded with it)
+    "Qwen2.5-VL-7B": ("Qwen2_5_VLForConditionalGeneration", dict(
+        text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                         rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+                         tie_word_embeddings=False),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31]),
+        vocab_size=152064, tie_word_embeddings=False)),
     "Mistral-Small-3.1": ("Mistral3ForConditionalGeneration", dict(
         text_config=dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
                          num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
