@@ -228,3 +228,20 @@ def test_step_flops_count_the_transformer_over_image_and_text_tokens(family):
         assert family.step_flops().unet_forward > flops.unet_forward
     finally:
         tok.max_length = LLM_LEN
+
+
+def test_samples_use_the_pipelines_classifier_free_guidance(family):
+    """Sample grids' guidance scale reaches QwenImagePipeline as true_cfg_scale against the empty caption (its
+    guidance_scale feeds only guidance-distilled transformers), at the trained text length; 1 stays unguided."""
+    pipe = family.inference_pipeline(family.net)
+    pipe.set_progress_bar_config(disable=True)
+
+    def image(call, **kw):
+        with torch.no_grad():
+            return call(prompt=["a red circle"], height=32, width=32, num_inference_steps=2, output_type="np",
+                        generator=torch.Generator().manual_seed(3), **kw).images[0]
+
+    guided, unguided = image(pipe, guidance_scale=4.0), image(pipe, guidance_scale=1.0)
+    raw = pipe._pipe  # the QwenImagePipeline itself
+    assert (guided == image(raw, true_cfg_scale=4.0, negative_prompt=[""], max_sequence_length=LLM_LEN)).all()
+    assert (unguided == image(raw, max_sequence_length=LLM_LEN)).all() and not (guided == unguided).all()

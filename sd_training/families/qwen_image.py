@@ -40,7 +40,7 @@ from . import reference_models as references
 from .base import PixelGrid
 from .components import llm_text
 from .components.text import TextEncoding
-from .components.transformer import build_transformer, component_sources, load_schedulers, source
+from .components.transformer import TrainedLength, build_transformer, component_sources, load_schedulers, source
 from .components.unet import Components
 from .flow_family import FlowFamily
 from .options import T5Config
@@ -127,6 +127,18 @@ def tie_last_text_output(net: torch.nn.Module) -> None:
     must have one each step) and gradient checks cannot compare. Tie it into the image's output with weight 0:
     the outputs are unchanged bit for bit and those parameters get zero gradients, as they would if used."""
     net.transformer_blocks[-1].register_forward_hook(_tie_text)
+
+
+class GuidedByTrueCFG(TrainedLength):
+    """:class:`TrainedLength` whose ``guidance_scale`` (> 1) becomes ``true_cfg_scale`` with the empty negative
+    prompt (the transformer has no guidance embedding: the pipeline would ignore it and sample unguided)."""
+
+    def __call__(self, *args, **kwargs):
+        scale = kwargs.pop("guidance_scale", None)
+        if scale is not None and scale > 1 and "negative_prompt" not in kwargs:
+            prompt = kwargs.get("prompt")
+            kwargs.update(true_cfg_scale=scale, negative_prompt=[""] * len(prompt) if isinstance(prompt, list) else "")
+        return super().__call__(*args, **kwargs)
 
 
 class QwenImage(FlowFamily):
@@ -310,6 +322,12 @@ class QwenImage(FlowFamily):
         vae, encoder = (m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder"))
         return QwenImagePipeline(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer.tokenizer,
                                  transformer=unwrap(transformer), vae=vae.vae, text_encoder=encoder)
+
+    def inference_pipeline(self, net: torch.nn.Module):
+        """The pipeline as sample grids and eval images call it: the trained text length, and their guidance
+        scale as ``QwenImagePipeline``'s classifier-free guidance (``true_cfg_scale`` against the empty caption,
+        what caption dropout trains; its ``guidance_scale`` feeds only guidance-distilled transformers)."""
+        return GuidedByTrueCFG(self.pipeline(net), self.max_sequence_length)
 
     @classmethod
     def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
