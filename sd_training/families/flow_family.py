@@ -34,7 +34,24 @@ from .base import LossOut
 from .components import flow_matching
 from .components import vae as vae_encoding
 from .components.transformer import ADAPTER_PRESETS, TrainedLength, shard_units, transformer_blocks, validate_common
+from .options import T5Config
 from .pipeline_family import PipelineFamily, is_latent_data
+
+
+def llm_text_refusals(cfg: TrainConfig, display_name: str) -> list[tuple[bool, str]]:
+    """The keys of other families' text encoders, refused by a family whose one text encoder is an LLM
+    (Z-Image, FLUX.2, Qwen-Image): (refused, message) pairs."""
+    m = cfg.model
+    return [
+        (any(getattr(m, k).pretrained is not None for k in ("text_encoder_2", "tokenizer_2", "text_encoder_3",
+                                                            "tokenizer_3")),
+         f"{display_name} has one text encoder (model.text_encoder / model.tokenizer): model.text_encoder_2/3 "
+         "and tokenizer_2/3 are other families'"),
+        (m.t5 != T5Config(), f"model.t5 is SD3's and Flux.1's T5; {display_name}'s text encoder is an LLM whose "
+                             "length is model.llm.max_length"),
+        (m.text_encoder.max_length is not None,
+         f"model.text_encoder.max_length: {display_name}'s LLM length is model.llm.max_length"),
+    ]
 
 
 class FlowFamily(PipelineFamily):

@@ -41,7 +41,7 @@ from .components import vae as vae_encoding
 from .components.text import TextEncoding
 from .components.transformer import build_transformer, load_schedulers, source
 from .components.unet import Components
-from .flow_family import FlowFamily
+from .flow_family import FlowFamily, llm_text_refusals
 from .flux2_latents import (TINY_FLUX2_VAE, NormalizedVAE, frozen_flux2_vae, image_ids, load_flux2_vae, text_ids,
                             tokens, untokens)
 
@@ -174,16 +174,9 @@ class Flux2Family(FlowFamily):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        m, d = cfg.model, cfg.dataset.params
+        d = cfg.dataset.params
         refusals = [
-            (m.text_encoder_2.pretrained is not None or m.tokenizer_2.pretrained is not None
-             or m.text_encoder_3.pretrained is not None or m.tokenizer_3.pretrained is not None,
-             f"{cls.display_name} has one text encoder (model.text_encoder / model.tokenizer): model.text_encoder_2/3 "
-             "and tokenizer_2/3 are other families'"),
-            (m.t5 != type(m.t5)(), f"model.t5 is SD3's and Flux.1's T5; {cls.display_name}'s text encoder is an LLM "
-                                   "whose length is model.llm.max_length"),
-            (m.text_encoder.max_length is not None,
-             f"model.text_encoder.max_length: {cls.display_name}'s LLM length is model.llm.max_length"),
+            *llm_text_refusals(cfg, cls.display_name),
             (d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16),
              f"{cls.display_name} patches the 8x-downsampled latents 2x2: dataset.params.resolution ({d.resolution}) "
              f"and, with aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16"),

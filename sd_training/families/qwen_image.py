@@ -42,8 +42,7 @@ from .components import llm_text
 from .components.text import TextEncoding
 from .components.transformer import TrainedLength, build_transformer, component_sources, load_schedulers, source
 from .components.unet import Components
-from .flow_family import FlowFamily
-from .options import T5Config
+from .flow_family import FlowFamily, llm_text_refusals
 from .pipeline_family import is_latent_data
 from .tiny import save, tokenizer_folder
 
@@ -174,16 +173,9 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        m, d = cfg.model, cfg.dataset.params
+        d = cfg.dataset.params
         refusals = [
-            (any(getattr(m, k).pretrained is not None for k in ("text_encoder_2", "tokenizer_2", "text_encoder_3",
-                                                                "tokenizer_3")),
-             "Qwen-Image has one text encoder (model.text_encoder / model.tokenizer): model.text_encoder_2/3 and "
-             "tokenizer_2/3 are other families'"),
-            (m.t5 != T5Config(), "model.t5 is SD3's and Flux.1's T5; Qwen-Image's text encoder is an LLM whose "
-                                 "length is model.llm.max_length"),
-            (m.text_encoder.max_length is not None,
-             "model.text_encoder.max_length: Qwen-Image's LLM length is model.llm.max_length"),
+            *llm_text_refusals(cfg, cls.display_name),
             (d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16),
              f"Qwen-Image patches the 8x-downsampled latents 2x2: dataset.params.resolution ({d.resolution}) and, "
              f"with aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16"),

@@ -48,8 +48,7 @@ from .components.transformer import (
     validate_common,
 )
 from .components.unet import Components
-from .flow_family import FlowFamily
-from .options import T5Config
+from .flow_family import FlowFamily, llm_text_refusals
 from .tiny import TINY_VAE, save, tokenizer_folder
 
 # ZImagePipeline._encode_prompt. The limit: the transformer's caption positions (RoPE axes_lens[0], 1024 by
@@ -143,21 +142,6 @@ def check_models(m: ZImageModels) -> None:
                               "(model.transformer.params or model.transformer.pretrained)")
 
 
-def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
-    """Z-Image's own refusals (``components.transformer.validate_common`` has the transformer families')."""
-    m = cfg.model
-    return [
-        (m.t5 != T5Config(), "model.t5.* is the T5 encoder of sd3/flux; Z-Image's text encoder is an LLM: set its "
-                             "length with model.llm.max_length"),
-        (m.text_encoder.max_length is not None, "model.text_encoder.max_length: Z-Image's LLM length is "
-                                                "model.llm.max_length"),
-        (any(getattr(m, k).pretrained is not None for k in ("text_encoder_2", "tokenizer_2", "text_encoder_3",
-                                                            "tokenizer_3")),
-         "model.text_encoder_2/3 and tokenizer_2/3: Z-Image has one text encoder, model.text_encoder / "
-         "model.tokenizer"),
-    ]
-
-
 class ZImage(FlowFamily):
     name = text_tag = "zimage"
     display_name = "Z-Image"
@@ -175,7 +159,7 @@ class ZImage(FlowFamily):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        for refused, message in _refusals(cfg):
+        for refused, message in llm_text_refusals(cfg, cls.display_name):
             if refused:
                 raise ConfigError(message)
         validate_common(cfg, "zimage", net_class=cls.transformer_class)
