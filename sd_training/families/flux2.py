@@ -39,10 +39,10 @@ from .base import PixelGrid, SampleSettings
 from .components import llm_text
 from .components import vae as vae_encoding
 from .components.text import TextEncoding
-from .components.transformer import build_transformer, load_schedulers, source
+from .components.transformer import build_transformer, load_schedulers, load_vae_of, source
 from .components.unet import Components
 from .flow_family import FlowFamily, llm_text_refusals
-from .flux2_latents import (TINY_FLUX2_VAE, NormalizedVAE, frozen_flux2_vae, image_ids, load_flux2_vae, text_ids,
+from .flux2_latents import (TINY_FLUX2_VAE, NormalizedVAE, image_ids, text_ids,
                             tokens, untokens)
 
 # FLUX.2's scheduler (scheduler/scheduler_config.json of FLUX.2-dev and klein): Flux.1's, dynamic shifting.
@@ -143,7 +143,7 @@ class Flux2Family(FlowFamily):
 
         def reload_fp32(name: str) -> torch.nn.Module:
             if name == "vae":
-                return load_flux2_vae(cfg, None, torch.float32)
+                return load_vae_of("AutoencoderKLFlux2", cfg, None, torch.float32)
             return load_text_encoder(cfg, torch.device("cpu"), torch.float32)
 
         noise_scheduler, inference_scheduler = load_schedulers(cfg)
@@ -152,7 +152,7 @@ class Flux2Family(FlowFamily):
                                                  self.text_length(self.cfg)),
             text_encoder=load_text_encoder(cfg, self.device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
                                                                                     cfg.mixed_precision)),
-            vae=frozen_flux2_vae(cfg, self.device),
+            vae=load_vae_of("AutoencoderKLFlux2", cfg, self.device),
             transformer=build_transformer(cfg, Flux2Transformer2DModel, self.device, self.seed),
             noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler,
             pipeline_config=pipeline_settings(cfg, self.pipeline_keys), reload_fp32=reload_fp32)

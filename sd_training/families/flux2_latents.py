@@ -14,12 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError
-from ..config.schema import ModelConfig
-from ..speed.precision import frozen_vae_dtype
-from .components.transformer import source
-from .components.unet import frozen, load_weights
-
 # The tiny pipelines' VAE: 8 latent channels (the real one has 32) x 4 patch positions = the transformer's 32
 # input channels; four levels, 8 px per latent as the real one.
 TINY_FLUX2_VAE = dict(block_out_channels=(32, 32, 64, 64), layers_per_block=1, latent_channels=8, norm_num_groups=32,
@@ -134,18 +128,3 @@ def image_ids(latents: torch.Tensor) -> torch.Tensor:
 def text_ids(states: torch.Tensor) -> torch.Tensor:
     """(0, 0, 0, l) ids [B, L, 4] of the text tokens (``_prepare_text_ids``)."""
     return _pipe()._prepare_text_ids(states).to(states.device)
-
-
-def load_flux2_vae(cfg: ModelConfig, device: torch.device | None, dtype: torch.dtype) -> torch.nn.Module:
-    """The frozen ``AutoencoderKLFlux2`` of ``model.vae.pretrained`` / the pipeline's ``vae/``."""
-    from diffusers import AutoencoderKLFlux2
-
-    src, kw = source(cfg, "vae")
-    if src is None:
-        raise ConfigError("the VAE has no source: set model.pretrained or model.vae.pretrained")
-    vae = load_weights(AutoencoderKLFlux2.from_pretrained, src, "vae", "model.vae.pretrained", **kw)
-    return frozen(vae, device or torch.device("cpu"), dtype)
-
-
-def frozen_flux2_vae(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
-    return load_flux2_vae(cfg, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision))

@@ -40,7 +40,8 @@ from . import reference_models as references
 from .base import PixelGrid
 from .components import llm_text
 from .components.text import TextEncoding
-from .components.transformer import TrainedLength, build_transformer, component_sources, load_schedulers, source
+from .components.transformer import (TrainedLength, build_transformer, component_sources, load_schedulers,
+                                     load_vae_of, source)
 from .components.unet import Components
 from .flow_family import FlowFamily, llm_text_refusals
 from .pipeline_family import is_latent_data
@@ -155,7 +156,7 @@ class QwenImage(FlowFamily):
 
         def reload_fp32(name: str) -> torch.nn.Module:
             if name == "vae":
-                return parts.QwenLatentVAE(parts.load_qwen_vae(cfg, None, torch.float32))
+                return parts.QwenLatentVAE(load_vae_of("AutoencoderKLQwenImage", cfg, None, torch.float32))
             return load_text_encoder(cfg, torch.device("cpu"), torch.float32)
 
         noise_scheduler, inference_scheduler = load_schedulers(cfg)
@@ -164,7 +165,7 @@ class QwenImage(FlowFamily):
                                             self.text_tokens(self.cfg)),
             text_encoder=load_text_encoder(cfg, self.device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
                                                                                     cfg.mixed_precision)),
-            vae=parts.QwenLatentVAE(parts.frozen_qwen_vae(cfg, self.device)),
+            vae=parts.QwenLatentVAE(load_vae_of("AutoencoderKLQwenImage", cfg, self.device)),
             transformer=build_transformer(cfg, QwenImageTransformer2DModel, self.device, self.seed),
             noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32)
         check_models(models)

@@ -21,12 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..config import ConfigError
-from ..config.schema import ModelConfig
 from ..speed.flops import count_flops, height_width, meta_copy
-from ..speed.precision import frozen_vae_dtype
-from .components.transformer import source
-from .components.unet import frozen, load_weights
 
 # QwenImagePipeline.__init__'s prompt_template_encode and prompt_template_encode_start_idx (the template's
 # prefix is 34 tokens of Qwen2.5-VL's tokenizer; the tiny tokenizer below spells it in 34 too).
@@ -109,21 +104,6 @@ def vae_encode_flops(vae, resolution) -> int:
     x = torch.empty(1, vae.config.input_channels, 1, h, w, device="meta")
     with torch.no_grad():
         return count_flops(lambda: m.encode(x).latent_dist.mode())
-
-
-def load_qwen_vae(cfg: ModelConfig, device: torch.device | None, dtype: torch.dtype) -> torch.nn.Module:
-    """The frozen ``AutoencoderKLQwenImage`` of ``model.vae.pretrained`` / the pipeline's ``vae/``."""
-    from diffusers import AutoencoderKLQwenImage
-
-    src, kw = source(cfg, "vae")
-    if src is None:
-        raise ConfigError("the VAE has no source: set model.pretrained or model.vae.pretrained")
-    vae = load_weights(AutoencoderKLQwenImage.from_pretrained, src, "vae", "model.vae.pretrained", **kw)
-    return frozen(vae, device or torch.device("cpu"), dtype)
-
-
-def frozen_qwen_vae(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
-    return load_qwen_vae(cfg, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision))
 
 
 # -- tokens ---------------------------------------------------------------------------------------------------

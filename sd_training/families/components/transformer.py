@@ -134,6 +134,21 @@ def load_vae(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
     return frozen(vae, device, frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision))
 
 
+def load_vae_of(vae_class: str, cfg: ModelConfig, device: torch.device | None,
+                dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The frozen diffusers VAE of class ``vae_class`` (``AutoencoderKLFlux2``, ``AutoencoderKLQwenImage`` ...) of
+    ``model.vae.pretrained`` / the pipeline's ``vae/``, on ``device`` (None: the CPU) in ``dtype`` (None:
+    ``model.vae.dtype``: auto is bf16 under bf16, else fp32)."""
+    import diffusers
+
+    src, kw = source(cfg, "vae")
+    if src is None:
+        raise ConfigError("the VAE has no source: set model.pretrained or model.vae.pretrained")
+    vae = load_weights(getattr(diffusers, vae_class).from_pretrained, src, "vae", "model.vae.pretrained", **kw)
+    dtype = frozen_vae_dtype(cfg.vae.dtype, cfg.mixed_precision) if dtype is None else dtype
+    return frozen(vae, device or torch.device("cpu"), dtype)
+
+
 def with_shift(vae):
     """The VAE with a ``shift_factor`` in its config: a VAE saved without one (an SD-style VAE, the
     quickstart's) trains as shift 0 and is exported with ``shift_factor: 0.0``, because the SD3 and Flux
