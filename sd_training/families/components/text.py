@@ -62,11 +62,12 @@ class TextEncoding:
         return TextConditioning(*self._encode_ids(self.encoders, ids))
 
     def encode(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray | None]:
-        """(states, pooled or None) as float32 numpy: what latent shards store (the mask is not stored:
-        every family that stores text today conditions on all its padded tokens)."""
+        """(states, pooled or None) as float32 numpy: what latent shards store. Shards have no mask field: a
+        family whose conditioning has a mask folds it into its states (``llm_text.with_mask``, a last channel)."""
         out = self.conditioning(captions)
         if out.mask is not None:
-            raise NotImplementedError("latent shards store no attention mask: this family's text cannot be stored")
+            raise NotImplementedError("latent shards store no attention mask: fold it into the states (llm_text.with_mask) "
+                                      "to store this family's text")
         pooled = None if out.pooled is None else out.pooled.float().cpu().numpy()
         return out.states.float().cpu().numpy(), pooled
 
