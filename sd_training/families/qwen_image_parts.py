@@ -16,7 +16,6 @@ takes, the prompt template, and the tiny offline tokenizer and Qwen2.5-VL of the
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -159,47 +158,13 @@ QWEN25_VL_CHAT_TEMPLATE = (
 )
 
 
-def _whole_words(vocab: dict[str, int], merges: list[tuple[str, str]], words) -> None:
-    """Append merges (at the lowest priority) that make each of ``words`` (byte-level symbols) one token: the
-    pieces the merges so far leave are joined left to right, again until one is left (a merge added for one word
-    cannot change one made before: BPE applies the lower-ranked merges first)."""
-    from tokenizers.models import BPE
-
-    for word in words:
-        while True:
-            pieces = [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]
-            if len(pieces) == 1:
-                break
-            joined = pieces[0] + pieces[1]
-            merges.append((pieces[0], pieces[1]))
-            vocab.setdefault(joined, len(vocab))
-
-
-def write_qwen_image_tokenizer(out_dir: str | os.PathLike) -> Path:
+def build_qwen_image_tokenizer(folder: str | os.PathLike):
     """The tiny Qwen tokenizer (``components.llm_tokenizers``' vocabulary) + the template's words as whole tokens
     (as in Qwen2.5-VL's large vocabulary), with Qwen2.5-VL's chat template."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
+    from .components.llm_tokenizers import build_qwen_tokenizer
 
-    from .components.llm_tokenizers import QWEN_SPECIAL, _vocab_and_merges
-
-    vocab, merges = _vocab_and_merges()
-    _whole_words(vocab, merges, [s for w in TEMPLATE_WORDS for s in (w, "\u0120" + w)])  # the word and " word"
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=2048)
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL], special_tokens=True)
-    tok.chat_template = QWEN25_VL_CHAT_TEMPLATE
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(out))
-    return out
-
-
-def build_qwen_image_tokenizer(folder: str | os.PathLike):
-    from transformers import AutoTokenizer
-
-    if not (Path(folder) / "tokenizer.json").exists():
-        write_qwen_image_tokenizer(folder)
-    return AutoTokenizer.from_pretrained(str(folder))
+    words = [s for w in TEMPLATE_WORDS for s in (w, "\u0120" + w)]  # the word and " word"
+    return build_qwen_tokenizer(folder, 2048, QWEN25_VL_CHAT_TEMPLATE, words)
 
 
 # The tiny Qwen2.5-VL: a 2-layer 32-wide text model (mrope sections of its 8-channel heads' 4 frequencies) and

@@ -70,27 +70,48 @@ def _vocab_and_merges(specials: tuple[str, ...] = QWEN_SPECIAL) -> tuple[dict[st
     return vocab, merges
 
 
-def write_qwen_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 1024) -> Path:
-    """Write the tiny Qwen tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``, chat template)."""
+def whole_words(vocab: dict[str, int], merges: list[tuple[str, str]], words) -> None:
+    """Append merges (at the lowest priority) that make each of ``words`` (byte-level symbols) one token: the
+    pieces the merges so far leave are joined left to right, again until one is left (a merge added for one word
+    cannot change one made before: BPE applies the lower-ranked merges first)."""
+    from tokenizers.models import BPE
+
+    for word in words:
+        while True:
+            pieces = [t.value for t in BPE(vocab=vocab, merges=merges).tokenize(word)]
+            if len(pieces) == 1:
+                break
+            joined = pieces[0] + pieces[1]
+            merges.append((pieces[0], pieces[1]))
+            vocab.setdefault(joined, len(vocab))
+
+
+def write_qwen_tokenizer(out_dir: str | os.PathLike, model_max_length: int = 1024,
+                         chat_template: str = QWEN3_CHAT_TEMPLATE, words=()) -> Path:
+    """Write the tiny Qwen tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``, chat template);
+    ``words``: byte-level words made single tokens (:func:`whole_words`), as a large vocabulary has them."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     vocab, merges = _vocab_and_merges()
+    whole_words(vocab, merges, words)
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL], special_tokens=True)
-    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    tok.chat_template = chat_template
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(out))
     return out
 
 
-def build_qwen_tokenizer(folder: str | os.PathLike, model_max_length: int = 1024):
-    """The tiny Qwen tokenizer, written to ``folder`` (if not there yet) and loaded from it."""
+def build_qwen_tokenizer(folder: str | os.PathLike, model_max_length: int = 1024,
+                         chat_template: str = QWEN3_CHAT_TEMPLATE, words=()):
+    """The tiny Qwen tokenizer (:func:`write_qwen_tokenizer`'s), written to ``folder`` (if not there yet) and
+    loaded from it."""
     from transformers import AutoTokenizer
 
     if not (Path(folder) / "tokenizer.json").exists():
-        write_qwen_tokenizer(folder, model_max_length)
+        write_qwen_tokenizer(folder, model_max_length, chat_template, words)
     return AutoTokenizer.from_pretrained(str(folder))
 
 
