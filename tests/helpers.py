@@ -88,3 +88,17 @@ def alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def example_timesteps(fm, seeds):
+    """u in [0, 1] per sample, drawn as diffusers' training examples draw it
+    (``compute_density_for_timestep_sampling`` with ``flow_matching``'s settings), from each sample's own
+    "timesteps" generator: the draws the family's loss makes for the same seeds."""
+    import torch
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    from sd_training.families.components.ddpm import sample_generators
+
+    return torch.cat([compute_density_for_timestep_sampling(fm.timestep_sampling, 1, fm.logit_mean, fm.logit_std,
+                                                            fm.mode_scale, generator=g)
+                      for g in sample_generators(seeds, "timesteps", "cpu")])

@@ -6,7 +6,7 @@ test_family_conformance.py."""
 
 import pytest
 import torch
-from helpers import args_with
+from helpers import args_with, example_timesteps
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
@@ -186,16 +186,12 @@ def test_one_step_equals_diffusers_flux_training_example(family, pipe):
     """Loss and gradients of one step equal the example's for the same batch, u and noise (drawn from the
     sample seeds' streams, as the family draws them) with the example's unshifted sigma table, guidance
     embedding and cosmap weighting: within 1e-5 relative (float32; only summation order differs)."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-
     fm = family.cfg.flow_matching
     fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
     try:
         batch = _batch(family)
         seeds = batch["sample_seeds"]
-        u = torch.cat([compute_density_for_timestep_sampling(fm.timestep_sampling, 1, fm.logit_mean, fm.logit_std,
-                                                             fm.mode_scale, generator=g)
-                       for g in sample_generators(seeds, "timesteps", "cpu")])
+        u = example_timesteps(fm, seeds)
         noise = torch.cat([torch.randn(1, 16, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
         net = family.net
         net.zero_grad(set_to_none=True)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers import args_with
+from helpers import args_with, example_timesteps
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
@@ -175,8 +175,6 @@ def test_one_step_equals_diffusers_training_example(family, pipe):
     """Loss and gradients of one step equal the example's for the same batch, u and noise (drawn from the sample
     seeds' streams as the family draws them), with its unshifted sigma table and cosmap weighting: within 1e-5
     relative (float32; the example's all-ones mask rows and summation order differ)."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-
     fm = family.cfg.flow_matching
     fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
     seeds = torch.arange(10, 14)
@@ -184,9 +182,7 @@ def test_one_step_equals_diffusers_training_example(family, pipe):
     batch = {"pixel_values": pixels, "input_ids": family.tokenizers[0](CAPTIONS).input_ids, "sample_seeds": seeds}
     z = pipe.vae.config.z_dim
     try:
-        u = torch.cat([compute_density_for_timestep_sampling(fm.timestep_sampling, 1, fm.logit_mean, fm.logit_std,
-                                                             fm.mode_scale, generator=g)
-                       for g in sample_generators(seeds, "timesteps", "cpu")])
+        u = example_timesteps(fm, seeds)
         noise = torch.cat([torch.randn(1, z, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
         net = family.net
         net.zero_grad(set_to_none=True)

@@ -8,7 +8,7 @@ latent shards): test_family_conformance.py."""
 import numpy as np
 import pytest
 import torch
-from helpers import args_with
+from helpers import args_with, example_timesteps
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
@@ -134,14 +134,10 @@ def reference_step(pipe, transformer, batch, u, noise, weighting_scheme):
 def test_one_step_equals_diffusers_z_image_training_example(family, pipe):
     """Loss and gradients of one step equal the example's for the same batch, u and noise (drawn from the sample
     seeds' streams, as the family draws them) with cosmap weighting: within 1e-5 relative (float32)."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-
     fm = family.cfg.flow_matching
     batch = _batch(family)
     seeds = batch["sample_seeds"]
-    u = torch.cat([compute_density_for_timestep_sampling(fm.timestep_sampling, 1, fm.logit_mean, fm.logit_std,
-                                                         fm.mode_scale, generator=g)
-                   for g in sample_generators(seeds, "timesteps", "cpu")])
+    u = example_timesteps(fm, seeds)
     latent = 32 // 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     noise = torch.cat([torch.randn(1, 16, latent, latent, generator=g)
                        for g in sample_generators(seeds, "noise", "cpu")])
