@@ -154,7 +154,7 @@ def _log_memory_plan(cfg: TrainConfig, info: DistInfo, family: Family, net: torc
     # Text encoders trained alongside: whole (model.text_encoder.train) or through their adapter.
     replicated = [*family.trained_encoders().values(), *(family.adapters.encoders.values() if family.adapters else ())]
     rows = memory_plan(
-        net, family.frozen_modules(), cfg.optimizer.name, info.world_size, ema is not None,
+        net, family.frozen_on_device(), cfg.optimizer.name, info.world_size, ema is not None,
         cfg.model.ema.device == "cpu", 2 if dtype is not None else 4, family.shard_units,
         cfg.distributed.fsdp_unit, replicated=replicated,
         activations=micro_batch_activations(cfg, net, text_tokens=family.text_tokens(cfg), family=type(family)),

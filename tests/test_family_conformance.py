@@ -105,12 +105,15 @@ def generate(pipe, keys, prompt="a red circle on a blue background", **kw):
 
 # ------------------------------------------------------------------------------ bf16 run, export, resume
 def bf16_args(tmp, pipeline, shards, keys, run_name, outputs=True):
-    """The bf16 run; ``outputs``: with validation, sample grids, eval images and an export at each checkpoint
-    (the killed run leaves them out: what it trains must not depend on them)."""
+    """The bf16 run; ``outputs``: with validation, sample grids, eval images and an export at each checkpoint,
+    its text encoders kept in host memory (``cpu``: every step, validation, grid and eval image goes through
+    the placement's hooks); the killed run leaves them out and keeps its encoders on the device: what it
+    trains must depend on neither."""
     prompts = tmp / "prompts.txt"
     prompts.write_text("a red circle\na blue square\n")
     extra = {"experiment.save_every": CKPT, "validation.path": shards, "validation.num_batches": 1,
-             "experiment.num_eval_images": 2, "experiment.eval_caption_file": str(prompts)}
+             "experiment.num_eval_images": 2, "experiment.eval_caption_file": str(prompts),
+             "model.text_encoder_placement": "cpu"}
     if not outputs:
         extra = {"experiment.save_every": 1000, "experiment.sample_per_prompt": 0}
     return args(tmp, pipeline, shards, name=run_name, **keys, **extra, **{
@@ -145,6 +148,11 @@ def test_a_bf16_run_with_a_loader_worker_trains_validates_and_samples(bf16_runs,
     for step in range(CKPT, STEPS + 1, CKPT):
         assert (run / "samples" / f"step_{step:08d}.png").is_file()
         assert len(list((run / "eval" / f"step_{step:08d}").glob("*.png"))) == 2
+    # Its text encoders stay in host memory (model.text_encoder_placement=cpu): the memory plan counts only the
+    # VAE among the frozen parts, less than the run that keeps them on the device.
+    frozen = {r: json.loads((bf16_runs[0] / r / "memory_plan.json").read_text())["rows"][0]["frozen"]
+              for r in ("straight", "resumed")}
+    assert 0 < frozen["straight"] < frozen["resumed"], frozen
 
 
 @pytest.mark.slow
@@ -331,6 +339,7 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
 
     online = family(shapes_shards, **{"model.vae.latent_sampling": "mean"})
     from_shards = family(str(latents), **{"dataset.type": "latents", "dataset.params.text_embeddings": "true"})
+    assert_text_encoders_offloaded_sample_alike(online, from_shards)
     info = json.loads((latents / "latents_info.json").read_text())
     vae = online.models.vae.config
     assert info["text_family"] == type(online).text_tag and info["latent_channels"] == vae.latent_channels
@@ -380,6 +389,23 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     # order, 1e-4 relative (the UNet families' bound); a transformer's within 1e-5.
     grad_tol = (1e-4, 1e-6) if type(online).net_name == "unet" else (1e-5, 1e-7)
     assert_shard_step_equals_online(online, from_shards, want, shard, ids, fixed, stored_tol=tol, grad_tol=grad_tol)
+
+
+def assert_text_encoders_offloaded_sample_alike(online, from_shards):
+    """With stored text the run keeps its text encoders in host memory, moved onto the device for each use
+    (model.text_encoder_placement=auto: offload): the memory plan leaves them out, and a sample grid through
+    the placement's hooks is the grid of the run that keeps them on the device."""
+    from sd_training.families.base import SampleSettings
+    from sd_training.families.components.placement import placement_of
+
+    encoders = from_shards.frozen_text_encoders()
+    assert encoders and {placement_of(m) for m in encoders.values()} == {"offload"}
+    assert {placement_of(m) for m in online.frozen_text_encoders().values()} == {"device"}
+    assert not any(m is e for m in from_shards.frozen_on_device() for e in encoders.values())
+    assert len(from_shards.frozen_on_device()) < len(online.frozen_on_device())
+    settings = SampleSettings(["a red circle"], 1, 3, 2, 1.0, RES, None)
+    grids = [np.asarray(f.sample_image(f.net, settings)) for f in (online, from_shards)]
+    np.testing.assert_array_equal(*grids)
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 
-from .dataset import check_dataset
+from .dataset import check_dataset, is_latent_type
 from .fields import ConfigError, check_fields
 from .schema import OptimizerConfig, OptimizerParams, TrainConfig, train_config_class
 
@@ -64,6 +64,9 @@ def validate(cfg: TrainConfig) -> None:
                           f"the image side), got {radius}")
     if cfg.dataset.params.text_embeddings and cfg.model.text_encoder.train:
         raise ConfigError("dataset.params.text_embeddings=true cannot train the text encoder (model.text_encoder.train)")
+    if cfg.model.text_encoder.train and cfg.model.text_encoder_placement in ("cpu", "offload"):
+        raise ConfigError(f"'model.text_encoder_placement={cfg.model.text_encoder_placement}' keeps the text encoders "
+                          "off the device, but model.text_encoder.train trains one there: use device (or auto)")
     _check_optimizer_keys(cfg.optimizer)
     _check_optimizer_modes(cfg)
     _check_in_backward(cfg)
@@ -271,3 +274,14 @@ def _check_evaluation(cfg: TrainConfig) -> None:
         raise ConfigError("'experiment.num_eval_images' > 0 needs 'experiment.eval_caption_file' (the prompts)")
     if cfg.experiment.eval_caption_file and not os.path.exists(cfg.experiment.eval_caption_file):
         raise ConfigError(f"'experiment.eval_caption_file' {cfg.experiment.eval_caption_file} does not exist")
+
+
+def text_encoder_placement(cfg) -> str:
+    """``model.text_encoder_placement`` resolved: ``auto`` is ``offload`` when the batches carry stored text
+    states (the steps never run the encoders; samples and eval images do), else ``device``."""
+    placement = cfg.model.text_encoder_placement
+    if placement != "auto":
+        return placement
+    stored = bool(cfg.dataset.params.text_embeddings) and is_latent_type(cfg.dataset.type)
+    return "offload" if stored else "device"
+

@@ -25,6 +25,7 @@ from .fields import ComponentConfig, f
 # Precision names (sd_training.speed.precision maps them to torch dtypes).
 PRECISIONS = ("no", "bf16", "fp16")  # model.mixed_precision: the step's compute precision
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")  # a frozen component's stored weights (besides auto)
+TEXT_PLACEMENTS = ("auto", "device", "cpu", "offload")  # model.text_encoder_placement
 SCHEDULERS = ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup")
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd", "prodigy", "lion", "adamw_schedulefree", "came")
 
@@ -223,6 +224,12 @@ class CommonModelFields:
     vae: VAEConfig = f(VAEConfig, "the frozen autoencoder")
     text_encoder: TextEncoderConfig = f(TextEncoderConfig, "the text encoder (frozen unless train)")
     tokenizer: ComponentConfig = f(ComponentConfig, "the tokenizer")
+    text_encoder_placement: str = f(
+        "auto", "where the frozen text encoders (all of the family's) live. device: on the training device for the "
+        "whole run; cpu: in host memory, and they run there (their inputs and outputs moved); offload: in host "
+        "memory, moved onto the device for each use (a sample grid, eval images, a batch encoded online) and back; "
+        "auto: offload when the batches carry stored text states (dataset.params.text_embeddings), else device",
+        choices=TEXT_PLACEMENTS)
     noise_scheduler_training: ComponentConfig = f(ComponentConfig, "scheduler config for training noise (built as DDPMScheduler)")
     noise_scheduler_inference: ComponentConfig = f(ComponentConfig, "scheduler of exported pipelines and samples (its own class)")
     unet: UNetConfig = f(UNetConfig, "the trained UNet")

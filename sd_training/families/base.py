@@ -27,6 +27,7 @@ from PIL import Image
 from ..config.schema import TrainConfig
 from ..memory.activations import SampleShape
 from ..speed.flops import StepFlops
+from .components.placement import off_device
 from .components.text import TextEncoding
 from .reference_models import ReferenceModel
 
@@ -140,8 +141,13 @@ class Family(abc.ABC):
         return {}
 
     def frozen_modules(self) -> list[torch.nn.Module]:
-        """The components that do not train (on the device for the whole run): for the memory plan."""
+        """The components that do not train (VAE, text encoders): for the memory plan."""
         return []
+
+    def frozen_on_device(self) -> list[torch.nn.Module]:
+        """:meth:`frozen_modules` that stay on the device between steps: not those kept in host memory
+        (``model.text_encoder_placement``, ``components.placement``). What the memory plan counts."""
+        return [m for m in self.frozen_modules() if not off_device(m)]
 
     def use_wrapped_encoders(self, wrapped: dict[str, torch.nn.Module]) -> None:
         """The trainer's (DDP-)wrapped copies of :meth:`trained_encoders`, for the training forward."""

@@ -194,13 +194,13 @@ class FlowFamily(PipelineFamily):
 
     def step_flops(self) -> StepFlops:
         """Counted once on the meta device: 3 x one transformer forward over one image's tokens and the text
-        tokens (joint attention); hardware FLOPs add the VAE and the text encoders unless stored."""
+        tokens (joint attention); hardware FLOPs add the VAE, and the text encoders when the steps run them on the
+        device (not stored, not kept on the CPU)."""
         m, cfg = self.models, self.cfg
         res = cfg.dataset.params.resolution
         h, w = latent_size_of(m.vae, res)
         latent = is_latent_data(cfg)
-        stored = latent and bool(cfg.dataset.params.text_embeddings)
-        text = 0 if stored else sum(k * encoder_flops(e, n) for e, n, k in self.text_encoder_runs())
+        text = 0 if not self.step_encodes_text_on_device else sum(k * encoder_flops(e, n) for e, n, k in self.text_encoder_runs())
         return count_net_flops(self.net, lambda meta: self.flops_inputs(meta.config, h, w),
                                cfg.model.gradient_checkpointing,
                                vae_encode=0 if latent else vae_encode_flops(m.vae, res), text_encode=text)

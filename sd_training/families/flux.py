@@ -92,12 +92,14 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor,
     return encode_t5(text_encoder_2, input_ids_2), pooled.float()
 
 
-def build_flux_models(cfg, device: torch.device, seed: int) -> FluxModels:
-    """The components from ``model.*``: CLIP and T5 frozen (``model.text_encoder.dtype``), the VAE frozen
+def build_flux_models(cfg, device: torch.device, seed: int, text_device: torch.device | None = None) -> FluxModels:
+    """The components from ``model.*``: CLIP and T5 frozen (``model.text_encoder.dtype``, on ``text_device``,
+    None: ``device``), the VAE frozen
     (``model.vae.dtype``), the transformer from ``model.transformer`` (from scratch with its params)."""
     from diffusers import FluxTransformer2DModel
 
-    text_encoder, tokenizer = build_text_encoder(cfg.text_encoder, cfg.pretrained, device,
+    text_device = text_device or device
+    text_encoder, tokenizer = build_text_encoder(cfg.text_encoder, cfg.pretrained, text_device,
                                                  tokenizer_src=cfg.tokenizer.pretrained, revision=cfg.revision,
                                                  mixed_precision=cfg.mixed_precision)
 
@@ -121,7 +123,7 @@ def build_flux_models(cfg, device: torch.device, seed: int) -> FluxModels:
     noise_scheduler, inference_scheduler = load_schedulers(cfg)
     return FluxModels(
         tokenizer=tokenizer, text_encoder=text_encoder, tokenizer_2=tokenizer_2,
-        text_encoder_2=load_t5(device, t5_frozen_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)),
+        text_encoder_2=load_t5(text_device, t5_frozen_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)),
         vae=load_vae(cfg, device), transformer=build_transformer(cfg, FluxTransformer2DModel, device, seed),
         noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32,
     )
@@ -166,7 +168,7 @@ class Flux(FlowFamily):
     net_class = "FluxTransformer2DModel"
 
     def build_models(self) -> FluxModels:
-        models = build_flux_models(self.cfg.model, self.device, self.seed)
+        models = build_flux_models(self.cfg.model, self.device, self.seed, self.text_device)
         check_models(models)
         # The same refusal as at load (configure.check_family_limits), for a transformer whose config could
         # not be read then (a hub id not in the local cache)

@@ -150,7 +150,7 @@ class Flux2Family(FlowFamily):
         models = Flux2Models(
             tokenizer=self.load_prompt_tokenizer(*source(cfg, "tokenizer"), "model.tokenizer.pretrained",
                                                  self.text_length(self.cfg)),
-            text_encoder=load_text_encoder(cfg, self.device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
+            text_encoder=load_text_encoder(cfg, self.text_device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
                                                                                     cfg.mixed_precision)),
             vae=load_vae_of("AutoencoderKLFlux2", cfg, self.device),
             transformer=build_transformer(cfg, Flux2Transformer2DModel, self.device, self.seed),

@@ -177,6 +177,10 @@ def check_adapter(cfg) -> None:
         raise ConfigError("'model.adapter.text_encoders.train' with dataset.params.text_embeddings=true: the batches "
                           "carry stored text-encoder outputs, so a LoRA on the text encoder would get no gradient. "
                           "Set dataset.params.text_embeddings=false (encode captions online) or text_encoders.train=false")
+    if a.text_encoders.train and cfg.model.text_encoder_placement in ("cpu", "offload"):
+        raise ConfigError(f"'model.adapter.text_encoders.train' trains a LoRA on the text encoders on the device, but "
+                          f"model.text_encoder_placement={cfg.model.text_encoder_placement} keeps them off it: use "
+                          "device (or auto)")
     if a.export_kohya and a.use_dora:
         raise ConfigError("'model.adapter.export_kohya' with model.adapter.use_dora: the kohya file's DoRA scale is "
                           "not written in a layout we have checked; export the diffusers LoRA folder only")

@@ -12,12 +12,14 @@ conditioning; the bases do the rest.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from pathlib import Path
 
 import torch
 from PIL import Image
 
 from ..config.dataset import is_latent_type
+from ..config.rules import text_encoder_placement
 from ..config.schema import TrainConfig
 from ..data.latents import StoredText, check_latents_match
 from ..data.transforms import unit_range
@@ -25,6 +27,7 @@ from ..evaluation.generate import generate_images
 from ..outputs.export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
 from .base import Family, SampleSettings
 from .components.clip import text_encoder_param_groups
+from .components.placement import place_text_encoders
 
 
 def is_latent_data(cfg: TrainConfig) -> bool:
@@ -63,7 +66,12 @@ class PipelineFamily(Family):
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         super().__init__(cfg, device, seed, is_main)
+        # model.text_encoder_placement: where the frozen text encoders live, and where a family loads them
+        # (``text_device``: host memory unless on the device; ``placement.place`` puts them there in any case)
+        self.text_placement = text_encoder_placement(cfg)
+        self.text_device = self.device if self.text_placement == "device" else torch.device("cpu")
         self.models = self.build_models()
+        place_text_encoders(self.frozen_text_encoders(), self.text_placement, self.device)
         self.net = unwrap(getattr(self.models, self.net_name))
         self.loss_module = self.net
 
@@ -80,7 +88,22 @@ class PipelineFamily(Family):
     def stored_text(self) -> StoredText:
         """What this run expects of text conditioning stored in latent shards."""
 
-    # -- the text encoders that train -------------------------------------------------------------
+    # -- the text encoders that train, and the frozen ones ----------------------------------------
+    @property
+    def step_encodes_text_on_device(self) -> bool:
+        """The steps run the text encoders on the device: captions encoded online (no stored text states) by
+        encoders not kept on the CPU. Their FLOPs then count in a step's hardware FLOPs."""
+        stored = is_latent_data(self.cfg) and bool(self.cfg.dataset.params.text_embeddings)
+        return not stored and self.text_placement != "cpu"
+
+    def frozen_text_encoders(self) -> dict[str, torch.nn.Module]:
+        """The components named ``text_encoder*`` that do not train with the net (``model.text_encoder.train``):
+        what ``model.text_encoder_placement`` places."""
+        trained = self.trained_encoders()
+        return {f.name: module for f in dataclasses.fields(self.models)
+                if f.name.startswith("text_encoder") and f.name not in trained
+                and isinstance(module := getattr(self.models, f.name), torch.nn.Module)}
+
     def adapter_text_encoders(self) -> dict[str, torch.nn.Module]:
         return {name: getattr(self.models, name) for name in self.text_encoder_names}
 

@@ -163,7 +163,7 @@ class QwenImage(FlowFamily):
         models = QwenImageModels(
             tokenizer=load_prompt_tokenizer(*source(cfg, "tokenizer"), "model.tokenizer.pretrained",
                                             self.text_tokens(self.cfg)),
-            text_encoder=load_text_encoder(cfg, self.device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
+            text_encoder=load_text_encoder(cfg, self.text_device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
                                                                                     cfg.mixed_precision)),
             vae=parts.QwenLatentVAE(load_vae_of("AutoencoderKLQwenImage", cfg, self.device)),
             transformer=build_transformer(cfg, QwenImageTransformer2DModel, self.device, self.seed),
@@ -296,8 +296,7 @@ class QwenImage(FlowFamily):
         factor = parts.vae_factor(m.vae.vae)
         h, w = (s // factor for s in height_width(res))
         latent = is_latent_data(cfg)
-        stored = latent and bool(cfg.dataset.params.text_embeddings)
-        text = 0 if stored else sum(k * encoder_flops(e, n) for e, n, k in self.text_encoder_runs())
+        text = 0 if not self.step_encodes_text_on_device else sum(k * encoder_flops(e, n) for e, n, k in self.text_encoder_runs())
         return count_net_flops(self.net, lambda meta: self.flops_inputs(meta.config, h, w),
                                cfg.model.gradient_checkpointing,
                                vae_encode=0 if latent else parts.vae_encode_flops(m.vae.vae, res), text_encode=text)

@@ -179,13 +179,13 @@ class StableDiffusion3(FlowFamily):
             place_text_encoder(encoder, dev, True, m.gradient_checkpointing, clip_dtype)
             return encoder
 
-        place = trained_clip if train else lambda name: clip(name, dev, clip_dtype)
+        place = trained_clip if train else lambda name: clip(name, self.text_device, clip_dtype)
 
         length = m.t5.max_length or T5_LENGTH
         t5 = tok3 = None
         if m.t5.use:
             src, kw = source(m, "text_encoder_3")
-            t5 = load_t5_encoder(src, "text_encoder_3", "model.text_encoder_3.pretrained", dev,
+            t5 = load_t5_encoder(src, "text_encoder_3", "model.text_encoder_3.pretrained", self.text_device,
                                  t5_frozen_dtype(m.text_encoder.dtype, m.mixed_precision), **kw)
             tsrc, tkw = source(m, "tokenizer_3")
             tok3 = load_t5_tokenizer(tsrc, "tokenizer_3", "model.tokenizer_3.pretrained", length, **tkw)

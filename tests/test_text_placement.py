@@ -1,0 +1,103 @@
+"""model.text_encoder_placement: where the frozen text encoders live (components.placement).
+
+The config's choice (auto: offload with stored text states, else device) and its refusals, and the hooks'
+contract on a real LLM text encoder: ``cpu`` runs it in host memory and hands its outputs (a ModelOutput
+with a tuple of hidden states) to the training device; ``offload`` moves it onto the device for each forward
+and back. The runs that go through the hooks end to end (steps, validation, grids, eval images, and grids
+equal to the device's) are in tests/test_family_conformance.py."""
+
+import pytest
+import torch
+from helpers import args_with
+
+from sd_training.config import ConfigError
+from sd_training.config.rules import text_encoder_placement
+from sd_training.configure import load
+from sd_training.families.components import llm_text, placement
+
+args = args_with({"dataset.params.resolution": 32})
+
+
+@pytest.mark.parametrize("over, want", [
+    ({}, "device"),
+    ({"dataset.type": "latents", "dataset.params.text_embeddings": "true"}, "offload"),
+    ({"model.text_encoder_placement": "cpu"}, "cpu"),
+    ({"dataset.type": "latents", "dataset.params.text_embeddings": "true", "model.text_encoder_placement": "device"},
+     "device"),
+])
+def test_auto_offloads_only_when_the_steps_read_stored_text(tiny_pipeline, shapes_shards, tmp_path, over, want):
+    assert text_encoder_placement(load(args(tmp_path, tiny_pipeline, shapes_shards, **over))) == want
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"model.text_encoder.train": "true", "model.text_encoder_placement": "cpu"}, "model.text_encoder.train"),
+    ({"model.adapter.type": "lora", "model.adapter.text_encoders.train": "true",
+      "model.text_encoder_placement": "offload"}, "model.adapter.text_encoders.train"),
+])
+def test_a_trained_text_encoder_cannot_be_kept_off_the_device(tiny_pipeline, shapes_shards, tmp_path, over, key):
+    with pytest.raises(ConfigError, match=key):
+        load(args(tmp_path, tiny_pipeline, shapes_shards, **over))
+
+
+def test_an_unknown_placement_is_refused_naming_the_key(tiny_pipeline, shapes_shards, tmp_path):
+    with pytest.raises(ConfigError, match="text_encoder_placement"):
+        load(args(tmp_path, tiny_pipeline, shapes_shards, **{"model.text_encoder_placement": "gpu"}))
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return llm_text.tiny_qwen3(300).eval()
+
+
+def ids():
+    return torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def test_cpu_runs_in_host_memory_and_hands_every_output_tensor_to_the_device(encoder):
+    """The run's device here is ``meta`` (any device other than the host): the encoder stays on the CPU, and its
+    ModelOutput (last state and the tuple of every layer's states) arrives on the run's device."""
+    want = encoder(input_ids=ids(), output_hidden_states=True)
+    placement.place(encoder, "cpu", torch.device("meta"))
+    try:
+        out = encoder(input_ids=ids(), output_hidden_states=True)
+        assert {p.device.type for p in encoder.parameters()} == {"cpu"}
+        assert out.last_hidden_state.device.type == "meta" and out["last_hidden_state"].device.type == "meta"
+        assert {h.device.type for h in out.hidden_states} == {"meta"}
+        assert len(out.hidden_states) == len(want.hidden_states)
+        assert placement.off_device(encoder) and placement.placement_of(encoder) == "cpu"
+    finally:
+        placement.unplace(encoder)
+    assert not placement.off_device(encoder)
+    torch.testing.assert_close(encoder(input_ids=ids()).last_hidden_state, want.last_hidden_state)
+
+
+def test_offload_moves_the_encoder_onto_the_device_for_each_forward_and_back(encoder, monkeypatch):
+    """Each call: onto the run's device before the forward (inputs there too), back to the host after; outputs
+    equal the encoder's own. ``cpu:0`` stands for the device (the same memory on this machine, a distinct name)."""
+    device = torch.device("cpu", 0)
+    want = encoder(input_ids=ids()).last_hidden_state
+    events = []
+    real_to = encoder.to
+
+    def to(*a, **kw):
+        events.append(("to", str(a[0] if a else kw.get("device"))))
+        return real_to(*a, **kw)
+
+    placement.place(encoder, "offload", device)
+    monkeypatch.setattr(encoder, "to", to)
+    seen = encoder.register_forward_pre_hook(lambda m, a, kw: events.append(("forward", str(kw["input_ids"].device))),
+                                             with_kwargs=True)
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(encoder(input_ids=ids()).last_hidden_state, want)
+    finally:
+        seen.remove()
+        placement.unplace(encoder)
+    assert events == [("to", "cpu:0"), ("forward", "cpu"), ("to", "cpu")] * 2, events
+
+
+def test_placing_again_replaces_the_hooks(encoder):
+    placement.place(encoder, "cpu", torch.device("meta"))
+    placement.place(encoder, "device", torch.device("cpu"))
+    assert not encoder._forward_pre_hooks and not encoder._forward_hooks
+    assert placement.placement_of(encoder) == "device"
