@@ -5,6 +5,7 @@
 # batch 32 eager, compiled in channels-last, and compiled again from the saved compiler cache as a requeued job),
 # and the memory benchmark (full-size SDXL at 1024 px: every mode's peak beside the memory plan, then the
 # full fine-tune's speed at batch 4 and its checkpoint wait).
+# Frozen text encoders kept in host memory (model.text_encoder_placement cpu / offload) run here too.
 # It prints a table to paste into a bug report.      bash scripts/gpu_check.sh   (OUT=folder to keep logs)
 set -uo pipefail
 if [ -n "${OUT:-}" ]; then  # a relative OUT is the caller's, not the repository's
@@ -44,6 +45,21 @@ check() {
   ROWS+=("$(printf '%-28s %-8s %5ds' "$name" "$r" $((SECONDS - t0)))")
 }
 check bf16_train_export_sample "$PY" train.py "${COMMON[@]}" experiment.name=bf16
+# The frozen text encoder in host memory: a run whose steps encode on the CPU (states handed to the GPU) ...
+check text_encoder_cpu "$PY" train.py "${COMMON[@]}" experiment.name=text_cpu model.text_encoder_placement=cpu
+# ... and an offloaded LLM encoder: on the GPU only inside its forward, its states left on the GPU.
+check text_encoder_offload "$PY" -c '
+import torch
+from sd_training.families.components import llm_text, placement
+enc = llm_text.tiny_qwen3(300).to(torch.bfloat16)
+placement.place(enc, "offload", torch.device("cuda"))
+before = torch.cuda.memory_allocated()
+out = enc(input_ids=torch.randint(0, 300, (2, 64), device="cuda"), output_hidden_states=True)
+assert out.last_hidden_state.is_cuda and all(h.is_cuda for h in out.hidden_states)
+assert next(enc.parameters()).device.type == "cpu", "the encoder stayed on the GPU"
+del out
+assert torch.cuda.memory_allocated() <= before, (before, torch.cuda.memory_allocated())
+print("offload ok")'
 check ddp_nccl_${NGPU}gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py "${COMMON[@]}" \
   experiment.name=ddp distributed.strategy=ddp distributed.dist_backend=nccl
 check fsdp2_nccl_${NGPU}gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" train.py "${COMMON[@]}" \

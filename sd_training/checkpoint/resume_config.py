@@ -40,6 +40,8 @@ MAY_CHANGE = (
     "distributed.fsdp_cpu_offload", "distributed.reshard_after_forward",
     # How the same computation is laid out and compiled (the memory format, the compiled regions, their cache).
     "model.channels_last", "model.compile_scope", "model.compile_mode", "model.compile_cache",
+    # Where the frozen text encoders live (they compute the same states wherever they run).
+    "model.text_encoder_placement",
 )
 # Keys whose new value takes effect on resume, said in the log.
 APPLIED = ("optimizer.params.learning_rate", "lr_scheduler.params.learning_rate")
