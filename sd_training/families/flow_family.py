@@ -54,6 +54,15 @@ def llm_text_refusals(cfg: TrainConfig, display_name: str) -> list[tuple[bool, s
     ]
 
 
+def patch_grid_refusal(cfg: TrainConfig, display_name: str) -> tuple[bool, str]:
+    """(refused, message): a family that patches the 8x-downsampled latents 2x2 (Flux, FLUX.2, Qwen-Image)
+    takes sizes on a 16 px grid only."""
+    d = cfg.dataset.params
+    return (bool(d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16)),
+            f"{display_name} patches the 8x-downsampled latents 2x2: dataset.params.resolution ({d.resolution}) "
+            f"and, with aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16")
+
+
 class FlowFamily(PipelineFamily):
     """A flow-matching transformer family (see the module)."""
 

@@ -48,7 +48,7 @@ from .components.transformer import (
     validate_common,
 )
 from .components.unet import Components
-from .flow_family import FlowFamily
+from .flow_family import FlowFamily, patch_grid_refusal
 from .options import FamilyModelFields
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 
@@ -148,15 +148,13 @@ def check_models(m: FluxModels) -> None:
 
 def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
     """Flux's own refusals (``components.transformer.validate_common`` has the transformer families')."""
-    m, d = cfg.model, cfg.dataset.params
+    m = cfg.model
     return [
         (m.text_encoder_3.pretrained is not None or m.tokenizer_3.pretrained is not None,
          "model.text_encoder_3 / tokenizer_3 are SD3's T5; Flux's T5 is model.text_encoder_2 / tokenizer_2"),
         (not m.t5.use, "Flux's text tokens are T5's states: model.t5.use=false is SD3's"),
         (m.t5.dropout > 0, "model.t5.dropout is SD3's (its T5 may be dropped); Flux always conditions on T5"),
-        (d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16),
-         f"Flux packs 2x2 patches of the 8x-downsampled latents: dataset.params.resolution ({d.resolution}) and, with "
-         f"aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16"),
+        patch_grid_refusal(cfg, "Flux"),
     ]
 
 

@@ -41,7 +41,7 @@ from .components import vae as vae_encoding
 from .components.text import TextEncoding
 from .components.transformer import build_transformer, load_schedulers, load_vae_of, source
 from .components.unet import Components
-from .flow_family import FlowFamily, llm_text_refusals
+from .flow_family import FlowFamily, llm_text_refusals, patch_grid_refusal
 from .flux2_latents import (TINY_FLUX2_VAE, NormalizedVAE, image_ids, text_ids,
                             tokens, untokens)
 
@@ -174,12 +174,9 @@ class Flux2Family(FlowFamily):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        d = cfg.dataset.params
         refusals = [
             *llm_text_refusals(cfg, cls.display_name),
-            (d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16),
-             f"{cls.display_name} patches the 8x-downsampled latents 2x2: dataset.params.resolution ({d.resolution}) "
-             f"and, with aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16"),
+            patch_grid_refusal(cfg, cls.display_name),
         ]
         for refused, message in refusals:
             if refused:

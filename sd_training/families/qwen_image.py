@@ -43,7 +43,7 @@ from .components.text import TextEncoding
 from .components.transformer import (TrainedLength, build_transformer, component_sources, load_schedulers,
                                      load_vae_of, source)
 from .components.unet import Components
-from .flow_family import FlowFamily, llm_text_refusals
+from .flow_family import FlowFamily, llm_text_refusals, patch_grid_refusal
 from .pipeline_family import is_latent_data
 from .tiny import save, tokenizer_folder
 
@@ -174,12 +174,9 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        d = cfg.dataset.params
         refusals = [
             *llm_text_refusals(cfg, cls.display_name),
-            (d.resolution % 16 or (d.aspect_buckets and d.bucket_step % 16),
-             f"Qwen-Image patches the 8x-downsampled latents 2x2: dataset.params.resolution ({d.resolution}) and, "
-             f"with aspect buckets, dataset.params.bucket_step ({d.bucket_step}) must be multiples of 16"),
+            patch_grid_refusal(cfg, cls.display_name),
         ]
         for refused, message in refusals:
             if refused:
