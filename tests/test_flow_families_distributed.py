@@ -1,4 +1,4 @@
-"""SD3, Flux, Z-Image and FLUX.2 on two ranks under FSDP2 (transformer blocks as shard units, bf16, loader workers, EMA):
+"""SD3, Flux, Z-Image, FLUX.2 and Qwen-Image on two ranks under FSDP2 (transformer blocks as shard units, bf16, loader workers, EMA):
 a run killed after a checkpoint and resumed on 2 ranks ends bit-identical to one that was never killed,
 and the same checkpoint resumed on 1 rank (elastic 2 -> 1) trains every later step on the same samples
 with the same per-sample noise and timesteps, so its weights differ only by the order in which gradients
@@ -68,10 +68,10 @@ def losses(run: Path) -> dict[int, float]:
             if "loss" in r}
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "zimage", "flux2_klein"])  # klein stands for FLUX.2 dev too
-def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank(tmp_path, family, request,
-                                                                                 shapes_shards):
-    pipeline = request.getfixturevalue(f"{family}_pipeline")
+@pytest.mark.parametrize("family", ["sd3", "flux", "zimage", "flux2_klein", "qwen_image"])  # klein stands for dev too
+def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank(tmp_path, family,
+                                                                                 shapes_shards, family_pipeline):
+    pipeline = family_pipeline(family)
     finish(launch(tmp_path, args(tmp_path, pipeline, shapes_shards, "straight"), 2))
     straight = tmp_path / "runs" / "straight"
 
