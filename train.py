@@ -5,10 +5,12 @@ import sys
 # First, before the heavy imports, the config and the model loading: a SLURM signal (preemption,
 # the time-limit warning) that arrives during set-up is kept and acted on at the first step. This
 # process is ours, so deadlines may end it (a stop it cannot act on, a shutdown that hangs).
-from sd_training.run.preemption import EXITS, FAILED_EXIT_S, StopFlag, enable_bounded_exits, exit_failed, leftover_children
+from sd_training.run.preemption import (EXITS, FAILED_EXIT_S, StopFlag, enable_bounded_exits, exit_failed,
+                                        install_stack_dump, leftover_children)
 
 enable_bounded_exits()
 STOP = StopFlag().install()
+install_stack_dump()  # kill -USR2 PID: every thread's stack on stderr, the run goes on
 
 from sd_training.cli import main  # noqa: E402
 

@@ -454,8 +454,9 @@ class SlurmCluster:
             if value:
                 return value
             if time.monotonic() > deadline:
+                stacks = job_id is not None and self.dump_stacks(job_id)
                 raise SlurmError(f"timed out after {timeout:.0f} s waiting for {what}\n"
-                                 f"{self.diagnostics(job_id)}")
+                                 f"{self.diagnostics(job_id, 200 if stacks else 25)}")
             time.sleep(poll)
 
     def wait_state(self, job_id: int, states: str | Iterable[str], timeout: float = 60) -> dict[str, str]:
@@ -537,7 +538,17 @@ class SlurmCluster:
         except SlurmError:
             pass
 
-    def diagnostics(self, job_id: int | None = None) -> str:
+    def dump_stacks(self, job_id: int) -> bool:
+        """Every rank of a running job prints its threads' stacks to the job's output (train.py's SIGUSR2
+        handler), for the diagnostics of a job that hangs; False if the job could not be signalled."""
+        try:
+            self.signal(job_id, "USR2", target="steps")
+        except Exception:  # noqa: BLE001 (the job may have ended meanwhile)
+            return False
+        time.sleep(2)
+        return True
+
+    def diagnostics(self, job_id: int | None = None, output_lines: int = 25) -> str:
         parts = []
         if job_id is not None:
             try:
@@ -545,8 +556,8 @@ class SlurmCluster:
                 parts.append(f"job {job_id}: " + " ".join(
                     f"{k}={info.get(k)}" for k in ("JobState", "Reason", "ExitCode", "Restarts", "NodeList")))
                 for key in ("StdOut", "StdErr"):
-                    if info.get(key):
-                        parts.append(_tail(Path(info[key])))
+                    if info.get(key) and (key == "StdOut" or info[key] != info.get("StdOut")):
+                        parts.append(_tail(Path(info[key]), output_lines))
             except Exception as e:  # noqa: BLE001
                 parts.append(f"job {job_id}: scontrol failed: {e}")
         parts.append(_tail(self.log_dir / "slurmctld.log"))

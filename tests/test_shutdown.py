@@ -56,6 +56,7 @@ import datetime, sys, time
 from sd_training.run import preemption
 preemption.enable_bounded_exits()
 stop = preemption.StopFlag().install()
+preemption.install_stack_dump()  # as train.py
 mode = sys.argv[1]
 if mode == "stuck":  # blocked in C++ (as in a collective whose peer died): the signal handler cannot run
     import torch.distributed as dist
@@ -96,6 +97,24 @@ def test_sigterm_with_the_main_thread_blocked_in_one_call_exits_75_within_second
     assert STUCK_S - 1 <= took <= STUCK_S + 8, took
     assert "SIGTERM arrived 10s ago and the main thread has not been able to act on it" in err
     assert "no checkpoint can be taken" in err and "--- thread MainThread" in err  # where it was
+
+
+def test_sigusr2_prints_every_threads_stack_of_a_blocked_rank_and_it_goes_on():
+    """What a hung rank is doing (the SLURM tests' diagnostics ask each rank): the main thread blocked in C++
+    and the stop watchdog's thread, printed; the process keeps running."""
+    p = forked.popen([sys.executable, "-c", STUCK, "stuck"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, env=ENV)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.communicate()
+        time.sleep(0.5)
+        p.send_signal(signal.SIGUSR2)
+        time.sleep(1.5)
+        assert p.poll() is None, "SIGUSR2 ended the process"
+    finally:
+        p.kill()
+    err = p.communicate(timeout=30)[1]
+    assert err.count("(most recent call first)") >= 2, err[-3000:]
+    assert 'File "<string>"' in err and "in <module>" in err, err[-3000:]  # the main thread, in the script
 
 
 def test_sigterm_with_a_main_thread_that_never_saves_exits_at_stop_timeout():

@@ -279,6 +279,19 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
     return ok
 
 
+STACK_SIGNAL = signal.SIGUSR2
+
+
+def install_stack_dump() -> None:
+    """``kill -USR2 PID`` (or ``scancel --signal=USR2 JOB``) prints every thread's Python stack to the
+    process's stderr, and the run goes on: what a hung rank is doing, without stopping it. A C-level handler
+    (faulthandler), so it prints even while the main thread is blocked in a collective. Loader workers ignore
+    the signal (:func:`ignore_stop_signals`)."""
+    import faulthandler
+
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
 def ignore_stop_signals(*_args) -> None:
     """The main process owns the stop signals.
 
@@ -286,7 +299,7 @@ def ignore_stop_signals(*_args) -> None:
     loader workers included. torch's worker dies of SIGTERM, and the main process then fails with
     "DataLoader worker is killed by signal" before it can save. Ignored here, the workers keep feeding
     the main process until it has saved and shuts them down."""
-    for sig in STOP_SIGNALS + (signal.SIGUSR2,):
+    for sig in STOP_SIGNALS + (STACK_SIGNAL,):
         signal.signal(sig, signal.SIG_IGN)
 
 
