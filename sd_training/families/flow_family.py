@@ -26,6 +26,7 @@ import inspect
 
 import torch
 
+from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY
 from ..memory import activations
@@ -74,7 +75,16 @@ class FlowFamily(PipelineFamily):
     forward_names = ("hidden_states", "timestep")
 
     @classmethod
+    def refusals(cls, cfg: TrainConfig) -> list[tuple[bool, str]]:
+        """The family's own (refused, message) checks of ``cfg``, before the transformer families' common ones
+        (e.g. :func:`llm_text_refusals`, :func:`patch_grid_refusal`)."""
+        return []
+
+    @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
+        for refused, message in cls.refusals(cfg):
+            if refused:
+                raise ConfigError(message)
         validate_common(cfg, cls.name, net_class=cls.transformer_class)
 
     # diffusers' SD3 and Flux pipelines refuse a longer max_sequence_length (their check_inputs); T5's own

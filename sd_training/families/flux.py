@@ -45,7 +45,6 @@ from .components.transformer import (
     load_vae,
     reload_vae_fp32,
     source,
-    validate_common,
 )
 from .components.unet import Components
 from .flow_family import FlowFamily, patch_grid_refusal
@@ -178,11 +177,8 @@ class Flux(FlowFamily):
         return models
 
     @classmethod
-    def validate(cls, cfg: TrainConfig) -> None:
-        for refused, message in _refusals(cfg):
-            if refused:
-                raise ConfigError(message)
-        validate_common(cfg, "flux", net_class=cls.transformer_class)
+    def refusals(cls, cfg: TrainConfig) -> list[tuple[bool, str]]:
+        return _refusals(cfg)
 
     @classmethod
     def pixel_grid(cls, net_conf: dict, vae_factor: int) -> PixelGrid:

@@ -173,15 +173,8 @@ class QwenImage(FlowFamily):
         return models
 
     @classmethod
-    def validate(cls, cfg: TrainConfig) -> None:
-        refusals = [
-            *llm_text_refusals(cfg, cls.display_name),
-            patch_grid_refusal(cfg, cls.display_name),
-        ]
-        for refused, message in refusals:
-            if refused:
-                raise ConfigError(message)
-        super().validate(cfg)
+    def refusals(cls, cfg: TrainConfig) -> list[tuple[bool, str]]:
+        return [*llm_text_refusals(cfg, cls.display_name), patch_grid_refusal(cfg, cls.display_name)]
 
     @classmethod
     def text_limits(cls, cfg: TrainConfig) -> dict[str, tuple[int, str]]:

@@ -45,7 +45,6 @@ from .components.transformer import (
     load_vae,
     reload_vae_fp32,
     source,
-    validate_common,
 )
 from .components.unet import Components
 from .flow_family import FlowFamily, llm_text_refusals
@@ -159,11 +158,8 @@ class ZImage(FlowFamily):
         return models
 
     @classmethod
-    def validate(cls, cfg: TrainConfig) -> None:
-        for refused, message in llm_text_refusals(cfg, cls.display_name):
-            if refused:
-                raise ConfigError(message)
-        validate_common(cfg, "zimage", net_class=cls.transformer_class)
+    def refusals(cls, cfg: TrainConfig) -> list[tuple[bool, str]]:
+        return llm_text_refusals(cfg, cls.display_name)
 
     @classmethod
     def text_limits(cls, cfg: TrainConfig) -> dict[str, tuple[int, str]]:
