@@ -15,8 +15,8 @@ As ``ZImagePipeline`` conditions at inference, so the transformer trains:
   ``train_dreambooth_lora_z_image.py`` do.
 
 The loss is flow matching (``components.flow_matching``, around the forward in ``flow_family.FlowFamily``) with
-the scheduler's static shift (Z-Image-Turbo's 3.0, Z-Image's 6.0). Latent shards store the LLM states in bf16 with the mask as one
-more channel. Exports and samples are ``ZImagePipeline`` folders; LoRA exports load with its
+the scheduler's static shift (Z-Image-Turbo's 3.0, Z-Image's 6.0). Latent shards store the LLM states in bf16
+with the mask as one more channel. Exports and samples are ``ZImagePipeline`` folders; LoRA exports load with its
 ``load_lora_weights`` (``ZImageLoraLoaderMixin``).
 """
 

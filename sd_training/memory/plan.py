@@ -9,7 +9,9 @@ monotonic in the batch, the resolution and the width, that the trained module's 
 (``peak_memory_gb`` in the logs is the measured total).
 
 The reference rows (``python -m sd_training.memory.plan --table``, the table in docs/memory.md) plan the published
-models the families name (``Family.reference_models``) on the meta device.
+models the families name (``Family.reference_models``) on the meta device: a full fine-tune and a LoRA of each
+(the LoRA counted from the layers' shapes as at config load), with the frozen text encoders on every GPU or the
+text states read from the latent shards (only the VAE stays).
 
 At config load, before anything is built, ``memory.fit`` runs the same arithmetic on the trained module
 counted from its weight files (refusing a batch that cannot fit, and saying which settings would).
@@ -122,17 +124,28 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
         k, trained_b, frozen_b = _trained_bytes(module, 4 + 4 + opt)
         n_rep, rep = n_rep + k, rep + trained_b + frozen_b
     frozen_b = sum(_bytes(m) for m in _unique(frozen))
-    # Each unit gathers the parameters no inner unit holds (units come innermost first; the root last).
-    seen: set[int] = set()
-    sizes = []
-    for unit in [*(shard_units(trained, unit_level) if shard_units is not None else []), trained]:
-        own = [p for p in unit.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        sizes.append(sum(p.numel() for p in own))
+    largest = largest_unit(trained, shard_units(trained, unit_level) if shard_units is not None else [])
     state = TrainedState(n, weights, grads, n * opt, ema_b, base)
     counts = dict(trained_params=n, base_params=sum(p.numel() for p in trained.parameters()) - n,
                   encoder_trained_params=n_rep)
-    return strategy_rows(state, 2 * max(sizes) * compute_bytes, frozen_b + rep, world_size, activations, counts)
+    return strategy_rows(state, 2 * largest * compute_bytes, frozen_b + rep, world_size, activations, counts)
+
+
+def largest_unit(net: torch.nn.Module, units: list[torch.nn.Module], extra: dict[int, int] | None = None) -> int:
+    """Parameters of the largest shard unit of ``net``: units come innermost first and the root last, and each
+    gathers the parameters no inner unit holds; ``extra`` (a layer's id -> parameters: a LoRA planned from the
+    layers' shapes) counts in the unit that holds the layer."""
+    seen_params: set[int] = set()
+    seen_layers: set[int] = set()
+    largest = 0
+    for unit in [*units, net]:
+        own = [p for p in unit.parameters() if id(p) not in seen_params]
+        layers = [m for m in unit.modules() if id(m) not in seen_layers]
+        seen_params.update(id(p) for p in own)
+        seen_layers.update(id(m) for m in layers)
+        size = sum(p.numel() for p in own) + sum((extra or {}).get(id(m), 0) for m in layers)
+        largest = max(largest, size)
+    return largest
 
 
 @dataclass
@@ -257,19 +270,6 @@ def reference_parts(name: str) -> ReferenceParts:
     return ReferenceParts(fam, meta_module(model.config, model.net_class), encoders, meta_module(model.vae))
 
 
-def _largest_unit(net: torch.nn.Module, units: list[torch.nn.Module], extra: dict[int, int] | None = None) -> int:
-    """Parameters of the largest shard unit (units innermost first, the root last: each gathers what no inner
-    unit holds), with ``extra`` parameters per layer (id -> count: a LoRA's) counted in the unit that holds it."""
-    seen: set[int] = set()
-    largest = 0
-    for unit in [*units, net]:
-        modules = [m for m in unit.modules() if id(m) not in seen]
-        own = [p for m in modules for p in m.parameters(recurse=False)]
-        seen.update(id(m) for m in modules)
-        largest = max(largest, sum(p.numel() for p in own) + sum((extra or {}).get(id(m), 0) for m in modules))
-    return largest
-
-
 def reference_rows(name: str, world_size: int = 8, resolution: int = 1024, batch: int = 1, optimizer: str = "adamw",
                    ema: bool = True, checkpointing: bool = True,
                    parts: ReferenceParts | None = None) -> tuple[int, list[MemoryRow]]:
@@ -299,7 +299,7 @@ def reference_lora_rows(name: str, world_size: int = 8, resolution: int = 1024, 
     layers = dict(net.named_modules())
     per_layer = {id(layers[t]): lora_params(net, [t], rank) for t in targets}
     n = sum(per_layer.values())
-    gathered = 2 * _largest_unit(net, fam.shard_units(net, "block"), per_layer) * 2  # two units in bf16
+    gathered = 2 * largest_unit(net, fam.shard_units(net, "block"), per_layer) * 2  # two units in bf16
     acts = reference_activations(name, resolution, batch, checkpointing)
     counts = dict(trained_params=n, base_params=parts.params, encoder_trained_params=0)
 
@@ -318,8 +318,9 @@ def _fits(total: float, gb: int = 80) -> str:
 def _table_line(label: str, training: str, row: MemoryRow, stored_frozen: float, full_acts: float) -> str:
     """One row: the frozen part and the total with the text encoders on the GPU / the text states stored."""
     stored_total = row.total - row.frozen + stored_frozen
-    return (f"| {label} | {training} | {row.strategy} | {row.weights:.1f} | {row.gradients:.1f} | {row.optimizer:.1f} | "
-            f"{row.ema:.1f} | {row.gathered:.2f} | {row.base:.1f} | {row.frozen:.1f} / {stored_frozen:.1f} | "
+    return (f"| {label} | {training} | {row.strategy} | {row.weights:.1f} | {row.gradients:.1f} | "
+            f"{row.optimizer:.1f} | {row.ema:.1f} | {row.gathered:.2f} | {row.base:.1f} | "
+            f"{row.frozen:.1f} / {stored_frozen:.1f} | "
             f"{row.activations:.1f} / {full_acts:.1f} | {row.total:.1f} / {stored_total:.1f} | "
             f"{_fits(row.total)} / {_fits(stored_total)} |")
 
@@ -332,8 +333,8 @@ def reference_table(world_size: int = 8, resolution: int = 1024) -> str:
             "| total (ckpt): online / stored text | fits 80 GB: online / stored text |")
     lines = [f"Per GPU, {world_size} GPUs, {resolution} px, batch 1, bf16, AdamW, EMA on the GPU; frozen text encoders "
              "in bf16, VAE in fp32 (online: the text encoders on every GPU; stored text: the text states read from the "
-             f"latent shards, only the VAE); LoRA: rank {LORA_RANK} on the family's `{LORA_PRESET}` layers; activations "
-             "a rough lower estimate with / without gradient checkpointing.",
+             f"latent shards, only the VAE); LoRA: rank {LORA_RANK} on the family's `{LORA_PRESET}` layers; "
+             "activations a rough lower estimate with / without gradient checkpointing.",
              "", head, "|" + "---|" * (head.count("|") - 1)]
     for name in reference_models():
         parts = reference_parts(name)
