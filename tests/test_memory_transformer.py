@@ -1,8 +1,12 @@
 """The memory plan of diffusion transformers: the activation estimate against what autograd saves in
 tiny SD3Transformer2DModel / FluxTransformer2DModel (with and without gradient checkpointing), parameter
-counts from configs on the meta device, the reference rows of SD3.5-medium / large and Flux.1 (frozen
-T5-XXL and CLIPs counted) under ddp / fsdp / fsdp_offload, and a from-scratch transformer planned (and a
-batch that cannot fit refused) at config load."""
+counts from configs on the meta device (the published sizes), the reference rows of every family's published
+models (frozen text encoders counted, or only the VAE with the text states stored) under ddp / fsdp /
+fsdp_offload and their LoRA rows as the plan at config load counts them, the table in docs/memory.md equal to
+the generated one, and a from-scratch transformer planned (and a batch that cannot fit refused) at config
+load."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +82,11 @@ def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
     counts = mt.encoder_params()
     assert counts["T5-XXL"] == pytest.approx(4.76e9, rel=0.01)
     assert counts["CLIP-L"] == pytest.approx(123e6, rel=0.01) and counts["CLIP-G"] == pytest.approx(695e6, rel=0.01)
+    # The LLMs' published sizes (their model cards' safetensors counts): Mistral Small 3.1 with its own lm_head
+    assert counts["Mistral-Small-3.1"] == pytest.approx(24.01e9, rel=0.002)
+    assert counts["Qwen3-4B"] == pytest.approx(4.02e9, rel=0.002)
+    assert counts["Qwen3-8B"] == pytest.approx(8.19e9, rel=0.002)
+    assert counts["Qwen2.5-VL-7B"] == pytest.approx(8.29e9, rel=0.002)
     n, rows = mt.reference_rows("Flux.1-dev", world_size=8)
     assert n == pytest.approx(11.9e9, rel=0.01)
     ddp, fsdp, offload = rows
@@ -90,7 +99,8 @@ def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
     vae = sum(p.numel() for p in meta_module(
         {"_class_name": "AutoencoderKL", "latent_channels": 16, "layers_per_block": 2,
          "block_out_channels": (128, 256, 512, 512), "down_block_types": ("DownEncoderBlock2D",) * 4,
-         "up_block_types": ("UpDecoderBlock2D",) * 4}).parameters())
+         "up_block_types": ("UpDecoderBlock2D",) * 4, "use_quant_conv": False,
+         "use_post_quant_conv": False}).parameters())
     frozen = (counts["T5-XXL"] + counts["CLIP-L"]) * 2 + vae * 4  # Flux: T5 and CLIP-L in bf16, the VAE in fp32
     assert ddp.frozen == pytest.approx(frozen / GIB)
     assert 0 < offload.activations and offload.total == pytest.approx(
@@ -99,14 +109,58 @@ def test_reference_rows_count_the_trained_transformer_and_the_frozen_encoders():
                                               "Qwen2.5-VL-7B"}
 
 
-def test_the_readme_table():
+def test_the_docs_table_is_the_generated_one():
+    """docs/memory.md holds ``python -m sd_training.memory.plan --table`` as it prints now: each model's full
+    fine-tune (ddp, fsdp, fsdp_offload) and LoRA (ddp, fsdp) rows, at their published sizes."""
     table = mt.reference_table(world_size=8)
-    lines = [x for x in table.splitlines() if x.startswith("| ") and "strategy" not in x]
-    assert len(lines) == 24 and {x.split(" (")[0][2:] for x in lines} == {"SD3.5-medium", "SD3.5-large", "Flux.1-dev",
-                                                                          "Z-Image", "FLUX.2-klein-4B",
-                                                                          "FLUX.2-klein-9B", "FLUX.2-dev",
-                                                                          "Qwen-Image"}
-    assert "| SD3.5-large (8.06B) | ddp |" in table and "| Flux.1-dev (11.90B) | fsdp |" in table
+    lines = [x for x in table.splitlines() if x.startswith("|")]
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text(encoding="utf-8")
+    assert "\n".join(lines) + "\n" in docs, "docs/memory.md: paste python -m sd_training.memory.plan --table"
+    rows = lines[2:]
+    assert len(rows) == 8 * 5 and {x.split(" (")[0][2:] for x in rows} == {
+        "SD3.5-medium", "SD3.5-large", "Flux.1-dev", "Z-Image", "FLUX.2-klein-4B", "FLUX.2-klein-9B", "FLUX.2-dev",
+        "Qwen-Image"}
+    # Published: SD3.5 large 8.1B, Flux.1 12B, Z-Image 6B, FLUX.2 klein 4B and 9B, FLUX.2 dev 32B, Qwen-Image 20B
+    for model in ("SD3.5-large (8.06B)", "Flux.1-dev (11.90B)", "Z-Image (6.15B)", "FLUX.2-klein-4B (3.88B)",
+                  "FLUX.2-klein-9B (9.08B)", "FLUX.2-dev (32.22B)", "Qwen-Image (20.43B)"):
+        assert f"| {model} | full | fsdp |" in table
+    assert sum(" | LoRA r32 | ddp |" in x for x in rows) == sum(" | LoRA r32 | fsdp |" in x for x in rows) == 8
+
+
+def test_the_lora_rows_are_what_the_plan_at_config_load_counts(tmp_path):
+    """The LoRA rows of FLUX.2 klein 4B: the adapter and the frozen base per GPU equal ``plan_adapter`` /
+    ``adapter_state_bytes`` for a run with that adapter (bf16 base under ddp, the fp32 base sharded under fsdp);
+    the frozen encoders and VAE, the activations and (but for the LoRA's share) the gathered units are the full
+    fine-tune's; with the text states stored only the VAE stays."""
+    from sd_training.config.loading import parse
+    from sd_training.memory.load import adapter_state_bytes, plan_adapter
+    from sd_training.memory.plan import per_trained_param
+
+    name = "FLUX.2-klein-4B"
+    fam, model = mt.reference_models()[name]
+    parts = mt.reference_parts(name)
+    n, layers, rows = mt.reference_lora_rows(name, world_size=8, parts=parts)
+    _n, full = mt.reference_rows(name, world_size=8, parts=parts)
+    assert [r.strategy for r in rows] == ["ddp", "fsdp"] and 0 < n < parts.params / 50
+    for row, strategy in zip(rows, ("ddp", "fsdp")):
+        cfg = parse(["experiment.name=x", f"experiment.log_dir={tmp_path}", "experiment.num_examples_to_see=64",
+                     "dataset.params.path=/data/{0..3}.tar", "system.device=cpu", f"model.family={fam.name}",
+                     "model.pretrained=/models/klein", "model.mixed_precision=bf16", f"distributed.strategy={strategy}",
+                     "model.adapter.type=lora", f"model.adapter.rank={mt.LORA_RANK}",
+                     f"model.adapter.targets={mt.LORA_PRESET}"])
+        planned = plan_adapter(cfg, model.config, model.net_class, fam.adapter_presets, fam.net_name)
+        assert (planned.trained, planned.layers, planned.base) == (n, layers, parts.params)
+        held = (row.weights + row.gradients + row.optimizer + row.ema + row.base) * GIB
+        assert held == pytest.approx(adapter_state_bytes(planned, per_trained_param("adamw", True), strategy, 8))
+        assert row.trained_params == n and row.base_params == parts.params
+        assert row.frozen == full[0].frozen and row.activations == full[0].activations
+    assert rows[0].base == pytest.approx(parts.params * 2 / GIB)  # bf16 on every GPU
+    assert rows[1].base == pytest.approx(parts.params * 4 / 8 / GIB)  # fp32, 1/8 each
+    assert full[1].gathered < rows[1].gathered < full[1].gathered * 1.02  # the blocks' LoRA gathered with them
+    qwen3 = mt.encoder_params()["Qwen3-4B"]
+    vae = sum(t.numel() for t in [*parts.vae.parameters(), *parts.vae.buffers()])  # + its batch norm's statistics
+    assert parts.frozen_bytes(text_stored=True) == pytest.approx(vae * 4)  # the VAE in fp32
+    assert parts.frozen_bytes() == pytest.approx(vae * 4 + qwen3 * 2)  # + Qwen3-4B in bf16 (and its RoPE buffer)
 
 
 def test_a_from_scratch_transformer_is_planned_at_config_load(monkeypatch, tmp_path):

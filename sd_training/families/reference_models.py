@@ -34,18 +34,22 @@ ENCODERS: dict[str, tuple[str, dict]] = {
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[7, 15, 23, 31]),
         vocab_size=152064, tie_word_embeddings=False)),
+    # FLUX.2 dev's text_encoder/ holds Mistral-Small-3.2-24B-Instruct-2506's weights (diffusers'
+    # convert_flux2_to_diffusers.py; 3.1's processor): 3.1's shapes. The checkpoint has its own lm_head (24.0B
+    # parameters); transformers 5 ties Mistral3's by default, so the config says it does not.
     "Mistral-Small-3.1": ("Mistral3ForConditionalGeneration", dict(
         text_config=dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
                          num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          max_position_embeddings=131072, tie_word_embeddings=False),
         vision_config=dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                            num_attention_heads=16, head_dim=64, image_size=1540, patch_size=14),
-        spatial_merge_size=2, multimodal_projector_bias=False, projector_hidden_act="gelu")),
+        spatial_merge_size=2, multimodal_projector_bias=False, projector_hidden_act="gelu",
+        tie_word_embeddings=False)),
 }
-# The 16-channel VAE of SD3 and Flux.1 (its config.json, with its diffusers class)
+# The 16-channel VAE of SD3, Flux.1 and Z-Image (its config.json, with its diffusers class: no quant convs)
 VAE16 = dict(_class_name="AutoencoderKL", in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2,
              block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
-             up_block_types=("UpDecoderBlock2D",) * 4)
+             up_block_types=("UpDecoderBlock2D",) * 4, use_quant_conv=False, use_post_quant_conv=False)
 
 
 class ReferenceModel(NamedTuple):

@@ -15,8 +15,8 @@ As ``ZImagePipeline`` conditions at inference, so the transformer trains:
   ``train_dreambooth_lora_z_image.py`` do.
 
 The loss is flow matching (``components.flow_matching``, around the forward in ``flow_family.FlowFamily``) with
-the scheduler's static shift (Z-Image's 3.0). Latent shards store the LLM states in bf16 with the mask as one
-more channel. Exports and samples are ``ZImagePipeline`` folders; LoRA exports load with its
+the scheduler's static shift (Z-Image-Turbo's 3.0, Z-Image's 6.0). Latent shards store the LLM states in bf16
+with the mask as one more channel. Exports and samples are ``ZImagePipeline`` folders; LoRA exports load with its
 ``load_lora_weights`` (``ZImageLoraLoaderMixin``).
 """
 
@@ -54,6 +54,8 @@ from .tiny import TINY_VAE, save, tokenizer_folder
 # default) hold the caption padded to a multiple of 32 and the image's first position after it.
 ZIMAGE_TEXT = llm_text.LLMTextSettings(layers=(-2,), max_length=512, limit=992, enable_thinking=True, masked=True)
 SCALING_FACTOR, SHIFT_FACTOR = 0.3611, 0.1159  # Z-Image's VAE is FLUX.1's
+# The tiny pipeline's scheduler: Z-Image-Turbo's scheduler_config.json (Z-Image's own ships shift 6.0; a run reads
+# its pipeline's)
 ZIMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 # The tiny pipeline: 1 refiner + 2 main blocks of 2 heads x 16 channels on the tiny Qwen3's 32-channel states.
 TINY_ZIMAGE_TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
@@ -288,7 +290,7 @@ class ZImage(FlowFamily):
         """Z-Image (6B: its transformer's config.json) with Qwen3-4B, 512 tokens."""
         z = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
                  n_heads=30, n_kv_heads=30, qk_norm=True, cap_feat_dim=2560, axes_dims=[32, 48, 48],
-                 axes_lens=[1024, 512, 512])
+                 axes_lens=[1536, 512, 512])
         return {"Z-Image": references.ReferenceModel(cls.net_class, z, ("Qwen3-4B",), ZIMAGE_TEXT.max_length)}
 
 

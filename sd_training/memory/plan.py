@@ -9,7 +9,9 @@ monotonic in the batch, the resolution and the width, that the trained module's 
 (``peak_memory_gb`` in the logs is the measured total).
 
 The reference rows (``python -m sd_training.memory.plan --table``, the table in docs/memory.md) plan the published
-models the families name (``Family.reference_models``) on the meta device.
+models the families name (``Family.reference_models``) on the meta device: a full fine-tune and a LoRA of each
+(the LoRA counted from the layers' shapes as at config load), with the frozen text encoders on every GPU or the
+text states read from the latent shards (only the VAE stays).
 
 At config load, before anything is built, ``memory.fit`` runs the same arithmetic on the trained module
 counted from its weight files (refusing a batch that cannot fit, and saying which settings would).
@@ -36,7 +38,8 @@ import torch
 
 from ..families.reference_models import ENCODERS, ReferenceModel
 from .activations import SampleShape
-from .load import meta_module
+from ..adapters import resolve_targets
+from .load import lora_params, meta_module
 
 GIB = 2**30
 # Optimizer state bytes per trained parameter (fp32 state tensors shaped like the parameter): AdamW's two
@@ -47,6 +50,10 @@ OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4, "adafactor": 0, "prodig
                    "adamw_schedulefree": 8, "came": 4}
 STRATEGIES = ("ddp", "fsdp", "fsdp_offload")
 GPU_SIZES_GB = (24, 40, 80)
+# The reference table's LoRA rows: rank 32 on every family's ``attention_ffn`` preset (attention and feed-forward
+# layers of the blocks), one setting for all so the rows compare; the LoRA templates train less (rank 16 on
+# ``attention``), so theirs is smaller.
+LORA_RANK, LORA_PRESET = 32, "attention_ffn"
 
 
 def _bytes(module: torch.nn.Module) -> int:
@@ -111,37 +118,67 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
     grads = n * 4
     if in_backward:
         grads = max((p.numel() for p in trained.parameters() if p.requires_grad), default=0) * 4
-    optim = n * opt
     ema_b = 0 if not ema or ema_on_cpu else (weights + base if ema_bytes is None else ema_bytes)
     n_rep, rep = 0, 0
     for module in _unique(replicated):
         k, trained_b, frozen_b = _trained_bytes(module, 4 + 4 + opt)
         n_rep, rep = n_rep + k, rep + trained_b + frozen_b
     frozen_b = sum(_bytes(m) for m in _unique(frozen))
-    # Each unit gathers the parameters no inner unit holds (units come innermost first; the root last).
-    seen: set[int] = set()
-    sizes = []
-    for unit in [*(shard_units(trained, unit_level) if shard_units is not None else []), trained]:
-        own = [p for p in unit.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        sizes.append(sum(p.numel() for p in own))
-    largest = max(sizes)
-    gathered = 2 * largest * compute_bytes
+    largest = largest_unit(trained, shard_units(trained, unit_level) if shard_units is not None else [])
+    state = TrainedState(n, weights, grads, n * opt, ema_b, base)
     counts = dict(trained_params=n, base_params=sum(p.numel() for p in trained.parameters()) - n,
                   encoder_trained_params=n_rep)
+    return strategy_rows(state, 2 * largest * compute_bytes, frozen_b + rep, world_size, activations, counts)
+
+
+def largest_unit(net: torch.nn.Module, units: list[torch.nn.Module], extra: dict[int, int] | None = None) -> int:
+    """Parameters of the largest shard unit of ``net``: units come innermost first and the root last, and each
+    gathers the parameters no inner unit holds; ``extra`` (a layer's id -> parameters: a LoRA planned from the
+    layers' shapes) counts in the unit that holds the layer."""
+    seen_params: set[int] = set()
+    seen_layers: set[int] = set()
+    largest = 0
+    for unit in [*units, net]:
+        own = [p for p in unit.parameters() if id(p) not in seen_params]
+        layers = [m for m in unit.modules() if id(m) not in seen_layers]
+        seen_params.update(id(p) for p in own)
+        seen_layers.update(id(m) for m in layers)
+        size = sum(p.numel() for p in own) + sum((extra or {}).get(id(m), 0) for m in layers)
+        largest = max(largest, size)
+    return largest
+
+
+@dataclass
+class TrainedState:
+    """Bytes the trained module holds on one device before sharding (``memory_plan`` counts them from the
+    module; the reference LoRA rows from the layers' shapes)."""
+
+    params: int  # parameters that train
+    weights: int  # their fp32 weights
+    grads: int  # the gradients that exist at once
+    optimizer: int
+    ema: int  # on the device (0: none, or on the CPU)
+    base: int  # the frozen base, as stored
+
+
+def strategy_rows(state: TrainedState, gathered: int, frozen: int, world_size: int, activations: float,
+                  counts: dict) -> list[MemoryRow]:
+    """One row per strategy (GiB per GPU): ``ddp`` holds ``state`` whole, ``fsdp`` 1/world_size of it plus
+    ``gathered`` bytes of units, ``fsdp_offload`` the gathered units only; ``frozen`` bytes (whole on every
+    GPU) and ``activations`` under all three."""
+    s = state
     rows = []
     for strategy in STRATEGIES:
         if strategy == "ddp":
-            parts = (weights, grads, optim, ema_b, 0, base)
+            parts = (s.weights, s.grads, s.optimizer, s.ema, 0, s.base)
         elif strategy == "fsdp":
             w = world_size
-            parts = (weights / w, grads / w, optim / w, ema_b / w, gathered, base / w)
+            parts = (s.weights / w, s.grads / w, s.optimizer / w, s.ema / w, gathered, s.base / w)
         else:
             parts = (0, 0, 0, 0, gathered, 0)
         g = [x / GIB for x in parts]
-        rows.append(MemoryRow(strategy, *g[:5], frozen=(frozen_b + rep) / GIB,
-                              total=(sum(parts) + frozen_b + rep + activations) / GIB, activations=activations / GIB,
-                              base=g[5], **counts))
+        rows.append(MemoryRow(strategy, *g[:5], frozen=frozen / GIB, total=(sum(parts) + frozen + activations) / GIB,
+                              activations=activations / GIB, base=g[5], **counts))
     return rows
 
 
@@ -207,36 +244,107 @@ def reference_activations(name: str, resolution: int = 1024, batch: int = 1, che
     return batch * 2 * fam.sample_activation_elements(model.config, sample, checkpointing)
 
 
-def reference_rows(name: str, world_size: int = 8, resolution: int = 1024, batch: int = 1, optimizer: str = "adamw",
-                   ema: bool = True, checkpointing: bool = True) -> tuple[int, list[MemoryRow]]:
-    """(trained parameters, one row per strategy) of reference model ``name`` per GPU: bf16 mixed
-    precision (fp32 master weights, bf16 gathered units: the family's shard units at ``block`` level), the
-    frozen encoders in bf16 and the VAE in fp32 on every GPU, ``batch`` samples of ``resolution`` px (text
-    tokens: the pipeline's defaults)."""
+@dataclass
+class ReferenceParts:
+    """A reference model built on the meta device: the trained net (fp32), its frozen text encoders (bf16) and
+    VAE (fp32)."""
+
+    family: type
+    net: torch.nn.Module
+    encoders: list[torch.nn.Module]
+    vae: torch.nn.Module
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.net.parameters())
+
+    def frozen_bytes(self, text_stored: bool = False) -> int:
+        """What stays on every GPU: the VAE, and the text encoders unless the text states come from the
+        latent shards (``text_stored``)."""
+        return _bytes(self.vae) + (0 if text_stored else sum(_bytes(m) for m in self.encoders))
+
+
+def reference_parts(name: str) -> ReferenceParts:
     fam, model = reference_models()[name]
-    net = meta_module(model.config, model.net_class)
-    frozen = [meta_module(ENCODERS[e][1], ENCODERS[e][0]).to(torch.bfloat16) for e in model.encoders]
-    frozen.append(meta_module(model.vae))
+    encoders = [meta_module(ENCODERS[e][1], ENCODERS[e][0]).to(torch.bfloat16) for e in model.encoders]
+    return ReferenceParts(fam, meta_module(model.config, model.net_class), encoders, meta_module(model.vae))
+
+
+def reference_rows(name: str, world_size: int = 8, resolution: int = 1024, batch: int = 1, optimizer: str = "adamw",
+                   ema: bool = True, checkpointing: bool = True,
+                   parts: ReferenceParts | None = None) -> tuple[int, list[MemoryRow]]:
+    """(trained parameters, one row per strategy) of a full fine-tune of reference model ``name`` per GPU: bf16
+    mixed precision (fp32 master weights, bf16 gathered units: the family's shard units at ``block`` level),
+    the frozen encoders in bf16 and the VAE in fp32 on every GPU, ``batch`` samples of ``resolution`` px
+    (text tokens: the pipeline's defaults)."""
+    parts = parts or reference_parts(name)
     acts = reference_activations(name, resolution, batch, checkpointing)
-    rows = memory_plan(net, frozen, optimizer, world_size, ema, False, 2, fam.shard_units, "block", activations=acts)
-    return sum(p.numel() for p in net.parameters()), rows
+    rows = memory_plan(parts.net, [*parts.encoders, parts.vae], optimizer, world_size, ema, False, 2,
+                       parts.family.shard_units, "block", activations=acts)
+    return parts.params, rows
+
+
+def reference_lora_rows(name: str, world_size: int = 8, resolution: int = 1024, batch: int = 1,
+                        optimizer: str = "adamw", ema: bool = True, checkpointing: bool = True,
+                        rank: int = LORA_RANK, preset: str = LORA_PRESET,
+                        parts: ReferenceParts | None = None) -> tuple[int, int, list[MemoryRow]]:
+    """(LoRA parameters, adapted layers, the ddp and fsdp rows) of a LoRA of ``rank`` on the family's
+    ``preset`` layers of reference model ``name``, as the start-up plan counts a run with ``model.adapter``:
+    the adapter trains in fp32 (weights, gradients, optimizer state, its EMA); the frozen base is stored in
+    bf16 on every GPU under ddp and in fp32 under fsdp, which shards it (``memory.load.plan_adapter``); the
+    LoRA's parameters are counted from the layers' shapes (``memory.load.lora_params``)."""
+    parts = parts or reference_parts(name)
+    fam, net = parts.family, parts.net
+    targets = resolve_targets(net, fam.adapter_presets, preset, [], None, "model.adapter", fam.net_name)
+    layers = dict(net.named_modules())
+    per_layer = {id(layers[t]): lora_params(net, [t], rank) for t in targets}
+    n = sum(per_layer.values())
+    gathered = 2 * largest_unit(net, fam.shard_units(net, "block"), per_layer) * 2  # two units in bf16
+    acts = reference_activations(name, resolution, batch, checkpointing)
+    counts = dict(trained_params=n, base_params=parts.params, encoder_trained_params=0)
+
+    def rows(base_bytes: int) -> list[MemoryRow]:
+        state = TrainedState(n, n * 4, n * 4, n * OPTIMIZER_BYTES.get(optimizer, 8), n * 4 if ema else 0,
+                             parts.params * base_bytes)
+        return strategy_rows(state, gathered, parts.frozen_bytes(), world_size, acts, counts)
+
+    return n, len(targets), [rows(2)[0], rows(4)[1]]
+
+
+def _fits(total: float, gb: int = 80) -> str:
+    return "yes" if total < 0.9 * gb * 1e9 / GIB else "no"
+
+
+def _table_line(label: str, training: str, row: MemoryRow, stored_frozen: float, full_acts: float) -> str:
+    """One row: the frozen part and the total with the text encoders on the GPU / the text states stored."""
+    stored_total = row.total - row.frozen + stored_frozen
+    return (f"| {label} | {training} | {row.strategy} | {row.weights:.1f} | {row.gradients:.1f} | "
+            f"{row.optimizer:.1f} | {row.ema:.1f} | {row.gathered:.2f} | {row.base:.1f} | "
+            f"{row.frozen:.1f} / {stored_frozen:.1f} | "
+            f"{row.activations:.1f} / {full_acts:.1f} | {row.total:.1f} / {stored_total:.1f} | "
+            f"{_fits(row.total)} / {_fits(stored_total)} |")
 
 
 def reference_table(world_size: int = 8, resolution: int = 1024) -> str:
-    """A markdown table of the reference rows (GiB per GPU) for docs/memory.md."""
-    head = ("| model (trained params) | strategy | weights | grads | AdamW | EMA | gathered | frozen encoders + VAE "
-            "| activations (ckpt / none) | total (ckpt) | fits 80 GB |")
-    lines = [f"Per GPU, {world_size} GPUs, {resolution} px, batch 1, bf16, AdamW, EMA on the GPU; frozen T5-XXL, "
-             "CLIPs in bf16, VAE in fp32; activations a rough lower estimate with / without gradient checkpointing.",
+    """A markdown table of the reference rows (GiB per GPU) for docs/memory.md: each model's full fine-tune
+    (ddp, fsdp, fsdp_offload), then its LoRA (ddp, fsdp)."""
+    head = ("| model (trained params) | training | strategy | weights | grads | AdamW | EMA | gathered | frozen base "
+            "| frozen encoders + VAE: online / stored text | activations (ckpt / none) "
+            "| total (ckpt): online / stored text | fits 80 GB: online / stored text |")
+    lines = [f"Per GPU, {world_size} GPUs, {resolution} px, batch 1, bf16, AdamW, EMA on the GPU; frozen text encoders "
+             "in bf16, VAE in fp32 (online: the text encoders on every GPU; stored text: the text states read from the "
+             f"latent shards, only the VAE); LoRA: rank {LORA_RANK} on the family's `{LORA_PRESET}` layers; "
+             "activations a rough lower estimate with / without gradient checkpointing.",
              "", head, "|" + "---|" * (head.count("|") - 1)]
     for name in reference_models():
-        n, rows = reference_rows(name, world_size, resolution)
-        full = reference_activations(name, resolution, checkpointing=False) / GIB
-        for row in rows:
-            lines.append(f"| {name} ({n / 1e9:.2f}B) | {row.strategy} | {row.weights:.1f} | {row.gradients:.1f} | "
-                         f"{row.optimizer:.1f} | {row.ema:.1f} | {row.gathered:.2f} | {row.frozen:.1f} | "
-                         f"{row.activations:.1f} / {full:.1f} | {row.total:.1f} | "
-                         f"{'yes' if row.total < 0.9 * 80e9 / GIB else 'no'} |")
+        parts = reference_parts(name)
+        stored = parts.frozen_bytes(text_stored=True) / GIB
+        full_acts = reference_activations(name, resolution, checkpointing=False) / GIB
+        n, rows = reference_rows(name, world_size, resolution, parts=parts)
+        lines += [_table_line(f"{name} ({n / 1e9:.2f}B)", "full", row, stored, full_acts) for row in rows]
+        n_lora, _layers, rows = reference_lora_rows(name, world_size, resolution, parts=parts)
+        lines += [_table_line(f"{name} ({n_lora / 1e6:.0f}M LoRA)", f"LoRA r{LORA_RANK}", row, stored, full_acts)
+                  for row in rows]
     return "\n".join(lines)
 
 
