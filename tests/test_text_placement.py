@@ -101,3 +101,32 @@ def test_placing_again_replaces_the_hooks(encoder):
     placement.place(encoder, "device", torch.device("cpu"))
     assert not encoder._forward_pre_hooks and not encoder._forward_hooks
     assert placement.placement_of(encoder) == "device"
+
+
+def test_the_plan_at_config_load_counts_the_text_encoders_that_stay_on_the_device(family_pipeline, shapes_shards,
+                                                                                  tmp_path):
+    """Z-Image's LLM, counted from its weight files' headers at the training precision, is in the load-time
+    plan when it stays on the device, not when the shards store the text (auto: offload); a run that forces it
+    onto the device with stored text is advised to offload it when that is what fits."""
+    from safetensors.torch import load_file
+
+    from sd_training.memory.fit import ADVICE_FRACTION, advise, load_plan, need_bytes
+
+    pipeline = family_pipeline("zimage")
+    n = sum(t.numel() for f in (pipeline / "text_encoder").glob("*.safetensors") for t in load_file(f).values())
+    stored = {"dataset.type": "latents", "dataset.params.text_embeddings": "true"}
+
+    def plan(**over):
+        cfg = load(args(tmp_path, pipeline, shapes_shards, **{"model.mixed_precision": "bf16", **over}))
+        return cfg, load_plan(cfg)
+
+    online, p_online = plan()
+    assert p_online.frozen_text == 2 * n and p_online.frozen_what.startswith("text_encoder ")
+    offloaded, p_off = plan(**stored)
+    assert need_bytes(p_off, offloaded) == pytest.approx(need_bytes(p_online, online) - 2 * n)
+    forced, p_forced = plan(**stored, **{"model.text_encoder_placement": "device"})
+    need = need_bytes(p_forced, forced)
+    assert need == pytest.approx(need_bytes(p_online, online))
+    memory = (need - n) / ADVICE_FRACTION  # fits only without the encoder
+    assert ["model.text_encoder_placement=offload"] in [a.changes for a in advise(p_forced, forced, memory)]
+    assert not any("text_encoder_placement" in c for a in advise(p_online, online, memory) for c in a.changes)

@@ -144,6 +144,12 @@ class Family(abc.ABC):
         """The components that do not train (VAE, text encoders): for the memory plan."""
         return []
 
+    @classmethod
+    def loaded_text_components(cls, cfg: TrainConfig) -> tuple[str, ...]:
+        """The pipeline's text-encoder components this run loads (the memory plan at config load counts them
+        from their folders)."""
+        return ()
+
     def frozen_on_device(self) -> list[torch.nn.Module]:
         """:meth:`frozen_modules` that stay on the device between steps: not those kept in host memory
         (``model.text_encoder_placement``, ``components.placement``). What the memory plan counts."""

@@ -159,6 +159,7 @@ def _refusals(cfg: TrainConfig) -> list[tuple[bool, str]]:
 
 class Flux(FlowFamily):
     name = text_tag = "flux"
+    text_components = ("text_encoder", "text_encoder_2")  # CLIP-L and T5
     display_name = "Flux"
     pipeline_classes = ("FluxPipeline",)
     card_tags = ("flux", "flux-diffusers")

@@ -63,6 +63,12 @@ class PipelineFamily(Family):
     # The text encoders that may train with the net (``model.text_encoder.train``) or carry a LoRA
     # (``model.adapter.text_encoders``), by the names of ``self.models`` and of the pipeline's components
     text_encoder_names: tuple[str, ...] = ()
+    # Every text encoder of the pipeline, by component name (``loaded_text_components``)
+    text_components: tuple[str, ...] = ("text_encoder",)
+
+    @classmethod
+    def loaded_text_components(cls, cfg: TrainConfig) -> tuple[str, ...]:
+        return cls.text_components
 
     def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
         super().__init__(cfg, device, seed, is_main)

@@ -132,6 +132,10 @@ class StableDiffusion3(FlowFamily):
     pipeline_classes = ("StableDiffusion3Pipeline",)
     card_tags = ("sd3", "sd3-diffusers")
     text_encoder_names = ("text_encoder", "text_encoder_2")  # both CLIPs (T5 never trains)
+
+    @classmethod
+    def loaded_text_components(cls, cfg: TrainConfig) -> tuple[str, ...]:
+        return (*cls.text_encoder_names, *(("text_encoder_3",) if cfg.model.t5.use else ()))
     # Kept from when SD3 inherited SD's settings: under compile_scope=auto the whole transformer is compiled.
     compile_scope_auto = "whole"
 

@@ -118,7 +118,7 @@ class StableDiffusionXL(StableDiffusion):
     pipeline_classes = ("StableDiffusionXLPipeline",)
     card_tags = ("stable-diffusion-xl", "stable-diffusion-xl-diffusers")
     kohya_lora_prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
-    text_encoder_names = ("text_encoder", "text_encoder_2")
+    text_encoder_names = text_components = ("text_encoder", "text_encoder_2")
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import ConfigError
+from ..config.dataset import is_latent_type
+from ..config.rules import text_encoder_placement
 from ..families import registry
 from .activations import SampleShape
 from .load import adapter_state_bytes, json_file, meta_params, plan_adapter, safetensors_params
@@ -37,6 +39,7 @@ from .plan import GIB, MemoryRow, per_trained_param
 
 log = logging.getLogger(__name__)
 LOAD_WARN_FRACTION = 0.8  # a plan above this share of the device's memory is logged as a warning
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a frozen component's model.*.dtype
 ADVICE_FRACTION = 0.9  # advised settings leave this share of the memory for what the plan does not count
 
 
@@ -147,6 +150,7 @@ class Setting:
     ema_on_device: bool
     strategy: str  # ddp | fsdp | fsdp_offload
     world: int
+    text_on_device: bool = True  # the frozen text encoders stay on the device (model.text_encoder_placement)
 
 
 @dataclass
@@ -158,6 +162,8 @@ class LoadPlan:
     what: str  # how they were counted, for messages
     per_sample: tuple[float, float]  # one sample's activations (without, with gradient checkpointing)
     planned_adapter: object | None  # memory.load.PlannedAdapter
+    frozen_text: float = 0.0  # bytes of the frozen text encoders, whole on every device unless kept off it
+    frozen_what: str = ""  # which, for messages
 
     def activations(self, s: Setting) -> float:
         return s.batch * self.per_sample[s.checkpointing]
@@ -170,8 +176,12 @@ class LoadPlan:
             return 0.0
         return self.params * per / (s.world if s.strategy == "fsdp" else 1)
 
+    def resident(self, s: Setting) -> float:
+        """What stays on the device whatever the batch: the trained state and the frozen text encoders."""
+        return self.state(s) + (self.frozen_text if s.text_on_device else 0.0)
+
     def need(self, s: Setting) -> float:
-        return self.state(s) + self.activations(s)
+        return self.resident(s) + self.activations(s)
 
 
 def current_setting(cfg) -> Setting:
@@ -179,7 +189,30 @@ def current_setting(cfg) -> Setting:
     strategy = "fsdp_offload" if d.strategy == "fsdp" and d.fsdp_cpu_offload else d.strategy
     return Setting(cfg.system.batch_size, bool(m.gradient_checkpointing), cfg.optimizer.name,
                    bool(cfg.optimizer.in_backward), bool(m.use_ema and m.ema.device != "cpu"), strategy,
-                   _world_size())
+                   _world_size(), text_encoder_placement(cfg) == "device")
+
+
+def frozen_text_encoders(cfg, fam) -> tuple[float, str]:
+    """(bytes, which) of the run's frozen text encoders as stored (the training precision's 2 bytes under bf16 /
+    fp16, else 4; an explicit ``model.text_encoder.dtype`` kept), counted from each component folder's weight
+    headers (else its config.json on the meta device), nothing built; encoders that cannot be read are left out,
+    and a trained one is not frozen (0)."""
+    m = cfg.model
+    if m.text_encoder.train or m.adapter.text_encoders.train:
+        return 0.0, ""
+    half = m.mixed_precision in ("bf16", "fp16")
+    per = DTYPE_BYTES.get(m.text_encoder.dtype, 2 if half else 4)
+    total, names = 0, []
+    for name in fam.loaded_text_components(cfg):
+        comp = getattr(m, name, None)
+        folder, conf = _component_folder(getattr(comp, "pretrained", None) or m.pretrained, name, m.revision)
+        if conf is None:
+            continue
+        archs = conf.get("architectures") or [None]
+        n = (safetensors_params(folder, "model") if folder else None) or meta_params(conf, archs[0])
+        if n:
+            total, names = total + n * per, [*names, f"{name} {n / 1e9:,.2f}B"]
+    return float(total), ", ".join(names)
 
 
 def load_plan(cfg) -> LoadPlan | None:
@@ -193,14 +226,15 @@ def load_plan(cfg) -> LoadPlan | None:
     fam = _family(cfg)
     per_sample = (sample_activations(cfg, conf, False), sample_activations(cfg, conf, True))
     n_params = (safetensors_params(folder) if folder else None) or meta_params(conf, class_name)
+    text = frozen_text_encoders(cfg, fam)
     if not cfg.model.adapter.enabled:
-        return LoadPlan(fam.net_name, n_params, f"{n_params / 1e6:,.1f}M parameters", per_sample, None)
+        return LoadPlan(fam.net_name, n_params, f"{n_params / 1e6:,.1f}M parameters", per_sample, None, *text)
     planned = plan_adapter(cfg, conf, class_name, fam.adapter_presets, fam.net_name)
     if planned is None:
         return None
     what = (f"a LoRA of {planned.trained / 1e6:,.2f}M parameters on {planned.layers:,} layers; the frozen base's "
             f"{planned.base / 1e6:,.1f}M parameters at {planned.base_bytes} bytes")
-    return LoadPlan(fam.net_name, planned.trained, what, per_sample, planned)
+    return LoadPlan(fam.net_name, planned.trained, what, per_sample, planned, *text)
 
 
 # (keys to set, how it changes the setting, what it costs: lower is tried first)
@@ -225,6 +259,10 @@ def _levers(cfg, s: Setting) -> list[tuple[str, dict, int]]:
     if s.strategy != "fsdp_offload":
         keys = ("distributed.strategy=fsdp " if s.strategy == "ddp" else "") + "distributed.fsdp_cpu_offload=true"
         out.append((keys, dict(strategy="fsdp_offload"), 5))
+    # Stored text states: the steps never run the text encoders, so host memory holds them (auto does that
+    # unless the config says device); online, each step would move them: no lever.
+    if s.text_on_device and cfg.dataset.params.text_embeddings and is_latent_type(cfg.dataset.type):
+        out.append(("model.text_encoder_placement=offload", dict(text_on_device=False), 1))
     return out
 
 
@@ -276,7 +314,7 @@ def advise(plan: LoadPlan, cfg, memory: float, limit: int = 3, fraction: float =
 
 def _largest_batch(plan: LoadPlan, s: Setting, budget: float) -> int:
     per = plan.activations(replace(s, batch=1))
-    room = budget - plan.state(s)
+    room = budget - plan.resident(s)
     return int(room // per) if per > 0 and room >= per else 0
 
 
@@ -341,10 +379,12 @@ def describe(plan: LoadPlan, cfg) -> str:
     per_batch, state = plan.activations(s), plan.state(s)
     ema = " and EMA" if s.ema_on_device else ""
     over = f" over {s.world} ranks" if s.strategy == "fsdp" else ""
-    return (f"about {(state + per_batch) / GIB:,.1f} GiB per device: activations {plan.per_sample[s.checkpointing] / 2**20:,.1f} "
-            f"MiB per sample (a rough lower estimate) x system.batch_size={s.batch:,} = {per_batch / GIB:,.1f} GiB, plus "
-            f"{state / GIB:,.2f} GiB of the {plan.kind}'s weights, gradients, optimizer state{ema} ({plan.what}, "
-            f"{s.strategy}{over})")
+    text = plan.frozen_text if s.text_on_device else 0.0
+    frozen = f", plus {text / GIB:,.2f} GiB of frozen text encoders ({plan.frozen_what})" if text else ""
+    return (f"about {(state + per_batch + text) / GIB:,.1f} GiB per device: activations "
+            f"{plan.per_sample[s.checkpointing] / 2**20:,.1f} MiB per sample (a rough lower estimate) x "
+            f"system.batch_size={s.batch:,} = {per_batch / GIB:,.1f} GiB, plus {state / GIB:,.2f} GiB of the "
+            f"{plan.kind}'s weights, gradients, optimizer state{ema} ({plan.what}, {s.strategy}{over}){frozen}")
 
 
 def need_bytes(plan: LoadPlan, cfg) -> float:

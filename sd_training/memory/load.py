@@ -37,12 +37,12 @@ def json_file(path: str) -> dict | None:
         return None
 
 
-def safetensors_params(folder: str) -> int | None:
+def safetensors_params(folder: str, stem: str = "diffusion_pytorch_model") -> int | None:
     """Parameters in a component folder's safetensors weights, from the files' headers (nothing loaded);
-    None when there are none."""
-    index = json_file(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"))
+    None when there are none. ``stem``: diffusers' file name, or transformers' ``model``."""
+    index = json_file(os.path.join(folder, f"{stem}.safetensors.index.json"))
     files = sorted(set(index["weight_map"].values())) if index and isinstance(index.get("weight_map"), dict) else [
-        "diffusion_pytorch_model.safetensors"]
+        f"{stem}.safetensors"]
     total = 0
     for name in files:
         try:
