@@ -196,7 +196,8 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
 def check_export_kohya(cfg: TrainConfig, family_class, encoders: list[str] | None = None) -> None:
     """``model.adapter.export_kohya`` against the family (at config load, ``encoders`` None: the text encoders
     ``model.adapter.text_encoders.train`` asks for): refused where its file cannot hold every adapted module,
-    naming the key. Its layers are checked when the adapters are made (``comfy_lora.check_layers``)."""
+    naming the key. The ComfyUI names of its layers: on the meta device at load, again when the adapters are made
+    (``comfy_lora.check_layers``)."""
     a = cfg.model.adapter
     if not (a.enabled and a.export_kohya):
         return
@@ -213,8 +214,8 @@ def check_export_kohya(cfg: TrainConfig, family_class, encoders: list[str] | Non
     outside = [net] if net not in prefixes else [e for e in encoders or [] if e not in prefixes]
     if outside:
         raise ConfigError(f"'model.adapter.export_kohya': the {name} family's {outside[0]} has no kohya key "
-                          "names in diffusers' converter (UNets and their CLIPs only) and no ComfyUI names here; set it "
-                          f"to false: the diffusers file {LORA_FILE} is what diffusers loads for this family")
+                          "names in diffusers' converter (UNets and their CLIPs only) and no ComfyUI names here; set "
+                          f"it to false: the diffusers file {LORA_FILE} is what diffusers loads for this family")
 
 
 def _check_comfy_layers_at_load(cfg: TrainConfig, family_class) -> None:
@@ -398,8 +399,8 @@ def merged_copy(net: torch.nn.Module) -> torch.nn.Module:
 
 
 def export(adapters: Adapters, family, net: torch.nn.Module, out: Path, merged: bool, kohya: bool = False) -> dict:
-    """An export folder ``out`` (written atomically): the LoRA file, with ``kohya`` its kohya- or ComfyUI-named copy, and
-    with ``merged`` the full pipeline with the adapter merged in ``out/merged`` (the family's own export)."""
+    """An export folder ``out`` (written atomically): the LoRA file, with ``kohya`` its kohya- or ComfyUI-named
+    copy, and with ``merged`` the full pipeline with the adapter merged in ``out/merged`` (the family's own export)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():

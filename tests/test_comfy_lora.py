@@ -35,7 +35,8 @@ LORA = {"model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.al
 # qkv has a part without a LoRA), and keys the ComfyUI file must hold (ComfyUI's own names for the tiny nets).
 CASES = {
     "zimage": (r"(?!all_).+", ["layers.1.attention.qkv.lora.down.weight", "layers.0.attention.out.alpha",
-                               "noise_refiner.0.adaLN_modulation.0.lora.up.weight", "context_refiner.0.feed_forward.w2.alpha",
+                               "noise_refiner.0.adaLN_modulation.0.lora.up.weight",
+                               "context_refiner.0.feed_forward.w2.alpha",
                                "t_embedder.mlp.2.lora.down.weight", "cap_embedder.1.lora.up.weight"]),
     "flux2_klein": (r"(?!norm_out|transformer_blocks\.0\.attn\.add_k_proj).+",
                     ["double_blocks.0.img_attn.qkv.lora_A.weight", "double_blocks.0.txt_attn.qkv.lora_B.weight",
@@ -44,8 +45,9 @@ CASES = {
     "flux2_dev": (r"transformer_blocks\.\d+\.attn\..+|time_guidance_embed\..+",
                   ["double_blocks.0.img_attn.qkv.lora_B.weight", "double_blocks.0.txt_attn.proj.lora_A.weight",
                    "guidance_in.out_layer.lora_B.weight", "time_in.in_layer.lora_A.weight"]),
-    "qwen_image": (r".+", ["transformer_blocks.0.attn.to_q.lora_A.weight", "transformer_blocks.0.img_mlp.net.0.proj.alpha",
-                           "norm_out.linear.lora_B.weight", "img_in.alpha"]),
+    "qwen_image": (r".+", ["transformer_blocks.0.attn.to_q.lora_A.weight",
+                           "transformer_blocks.0.img_mlp.net.0.proj.alpha", "norm_out.linear.lora_B.weight",
+                           "img_in.alpha"]),
 }
 args = args_with({"dataset.params.resolution": 32, **LORA})
 
@@ -134,7 +136,7 @@ def test_a_layer_without_an_original_name_is_refused(family_pipeline, shapes_sha
     load (the net built on the meta device) and, where the net could not be read then, when the adapter is made."""
     for name, target in (("flux2_klein", "norm_out.linear"), ("zimage", "all_x_embedder.2-1")):
         argv = args(tmp_path, family_pipeline(name), shapes_shards, **{"model.adapter.target_modules": f"[{target}]"})
-        message = rf"'model.adapter.export_kohya': the transformer's layer {re.escape(target)} has no name in the original"
+        message = rf"'model.adapter.export_kohya': the transformer's layer {re.escape(target)} has no name in the"
         with pytest.raises(ConfigError, match=message):
             load(argv)
         with monkeypatch.context() as m:
