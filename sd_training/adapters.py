@@ -196,8 +196,8 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
 def check_export_kohya(cfg: TrainConfig, family_class, encoders: list[str] | None = None) -> None:
     """``model.adapter.export_kohya`` against the family (at config load, ``encoders`` None: the text encoders
     ``model.adapter.text_encoders.train`` asks for): refused where its file cannot hold every adapted module,
-    naming the key. The ComfyUI names of its layers: on the meta device at load, again when the adapters are made
-    (``comfy_lora.check_layers``)."""
+    naming the key. The ComfyUI names of its layers are checked on the meta device at load
+    (``configure.check_comfy_names``) and again when the adapters are made (``comfy_lora.check_layers``)."""
     a = cfg.model.adapter
     if not (a.enabled and a.export_kohya):
         return
@@ -207,8 +207,6 @@ def check_export_kohya(cfg: TrainConfig, family_class, encoders: list[str] | Non
             raise ConfigError(f"'model.adapter.export_kohya': the {name} family's ComfyUI file holds the {net}'s LoRA "
                               "only (its names are the original checkpoint's), not a text encoder's: set "
                               "model.adapter.text_encoders.train=false or model.adapter.export_kohya=false")
-        if encoders is None:
-            _check_comfy_layers_at_load(cfg, family_class)
         return
     prefixes = family_class.kohya_lora_prefixes
     outside = [net] if net not in prefixes else [e for e in encoders or [] if e not in prefixes]
@@ -216,28 +214,6 @@ def check_export_kohya(cfg: TrainConfig, family_class, encoders: list[str] | Non
         raise ConfigError(f"'model.adapter.export_kohya': the {name} family's {outside[0]} has no kohya key "
                           "names in diffusers' converter (UNets and their CLIPs only) and no ComfyUI names here; set "
                           f"it to false: the diffusers file {LORA_FILE} is what diffusers loads for this family")
-
-
-def _check_comfy_layers_at_load(cfg: TrainConfig, family_class) -> None:
-    """:func:`comfy_lora.check_layers` on the net the config names, built on the meta device (its config.json or
-    params, as the memory plan reads them), so a target without a ComfyUI name is refused before any weight
-    loads; nothing when the net cannot be read yet or the targets match nothing (the start-up build reports
-    that, and checks the layers again)."""
-    from .memory.fit import trained_config  # imported when used: memory imports this module
-    from .memory.load import meta_module
-
-    a = cfg.model.adapter
-    _, conf = trained_config(cfg)
-    net = meta_module(conf) if conf is not None else None
-    if net is None:
-        return
-    try:
-        targets = resolve_targets(net, family_class.adapter_presets, a.targets, list(a.target_modules), a.target_regex,
-                                  "model.adapter", family_class.net_name)
-    except ConfigError:
-        return
-    comfy_lora.check_layers(family_class.comfy_lora_names, net, targets, "model.adapter.export_kohya",
-                            family_class.net_name)
 
 
 # ---------------------------------------------------------------------------------------------- init_from

@@ -22,7 +22,7 @@ import pytest
 import torch
 from helpers import args_with
 
-from sd_training import adapters
+from sd_training import adapters, configure
 from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.families import registry
@@ -140,7 +140,7 @@ def test_a_layer_without_an_original_name_is_refused(family_pipeline, shapes_sha
         with pytest.raises(ConfigError, match=message):
             load(argv)
         with monkeypatch.context() as m:
-            m.setattr(adapters, "_check_comfy_layers_at_load", lambda cfg, family_class: None)  # a net not read at load
+            m.setattr(configure, "check_comfy_names", lambda cfg: None)  # as for a net not readable at load
             cfg = load(argv)
             fam = registry.create(cfg, torch.device("cpu"), 0, True)
             with pytest.raises(ConfigError, match=message):
