@@ -26,7 +26,7 @@ from sd_training import adapters, configure
 from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.families import registry
-from sd_training.outputs import comfy_lora
+from sd_training.outputs import comfy_lora, model_card
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LORA = {"model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.alpha": 8,
@@ -97,6 +97,7 @@ def test_the_comfyui_file_loads_to_the_same_weights(name, family_pipeline, shape
     out = tmp_path / "export"
     adapters.export(ad, fam, fam.net, out, merged=False, kohya=True)
     assert not (out / adapters.KOHYA_FILE).exists()
+    assert model_card.kohya_line(out).startswith(adapters.COMFY_FILE)  # what the export's card lists
     saved = load_file(str(out / adapters.COMFY_FILE))
     assert all(k.startswith(comfy_lora.PREFIX) for k in saved)
     missing = [k for k in expected if comfy_lora.PREFIX + k not in saved]
