@@ -99,7 +99,10 @@ def comfy_state(names: ComfyLoraNames, lora: dict[str, tuple[torch.Tensor, torch
     groups: dict[str, dict[int, tuple]] = {}
     parts_of: dict[str, int] = {}
     for layer, weights in lora.items():
-        name, part, parts = names.original(layer)
+        found = names.original(layer)
+        if found is None:  # check_layers refuses such a target before any training
+            raise ValueError(f"the LoRA's layer {layer} has no original name (rules read by {names.reader})")
+        name, part, parts = found
         groups.setdefault(name, {})[part] = weights
         parts_of[name] = parts
     out = {}
