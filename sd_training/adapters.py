@@ -213,7 +213,8 @@ def check_export_kohya(cfg: TrainConfig, family_class, encoders: list[str] | Non
     if outside:
         raise ConfigError(f"'model.adapter.export_kohya': the {name} family's {outside[0]} has no kohya key "
                           "names in diffusers' converter (UNets and their CLIPs only) and no ComfyUI names here; set "
-                          f"it to false: the diffusers file {LORA_FILE} is what diffusers loads for this family")
+                          f"it to false: the diffusers file {LORA_FILE} is what ComfyUI (which maps these diffusers "
+                          "names itself) and diffusers load for this family")
 
 
 # ---------------------------------------------------------------------------------------------- init_from
