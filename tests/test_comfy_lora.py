@@ -52,7 +52,7 @@ CASES = {
 args = args_with({"dataset.params.resolution": 32, **LORA})
 
 
-def make(name, pipeline, shards, tmp_path, **over):
+def make(pipeline, shards, tmp_path, **over):
     """The family of ``pipeline`` with a LoRA from ``model.adapter`` (our adapter code), its weights random."""
     cfg = load(args(tmp_path, pipeline, shards, **over))
     fam = registry.create(cfg, torch.device("cpu"), 0, True)
@@ -93,7 +93,7 @@ def test_the_comfyui_file_loads_to_the_same_weights(name, family_pipeline, shape
 
     regex, expected = CASES[name]
     pipeline = family_pipeline(name)
-    fam, ad = make(name, pipeline, shapes_shards, tmp_path, **{"model.adapter.target_regex": regex})
+    fam, ad = make(pipeline, shapes_shards, tmp_path, **{"model.adapter.target_regex": regex})
     out = tmp_path / "export"
     adapters.export(ad, fam, fam.net, out, merged=False, kohya=True)
     assert not (out / adapters.KOHYA_FILE).exists()
@@ -103,7 +103,7 @@ def test_the_comfyui_file_loads_to_the_same_weights(name, family_pipeline, shape
     missing = [k for k in expected if comfy_lora.PREFIX + k not in saved]
     assert not missing, (missing, sorted(saved)[:12])
 
-    ours = {k: v for k, v in adapters.merged_copy(fam.net).state_dict().items()}
+    ours = adapters.merged_copy(fam.net).state_dict()
     base = {k.replace("base_layer.", ""): v for k, v in fam.net.state_dict().items() if "lora_" not in k}
     pipe = DiffusionPipeline.from_pretrained(pipeline)
     from_diffusers = merged_weights(pipe, out, adapters.LORA_FILE)
