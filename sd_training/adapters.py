@@ -8,8 +8,9 @@ match nothing and ranks larger than a layer), injects the adapters with diffuser
 (the base weights in the training precision), loads ``model.adapter.init_from``, makes the optimizer's
 groups and writes exports in diffusers' LoRA format (the pipeline class's ``save_lora_weights``:
 ``pytorch_lora_weights.safetensors``, loadable with ``pipe.load_lora_weights(folder)``), optionally with the
-merged pipeline beside it. Names no family: the pipeline class, the net's and the encoders' names come from
-the family."""
+merged pipeline beside it; with ``model.adapter.export_kohya`` also a copy with kohya's names (UNet families)
+or ComfyUI's (the families with ``Family.comfy_lora_names``: ``outputs.comfy_lora``). Names no family: the
+pipeline class, the net's and the encoders' names come from the family."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ from .config import ConfigError
 from .config.patterns import full_matches
 from .config.schema import TrainConfig
 from .optim import param_groups
+from .outputs import comfy_lora
 from .run.run_dir import replace_dir
 
 log = logging.getLogger(__name__)
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"  # model.adapter.export_kohya (diffusers' examples' name)
+COMFY_FILE = "pytorch_lora_weights_comfyui.safetensors"  # model.adapter.export_kohya where the family has ComfyUI names
 MERGED = "merged"  # the merged pipeline's folder inside an export (model.adapter.export_merged)
 ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
@@ -45,6 +48,7 @@ class Adapters:
     encoders: dict[str, torch.nn.Module]  # text encoders carrying a LoRA, trained with the net
     pipeline_class: str  # the diffusers pipeline whose save_lora_weights writes exports
     kohya_prefixes: dict[str, str]  # component -> its kohya key prefix (Family.kohya_lora_prefixes)
+    comfy_names: comfy_lora.ComfyLoraNames | None = None  # the net's ComfyUI names (Family.comfy_lora_names)
 
     def param_groups(self, cfg: TrainConfig, peak_lr: float, lr_scale: float) -> list[dict]:
         """The adapter's groups (``model.adapter.learning_rate`` / ``weight_decay``, else the optimizer's) and
@@ -153,6 +157,8 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
     targets = resolve_targets(net, family.adapter_presets, a.targets, list(a.target_modules), a.target_regex,
                               "model.adapter", family.net_name)
     check_rank(net, targets, a.rank, "model.adapter.rank", family.net_name)
+    if a.export_kohya and family.comfy_lora_names is not None:  # its file names every target: refused before any work
+        comfy_lora.check_layers(family.comfy_lora_names, net, targets, "model.adapter.export_kohya", family.net_name)
     total = sum(p.numel() for p in net.parameters())
     if base_dtype is not None:
         net.to(base_dtype)
@@ -178,15 +184,37 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
     log.info("model.adapter: %s rank %d%s on %s; %s trainable parameters, %.3f%% of %s", a.type, a.rank,
              " (DoRA)" if a.use_dora else "", "; ".join(lines), f"{trained:,}", 100.0 * trained / max(total, 1),
              f"{total:,}")
-    adapters = Adapters(net, family.net_name, encoders, family.pipeline_classes[0], dict(family.kohya_lora_prefixes))
-    outside = sorted({family.net_name, *encoders} - set(adapters.kohya_prefixes))
-    if a.export_kohya and outside:
-        raise ConfigError(f"'model.adapter.export_kohya': the {family.name} family's {outside[0]} has no kohya key "
-                          "names in diffusers' converter (UNets and their CLIPs only); set it to false: the "
-                          f"diffusers file {LORA_FILE} is what ComfyUI and diffusers load for this family")
+    adapters = Adapters(net, family.net_name, encoders, family.pipeline_classes[0], dict(family.kohya_lora_prefixes),
+                        family.comfy_lora_names)
+    if a.export_kohya:
+        check_export_kohya(cfg, type(family), list(encoders))
     if a.init_from:
         load_lora(adapters, a.init_from)
     return adapters
+
+
+def check_export_kohya(cfg: TrainConfig, family_class, encoders: list[str] | None = None) -> None:
+    """``model.adapter.export_kohya`` against the family (at config load, ``encoders`` None: the text encoders
+    ``model.adapter.text_encoders.train`` asks for): refused where its file cannot hold every adapted module,
+    naming the key. The ComfyUI names of its layers are checked on the meta device at load
+    (``configure.check_comfy_names``) and again when the adapters are made (``comfy_lora.check_layers``)."""
+    a = cfg.model.adapter
+    if not (a.enabled and a.export_kohya):
+        return
+    name, net = family_class.name, family_class.net_name
+    if family_class.comfy_lora_names is not None:
+        if a.text_encoders.train:
+            raise ConfigError(f"'model.adapter.export_kohya': the {name} family's ComfyUI file holds the {net}'s LoRA "
+                              "only (its names are the original checkpoint's), not a text encoder's: set "
+                              "model.adapter.text_encoders.train=false or model.adapter.export_kohya=false")
+        return
+    prefixes = family_class.kohya_lora_prefixes
+    outside = [net] if net not in prefixes else [e for e in encoders or [] if e not in prefixes]
+    if outside:
+        raise ConfigError(f"'model.adapter.export_kohya': the {name} family's {outside[0]} has no kohya key "
+                          "names in diffusers' converter (UNets and their CLIPs only) and no ComfyUI names here; set "
+                          f"it to false: the diffusers file {LORA_FILE} is what ComfyUI (which maps these diffusers "
+                          "names itself) and diffusers load for this family")
 
 
 # ---------------------------------------------------------------------------------------------- init_from
@@ -322,6 +350,23 @@ def save_kohya(adapters: Adapters, lora_file: Path) -> Path:
     return out
 
 
+def save_comfy(adapters: Adapters, net: torch.nn.Module, lora_file: Path) -> Path:
+    """The diffusers LoRA file's net part rewritten with the original checkpoint's layer names, as ComfyUI
+    loads it and diffusers' converter reads it back (``outputs.comfy_lora``); each layer's scale from its
+    peft layer (alpha / rank)."""
+    from safetensors.torch import load_file, save_file
+
+    head, down, up = adapters.net_name + ".", ".lora_A.weight", ".lora_B.weight"
+    state = load_file(str(lora_file))
+    scales = {n: float(m.scaling["default"]) for n, m in net.named_modules()
+              if isinstance(getattr(m, "scaling", None), dict) and "default" in m.scaling}
+    lora = {k[len(head):-len(down)]: (v, state[k[:-len(down)] + up], scales[k[len(head):-len(down)]])
+            for k, v in state.items() if k.startswith(head) and k.endswith(down)}
+    out = lora_file.with_name(COMFY_FILE)
+    save_file(comfy_lora.comfy_state(adapters.comfy_names, lora), str(out))
+    return out
+
+
 def merged_copy(net: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``net`` with the adapter merged into fp32 weights and the peft layers gone."""
     merged = copy.deepcopy(net).float()
@@ -331,15 +376,17 @@ def merged_copy(net: torch.nn.Module) -> torch.nn.Module:
 
 
 def export(adapters: Adapters, family, net: torch.nn.Module, out: Path, merged: bool, kohya: bool = False) -> dict:
-    """An export folder ``out`` (written atomically): the LoRA file, with ``kohya`` its kohya-named copy, and
-    with ``merged`` the full pipeline with the adapter merged in ``out/merged`` (the family's own export)."""
+    """An export folder ``out`` (written atomically): the LoRA file, with ``kohya`` its kohya- or ComfyUI-named
+    copy, and with ``merged`` the full pipeline with the adapter merged in ``out/merged`` (the family's own export)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     lora_file = save_lora(adapters, net, tmp)
-    if kohya:
+    if kohya and adapters.comfy_names is not None:
+        save_comfy(adapters, net, lora_file)
+    elif kohya:
         save_kohya(adapters, lora_file)
     metrics = {}
     if merged:

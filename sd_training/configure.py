@@ -24,7 +24,10 @@ from .families.components.unet import check_unet_params
 from .memory.fit import check_batch, trained_config, vae_factor  # (read, nothing built)
 from .data.buckets import make_buckets
 from .families.options import FamilyModelFields
-from .adapters import check_lora_file
+from .adapters import check_lora_file, resolve_targets
+from .config.patterns import PatternTimeout
+from .memory.load import meta_module
+from .outputs.comfy_lora import check_layers
 from .families.components.ddpm import validate_objective_config
 from .families.components.clip import validate_text_encoder_config
 from .config.fields import ConfigError
@@ -54,6 +57,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
     registry.validate(cfg)
     check_family_limits(cfg)
     check_init_from(cfg)
+    check_comfy_names(cfg)
     check_dataset_inputs(cfg.dataset)
     check_batch(cfg)
     return cfg
@@ -210,6 +214,28 @@ def check_resolutions(cfg: TrainConfig, grid, what: str) -> None:
             raise ConfigError(f"an aspect bucket of dataset.params.resolution={p.resolution}, bucket_step="
                               f"{p.bucket_step} and max_aspect_ratio={p.max_aspect_ratio:g} has a side of {side} px, "
                               f"but every image side {what} trains on must be {rule} ({grid.why}): {fix}")
+
+
+def check_comfy_names(cfg: TrainConfig) -> None:
+    """``model.adapter.export_kohya`` where the family's copy has ComfyUI's names (``Family.comfy_lora_names``):
+    every adapter target has one, checked on the net the config names built on the meta device (as the memory
+    plan builds it) before any weight loads. Skipped when the net cannot be read yet or the targets match
+    nothing: the start-up build reports that, and checks the names again (``adapters.apply``)."""
+    a, fam = cfg.model.adapter, registry.trained_family(cfg)
+    if not (a.enabled and a.export_kohya) or fam is None or fam.comfy_lora_names is None:
+        return
+    _folder, conf = trained_config(cfg)
+    net = meta_module(conf) if conf is not None else None
+    if net is None:
+        return
+    try:
+        targets = resolve_targets(net, fam.adapter_presets, a.targets, list(a.target_modules), a.target_regex,
+                                  "model.adapter", fam.net_name)
+    except PatternTimeout:
+        raise  # the user's target_regex: refused at load
+    except ConfigError:
+        return
+    check_layers(fam.comfy_lora_names, net, targets, "model.adapter.export_kohya", fam.net_name)
 
 
 def check_init_from(cfg: TrainConfig) -> None:

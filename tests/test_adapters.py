@@ -81,14 +81,6 @@ def test_targets_matching_nothing_and_too_large_ranks_are_refused(over, message,
         adapters.apply(cfg, fam, None)
 
 
-def test_a_kohya_export_of_a_transformer_family_is_refused(sd3_pipeline, shapes_shards, tmp_path):
-    cfg = load(args(tmp_path, sd3_pipeline, shapes_shards, **LORA, **SHORT_T5,
-                    **{"model.adapter.export_kohya": "true"}))
-    fam = families.create(cfg, torch.device("cpu"), 0, True)
-    with pytest.raises(ConfigError, match="'model.adapter.export_kohya': the sd3 family's transformer has no kohya"):
-        adapters.apply(cfg, fam, None)
-
-
 def test_a_lora_of_another_family_is_refused(tiny_pipeline, sdxl_pipeline, shapes_shards, tmp_path):
     cfg = load(args(tmp_path, tiny_pipeline, shapes_shards, **LORA))
     fam = families.create(cfg, torch.device("cpu"), 0, True)

@@ -16,7 +16,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "sd_training"
 GENERIC = ["loop.py", "build.py", "outputs/metrics.py", "outputs/run_outputs.py", "run/run_dir.py",
            "distributed/strategy.py", "outputs/export.py", "ema.py", "optim.py", "run/preemption.py",
-           "outputs/trackers.py", "run/train_state.py", "speed/precision.py", "adapters.py",
+           "outputs/trackers.py", "run/train_state.py", "speed/precision.py", "adapters.py", "outputs/comfy_lora.py",
            *(f"checkpoint/{p.name}" for p in sorted((PKG / "checkpoint").glob("*.py")))]
 # Identifiers that belong to a family: its components, its classes, how it is chosen.
 FAMILY_NAMES = {

@@ -264,7 +264,8 @@ def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shapes_shard
     except ConfigError:
         pass
     kohya = dict(registry.FAMILIES[name].kohya_lora_prefixes)
-    if kohya:
+    comfy = registry.FAMILIES[name].comfy_lora_names is not None  # its copy with ComfyUI's names instead
+    if kohya or comfy:
         over["model.adapter.export_kohya"] = "true"
     cfg = load(args(tmp_path, pipeline, shapes_shards, **over))
     t = run_trainer(cfg)
@@ -305,6 +306,10 @@ def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shapes_shard
                    for k in saved if k.startswith("lora_te"))
         fresh = DiffusionPipeline.from_pretrained(pipeline)
         fresh.load_lora_weights(str(file))
+        np.testing.assert_allclose(generate(fresh, keys, **kw), ours, atol=ATOL, rtol=0)
+    if comfy:  # the ComfyUI-named copy (tests/test_comfy_lora.py checks its names) converts back to the same image
+        fresh = DiffusionPipeline.from_pretrained(pipeline)
+        fresh.load_lora_weights(str(out / adapters.COMFY_FILE))
         np.testing.assert_allclose(generate(fresh, keys, **kw), ours, atol=ATOL, rtol=0)
 
 

@@ -222,7 +222,8 @@ def test_the_base_license_comes_from_its_card_and_a_cached_snapshot_names_its_hu
     assert data["license"] == "other" and data["license_name"] == "base-license"
     assert model_card.base_model(cfg, "model.unet.params (from scratch)") == {}  # no base_model from scratch
     # The card's names of the LoRA files are the adapters module's.
-    assert (model_card.LORA_WEIGHTS, model_card.KOHYA_WEIGHTS) == (adapters.LORA_FILE, adapters.KOHYA_FILE)
+    assert (model_card.LORA_WEIGHTS, model_card.KOHYA_WEIGHTS, model_card.COMFY_WEIGHTS) == (
+        adapters.LORA_FILE, adapters.KOHYA_FILE, adapters.COMFY_FILE)
 
 
 def test_the_data_figures_come_from_the_last_log_line_read_from_the_end_of_the_file(tmp_path, monkeypatch):

@@ -81,6 +81,9 @@ class Family(abc.ABC):
     # model.adapter.export_kohya: component -> the key prefix diffusers' convert_state_dict_to_kohya gives it
     # ({}: the family's LoRA has no kohya names)
     kohya_lora_prefixes: dict[str, str] = {}
+    # model.adapter.export_kohya where ComfyUI loads the net by the ORIGINAL checkpoint's layer names: the rules
+    # from the net's diffusers layer names to them (sd_training.outputs.comfy_lora.ComfyLoraNames; None: none)
+    comfy_lora_names = None
     # the same for the text encoders of :meth:`adapter_text_encoders` (CLIP's layer names)
     text_adapter_presets = {
         "attention": r".*self_attn\.(q_proj|k_proj|v_proj|out_proj)",

@@ -34,6 +34,7 @@ from ..config.schema import ModelConfig, TrainConfig
 from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
 from ..loading import load_component
 from ..memory import activations
+from ..outputs.comfy_lora import ComfyLoraNames, Rule, fused
 from ..outputs.export import unwrap
 from .base import PixelGrid, SampleSettings
 from .components import llm_text
@@ -54,6 +55,30 @@ TINY_FLUX2_TRANSFORMER = dict(patch_size=1, in_channels=4 * TINY_FLUX2_VAE["late
                               num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                               timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4))
 
+
+# model.adapter.export_kohya: BFL's layer names (ComfyUI's FLUX.2 model), as diffusers' single-file converter
+# maps them and _convert_non_diffusers_flux2_lora_to_diffusers reads LoRAs of them back (lora_A / lora_B, no
+# alpha). norm_out.linear has none: BFL's final adaLN holds (shift, scale), diffusers' (scale, shift), and
+# that converter does not swap them, so no one file loads right in both.
+_DOUBLE, _SINGLE = r"transformer_blocks\.(\d+)\.", r"single_transformer_blocks\.(\d+)\.attn\."
+FLUX2_COMFY = ComfyLoraNames(rules=(
+    *fused(_DOUBLE + r"attn\.{}", r"double_blocks.\1.img_attn.qkv", ("to_q", "to_k", "to_v")),
+    *fused(_DOUBLE + r"attn\.{}", r"double_blocks.\1.txt_attn.qkv", ("add_q_proj", "add_k_proj", "add_v_proj")),
+    Rule(_DOUBLE + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
+    Rule(_DOUBLE + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
+    Rule(_DOUBLE + r"ff\.linear_in", r"double_blocks.\1.img_mlp.0"),
+    Rule(_DOUBLE + r"ff\.linear_out", r"double_blocks.\1.img_mlp.2"),
+    Rule(_DOUBLE + r"ff_context\.linear_in", r"double_blocks.\1.txt_mlp.0"),
+    Rule(_DOUBLE + r"ff_context\.linear_out", r"double_blocks.\1.txt_mlp.2"),
+    Rule(_SINGLE + r"to_qkv_mlp_proj", r"single_blocks.\1.linear1"),
+    Rule(_SINGLE + r"to_out", r"single_blocks.\1.linear2"),
+    Rule(r"x_embedder", "img_in"), Rule(r"context_embedder", "txt_in"), Rule(r"proj_out", "final_layer.linear"),
+    Rule(r"time_guidance_embed\.timestep_embedder\.linear_1", "time_in.in_layer"),
+    Rule(r"time_guidance_embed\.timestep_embedder\.linear_2", "time_in.out_layer"),
+    Rule(r"time_guidance_embed\.guidance_embedder\.linear_1", "guidance_in.in_layer"),
+    Rule(r"time_guidance_embed\.guidance_embedder\.linear_2", "guidance_in.out_layer"),
+    Rule(r"(single_stream_modulation|double_stream_modulation_img|double_stream_modulation_txt)\.linear", r"\1.lin"),
+), style="lora_A", alpha=False, reader="_convert_non_diffusers_flux2_lora_to_diffusers")
 
 # The published transformers' config.json, what the memory table plans (``reference_models``)
 FLUX2_REFERENCE = dict(patch_size=1, in_channels=128, attention_head_dim=128, timestep_guidance_channels=256,
@@ -125,6 +150,7 @@ class Flux2Family(FlowFamily):
     pipeline_keys: tuple[str, ...] = ()  # model_index.json settings its pipeline class takes (klein: is_distilled)
     net_class = "Flux2Transformer2DModel"
     card_tags = ("flux2", "flux2-diffusers")
+    comfy_lora_names = FLUX2_COMFY
     # LoRA presets by Flux2's layer names: the joint attention's projections (the double blocks' image and text
     # sides, the single blocks' fused qkv+mlp input and output); + the double blocks' feed-forwards; every
     # Linear. diffusers' example trains to_q/k/v/out.0 + the single blocks' to_qkv_mlp_proj and to_out.

@@ -106,8 +106,12 @@ class AdapterConfig:
     init_from: Optional[str] = f(None, "continue from a diffusers-format LoRA: a folder holding "
                                  "pytorch_lora_weights.safetensors or the file (same targets and rank)")
     export_merged: bool = f(False, "exports also write the full pipeline with the adapter merged, in <export>/merged")
-    export_kohya: bool = f(False, "exports also write pytorch_lora_weights_kohya.safetensors (kohya / ComfyUI / A1111 "
-                           "key names, via diffusers' convert_state_dict_to_kohya; UNet families)")
+    export_kohya: bool = f(False, "exports also write a copy for ComfyUI / A1111: SD, SDXL: "
+                           "pytorch_lora_weights_kohya.safetensors (kohya key names, via diffusers' "
+                           "convert_state_dict_to_kohya); Z-Image, FLUX.2, Qwen-Image: "
+                           "pytorch_lora_weights_comfyui.safetensors (the original checkpoint's layer names, "
+                           "diffusion_model.<layer>, as ComfyUI loads them); SD3, Flux: refused (ComfyUI loads the "
+                           "diffusers file)")
 
     @property
     def enabled(self) -> bool:

@@ -33,6 +33,7 @@ import torch
 from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import TEXT_STATES_KEY, StoredText
+from ..outputs.comfy_lora import ComfyLoraNames, Rule
 from ..outputs.export import unwrap
 from ..speed.flops import StepFlops, count_net_flops, encoder_flops, height_width
 from . import qwen_image_parts as parts
@@ -63,6 +64,10 @@ ADAPTER_PRESETS = {
     "attention_ffn": rf"{_ATTENTION}|transformer_blocks\.\d+\.(img|txt)_mlp\.net\.(0\.proj|2)",
     "all_linear": r"transformer_blocks\.\d+\..+",
 }
+# model.adapter.export_kohya: Qwen-Image's original layer names are diffusers' (ComfyUI's QwenImage model keeps
+# them), under ComfyUI's diffusion_model. prefix, read back by _convert_non_diffusers_qwen_lora_to_diffusers
+QWEN_IMAGE_COMFY = ComfyLoraNames(rules=(Rule(r".+", r"\g<0>"),), style="lora_A", alpha=True,
+                                  reader="_convert_non_diffusers_qwen_lora_to_diffusers")
 
 
 @dataclass
@@ -148,6 +153,7 @@ class QwenImage(FlowFamily):
     card_tags = ("qwen-image", "qwen-image-diffusers")
     net_class = "QwenImageTransformer2DModel"
     adapter_presets = ADAPTER_PRESETS
+    comfy_lora_names = QWEN_IMAGE_COMFY
 
     def build_models(self) -> QwenImageModels:
         from diffusers import QwenImageTransformer2DModel

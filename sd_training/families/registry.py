@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters import check_export_kohya
 from ..config import ConfigError
 from ..config.schema import ModelConfig, TrainConfig
 from .autoencoder import Autoencoder
@@ -101,6 +102,7 @@ def validate(cfg: TrainConfig) -> None:
     name = detect(cfg.model, must=False)
     if name is not None:
         FAMILIES[name].validate(cfg)
+        check_export_kohya(cfg, FAMILIES[name])
 
 
 def create(cfg: TrainConfig, device: torch.device, seed: int, is_main: bool) -> Family:
@@ -108,6 +110,7 @@ def create(cfg: TrainConfig, device: torch.device, seed: int, is_main: bool) -> 
     name = detect(cfg.model)
     pipeline_family = FAMILIES[name]
     pipeline_family.validate(cfg)
+    check_export_kohya(cfg, pipeline_family)
     if cfg.model.train_target == "vae":
         Autoencoder.validate(cfg)
         return Autoencoder(cfg, device, seed, is_main, pipeline_family)

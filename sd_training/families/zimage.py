@@ -33,6 +33,7 @@ from ..config import ConfigError
 from ..config.schema import TrainConfig
 from ..data.latents import TEXT_STATES_KEY, StoredText
 from ..memory import activations
+from ..outputs.comfy_lora import ComfyLoraNames, Rule, fused
 from ..outputs.export import unwrap
 from . import reference_models as references
 from .base import PixelGrid
@@ -77,6 +78,18 @@ ADAPTER_PRESETS = {
     "attention_ffn": rf"{BLOCKS}(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123])",
     "all_linear": rf"{BLOCKS}.+",
 }
+
+# model.adapter.export_kohya: the original checkpoint's names (ComfyUI's NextDiT; comfy.utils.z_image_to_diffusers):
+# q, k, v fused in attention.qkv, to_out.0 is attention.out; written with lora.down / lora.up, the form whose
+# fused qkv _convert_non_diffusers_z_image_lora_to_diffusers splits. The embedder and the final layer have other
+# names in diffusers (all_x_embedder.2-1, all_final_layer.2-1) that the converter does not map back: none here.
+_BLOCK = r"((?:noise_refiner|context_refiner|layers)\.\d+)\."
+ZIMAGE_COMFY = ComfyLoraNames(rules=(
+    *fused(_BLOCK + r"attention\.{}", r"\1.attention.qkv", ("to_q", "to_k", "to_v")),
+    Rule(_BLOCK + r"attention\.to_out\.0", r"\1.attention.out"),
+    Rule(_BLOCK + r"(feed_forward\.w[123]|adaLN_modulation\.0)", r"\1.\2"),
+    Rule(r"t_embedder\.mlp\.[02]|cap_embedder\.1", r"\g<0>"),
+), style="dot", alpha=True, reader="_convert_non_diffusers_z_image_lora_to_diffusers")
 
 
 @dataclass
@@ -152,6 +165,7 @@ class ZImage(FlowFamily):
     net_class = "ZImageTransformer2DModel"
     shard_units = staticmethod(shard_units)
     adapter_presets = ADAPTER_PRESETS
+    comfy_lora_names = ZIMAGE_COMFY
     forward_names = ("x", "t")
 
     def build_models(self) -> ZImageModels:

@@ -38,6 +38,7 @@ SAMPLE_FILE = "samples.png"
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # adapters.LORA_FILE (diffusers' LORA_WEIGHT_NAME_SAFE)
 KOHYA_WEIGHTS = "pytorch_lora_weights_kohya.safetensors"  # adapters.KOHYA_FILE
+COMFY_WEIGHTS = "pytorch_lora_weights_comfyui.safetensors"  # adapters.COMFY_FILE (the families with ComfyUI names)
 PIPELINE_INDEX = "model_index.json"
 LICENSE_KEYS = ("license", "license_name", "license_link")  # "other" licenses name and link themselves
 METRICS_TAIL = 2**20  # bytes of metrics.jsonl read first when looking for the last log line
@@ -235,7 +236,7 @@ def training_rows(run: RunInfo, export: ExportInfo, row: dict) -> list[tuple[str
     if export.adapter and (m.adapter.export_merged or m.adapter.export_kohya):
         extra = [("also here", "; ".join(
             ["merged/: the full pipeline with the adapter merged in (DiffusionPipeline.from_pretrained)"] *
-            m.adapter.export_merged + [f"{KOHYA_WEIGHTS}: kohya key names (ComfyUI, A1111)"] * m.adapter.export_kohya))]
+            m.adapter.export_merged + [kohya_line(export.folder)] * m.adapter.export_kohya))]
     return [
         ("family", run.family), ("trained", trained), ("weights", weights), ("precision", precision),
         ("optimizer steps", f"{export.step} of {total}"), ("images seen", f"{export.images_seen}"),
@@ -243,6 +244,13 @@ def training_rows(run: RunInfo, export: ExportInfo, row: dict) -> list[tuple[str
                          f"{accum} accumulation)"),
         ("learning rate", lr), ("resolution", f"{cfg.dataset.params.resolution} px"),
     ] + extra
+
+
+def kohya_line(folder: Path) -> str:
+    """The export's ``model.adapter.export_kohya`` file: the ComfyUI-named copy where the export holds one."""
+    if (Path(folder) / COMFY_WEIGHTS).is_file():
+        return f"{COMFY_WEIGHTS}: the original checkpoint's layer names (ComfyUI's LoRA loader)"
+    return f"{KOHYA_WEIGHTS}: kohya key names (ComfyUI, A1111)"
 
 
 def snippet(run: RunInfo, export: ExportInfo, base: dict) -> str:
