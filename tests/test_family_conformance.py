@@ -398,16 +398,17 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
 
 def assert_text_encoders_offloaded_sample_alike(online, from_shards):
     """With stored text the run keeps its text encoders in host memory, moved onto the device for each use
-    (model.text_encoder_placement=auto: offload): the memory plan leaves them out, and a sample grid through
-    the placement's hooks is the grid of the run that keeps them on the device."""
+    (model.text_encoder_placement=auto: offload), and its VAE too (model.vae.placement=auto: offload, brought in
+    for the grid): the memory plan leaves them all out, and a sample grid through the placement's hooks is the
+    grid of the run that keeps them on the device."""
     from sd_training.families.base import SampleSettings
     from sd_training.families.components.placement import placement_of
 
     encoders = from_shards.frozen_text_encoders()
     assert encoders and {placement_of(m) for m in encoders.values()} == {"offload"}
     assert {placement_of(m) for m in online.frozen_text_encoders().values()} == {"device"}
-    assert not any(m is e for m in from_shards.frozen_on_device() for e in encoders.values())
-    assert len(from_shards.frozen_on_device()) < len(online.frozen_on_device())
+    assert from_shards.frozen_on_device() == [] and placement_of(from_shards.models.vae) == "offload"
+    assert len(online.frozen_on_device()) == len(online.frozen_modules()) > 0
     settings = SampleSettings(["a red circle"], 1, 3, 2, 1.0, RES, None)
     grids = [np.asarray(f.sample_image(f.net, settings)) for f in (online, from_shards)]
     np.testing.assert_array_equal(*grids)

@@ -1,4 +1,5 @@
-"""model.text_encoder_placement: where the frozen text encoders live (components.placement).
+"""model.text_encoder_placement and model.vae.placement: where the frozen text encoders and VAE live
+(components.placement).
 
 The config's choice (auto: offload with stored text states, else device) and its refusals, and the hooks'
 contract on a real LLM text encoder: ``cpu`` runs it in host memory and hands its outputs (a ModelOutput
@@ -37,6 +38,39 @@ def test_auto_offloads_only_when_the_steps_read_stored_text(tiny_pipeline, shape
 def test_a_trained_text_encoder_cannot_be_kept_off_the_device(tiny_pipeline, shapes_shards, tmp_path, over, key):
     with pytest.raises(ConfigError, match=key):
         load(args(tmp_path, tiny_pipeline, shapes_shards, **over))
+
+
+@pytest.mark.parametrize("over, want", [
+    ({}, "device"),
+    ({"dataset.type": "latents"}, "offload"),
+    ({"dataset.type": "latents", "model.vae.placement": "device"}, "device"),
+])
+def test_the_vae_is_offloaded_when_the_steps_read_latents(tiny_pipeline, shapes_shards, tmp_path, over, want):
+    from sd_training.config.rules import vae_placement
+
+    assert vae_placement(load(args(tmp_path, tiny_pipeline, shapes_shards, **over))) == want
+
+
+def test_an_offloaded_vae_with_image_batches_is_refused(tiny_pipeline, shapes_shards, tmp_path):
+    with pytest.raises(ConfigError, match="model.vae.placement=offload.*every step encodes them"):
+        load(args(tmp_path, tiny_pipeline, shapes_shards, **{"model.vae.placement": "offload"}))
+
+
+def test_a_parked_module_is_brought_in_for_the_block_and_parked_after(monkeypatch):
+    """park + brought_in (the VAE's placement): on the device inside the block, whatever it raises, back in host
+    memory after; a module not parked is left alone. ``cpu:0`` stands for the device, as above."""
+    device, vae, other = torch.device("cpu", 0), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    placement.park(vae)
+    moves = []
+    for name, module in (("vae", vae), ("other", other)):
+        real = module.to
+        monkeypatch.setattr(module, "to", lambda *a, _n=name, _r=real, **k: (moves.append((_n, str(a[0]))), _r(*a, **k))[1])
+    with pytest.raises(RuntimeError):
+        with placement.brought_in([vae, other], device):
+            moves.append(("inside", ""))
+            raise RuntimeError("a failing grid")
+    assert moves == [("vae", "cpu:0"), ("inside", ""), ("vae", "cpu")]
+    assert placement.off_device(vae) and not placement.off_device(other)
 
 
 def test_an_unknown_placement_is_refused_naming_the_key(tiny_pipeline, shapes_shards, tmp_path):

@@ -64,6 +64,10 @@ def validate(cfg: TrainConfig) -> None:
                           f"the image side), got {radius}")
     if cfg.dataset.params.text_embeddings and cfg.model.text_encoder.train:
         raise ConfigError("dataset.params.text_embeddings=true cannot train the text encoder (model.text_encoder.train)")
+    if cfg.model.vae.placement == "offload" and not is_latent_type(cfg.dataset.type):
+        raise ConfigError("'model.vae.placement=offload' keeps the VAE in host memory between sample grids, but the "
+                          f"batches are images (dataset.type={cfg.dataset.type}): every step encodes them with the VAE. "
+                          "Train on latent shards (scripts/precompute_latents.py) or use device (or auto)")
     if cfg.model.text_encoder.train and cfg.model.text_encoder_placement in ("cpu", "offload"):
         raise ConfigError(f"'model.text_encoder_placement={cfg.model.text_encoder_placement}' keeps the text encoders "
                           "off the device, but model.text_encoder.train trains one there: use device (or auto)")
@@ -284,4 +288,13 @@ def text_encoder_placement(cfg) -> str:
         return placement
     stored = bool(cfg.dataset.params.text_embeddings) and is_latent_type(cfg.dataset.type)
     return "offload" if stored else "device"
+
+
+def vae_placement(cfg) -> str:
+    """``model.vae.placement`` resolved: ``auto`` is ``offload`` when the batches are latent shards (the steps
+    never run the VAE), else ``device``; a trained VAE (``model.train_target: vae``) stays on the device."""
+    placement = cfg.model.vae.placement
+    if placement != "auto":
+        return placement
+    return "offload" if is_latent_type(cfg.dataset.type) and cfg.model.train_target != "vae" else "device"
 

@@ -194,6 +194,10 @@ class VAEConfig:
     pretrained: Optional[str] = f(None, "pipeline root or vae folder (None: from model.pretrained)")
     dtype: str = f("auto", "frozen VAE weights (auto: bf16 under bf16, else fp32; fp16: upcast to fp32 on overflow)", choices=("auto", *WEIGHT_DTYPES))
     latent_sampling: str = f("sample", "latents of online encoding (sample: of the posterior, as SD trains; mean: its mean)", choices=("sample", "mean"))
+    placement: str = f("auto", "where the frozen VAE lives between uses. device: on the training device; offload: in host "
+                       "memory, moved onto the device for sample grids, eval images and the validation batches' "
+                       "encode, and back (the steps must not need it: latent shards); auto: offload when the batches "
+                       "are latent shards, else device", choices=("auto", "device", "offload"))
 
 
 @dataclass

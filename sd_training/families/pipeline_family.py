@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from ..config.dataset import is_latent_type
-from ..config.rules import text_encoder_placement
+from ..config.rules import text_encoder_placement, vae_placement
 from ..config.schema import TrainConfig
 from ..data.latents import StoredText, check_latents_match
 from ..data.transforms import unit_range
@@ -27,7 +27,7 @@ from ..evaluation.generate import generate_images
 from ..outputs.export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
 from .base import Family, SampleSettings
 from .components.clip import text_encoder_param_groups
-from .components.placement import place_text_encoders
+from .components.placement import brought_in, park, place_text_encoders
 
 
 def is_latent_data(cfg: TrainConfig) -> bool:
@@ -78,6 +78,8 @@ class PipelineFamily(Family):
         self.text_device = self.device if self.text_placement == "device" else torch.device("cpu")
         self.models = self.build_models()
         place_text_encoders(self.frozen_text_encoders(), self.text_placement, self.device)
+        if vae_placement(cfg) == "offload":  # model.vae.placement: latent shards, the steps never run it
+            park(self.models.vae)
         self.net = unwrap(getattr(self.models, self.net_name))
         self.loss_module = self.net
 
@@ -158,7 +160,8 @@ class PipelineFamily(Family):
         """Fixed latents (the posterior mean: the same at every validation and restart), noise and timesteps."""
         b = {k: x for k, x in batch.items() if isinstance(x, torch.Tensor)}
         if "latents" not in b:
-            b["latents"] = self.encode(unit_range(b.pop("pixel_values").to(self.device)), mean=True).cpu()
+            with brought_in(self.frozen_modules(), self.device):  # a parked VAE (model.vae.placement)
+                b["latents"] = self.encode(unit_range(b.pop("pixel_values").to(self.device)), mean=True).cpu()
         b["timesteps"] = self.validation_timesteps(len(b["latents"]))
         b["noise"] = torch.randn(b["latents"].shape, generator=generator)
         return b
@@ -181,8 +184,10 @@ class PipelineFamily(Family):
         return {}
 
     def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
-        return pipeline_grid(self.inference_pipeline(net), self.sampling(settings), self.device)
+        with brought_in(self.frozen_modules(), self.device):  # a parked VAE (model.vae.placement)
+            return pipeline_grid(self.inference_pipeline(net), self.sampling(settings), self.device)
 
     def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
-        return pipeline_eval_images(self.inference_pipeline(net), self.sampling(settings), n, out, rank, world_size,
-                                    self.device)
+        with brought_in(self.frozen_modules(), self.device):
+            return pipeline_eval_images(self.inference_pipeline(net), self.sampling(settings), n, out, rank,
+                                        world_size, self.device)

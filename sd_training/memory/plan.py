@@ -259,9 +259,10 @@ class ReferenceParts:
         return sum(p.numel() for p in self.net.parameters())
 
     def frozen_bytes(self, text_stored: bool = False) -> int:
-        """What stays on every GPU: the VAE, and the text encoders unless the text states come from the
-        latent shards (``text_stored``)."""
-        return _bytes(self.vae) + (0 if text_stored else sum(_bytes(m) for m in self.encoders))
+        """What stays on every GPU: the VAE and the text encoders, or nothing when the latents and the text
+        states come from latent shards (``text_stored``: ``model.vae.placement`` and
+        ``model.text_encoder_placement`` keep them in host memory between sample grids)."""
+        return 0 if text_stored else _bytes(self.vae) + sum(_bytes(m) for m in self.encoders)
 
 
 def reference_parts(name: str) -> ReferenceParts:

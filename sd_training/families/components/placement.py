@@ -17,10 +17,16 @@ On a CPU run the moves are no-ops, but the hooks are installed all the same (the
 
 The hooks sit on the encoder module itself, so every caller goes through them; :func:`off_device` tells the
 memory plan which frozen modules do not stay on the device.
+
+A frozen VAE is not called through its forward (pipelines call ``vae.decode``, and a pipeline runs where its
+first module is, often the VAE), so hooks do not fit it: with latent shards (``model.vae.placement``) it is
+:func:`park`-ed in host memory and :func:`brought_in` for the whole of a sample grid, a set of eval images or
+the validation batches' encode, and parked again after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import torch
 
@@ -73,6 +79,28 @@ def place(module: torch.nn.Module, placement: str, device: torch.device) -> torc
                module.register_forward_hook(after, with_kwargs=True))
     setattr(module, _ATTR, (placement, handles))
     return module
+
+
+def park(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` kept in host memory between uses (see the module); :func:`brought_in` takes it to the device."""
+    unplace(module)
+    module.to(torch.device("cpu"))
+    setattr(module, _ATTR, ("offload", ()))
+    return module
+
+
+@contextlib.contextmanager
+def brought_in(modules, device: torch.device):
+    """The :func:`park`-ed ones among ``modules`` on ``device`` inside the block, back in host memory after
+    (whatever the block raises); the others untouched."""
+    parked = [m for m in modules if getattr(m, _ATTR, (None, None))[1] == ()]
+    for module in parked:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in parked:
+            module.to(torch.device("cpu"))
 
 
 def unplace(module: torch.nn.Module) -> None:
