@@ -1,0 +1,110 @@
+"""``model.block_swap`` (``sd_training.speed.block_swap``): blocks kept in host memory and streamed through
+the device. The component is told a device (``cpu:0``) distinct from its host (``cpu``) and records each
+move it makes, so the tests count what moves where and when: a UNet (sd) and a transformer (flux) give
+gradients bit-identical to no swap with at most two swapped blocks on the device; runs of train.py with a
+swap (full fine-tune with the optimizer in the backward and a CPU EMA; LoRA) end with the losses, weights and
+optimizer state of the run without one, across a kill and resume; what cannot work is refused by name."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from test_resume import args_for, assert_same, final_state, finish, kill_after_checkpoint, launch, losses
+
+from sd_training.config import ConfigError
+from sd_training.speed.block_swap import BACKWARD, FORWARD, WINDOW, BlockSwap
+
+DEVICE = torch.device("cpu", 0)  # the "device": a torch.device distinct from the host's, CPU tensors either way
+
+
+# ---------------------------------------------------------------------------------------------- the component
+def unet_case(family_pipeline):
+    from diffusers import UNet2DConditionModel
+
+    from sd_training.families.unet_family import swap_units
+
+    net = UNet2DConditionModel.from_pretrained(Path(family_pipeline("sd")) / "unet")
+    g = torch.Generator().manual_seed(0)
+    c = net.config
+    x = dict(sample=torch.randn(2, c.in_channels, 4, 4, generator=g), timestep=torch.tensor([10, 500]),
+             encoder_hidden_states=torch.randn(2, 7, c.cross_attention_dim, generator=g))
+    return net, swap_units, lambda m: m(**x).sample, ("conv_in.",)
+
+
+def flux_case(family_pipeline):
+    from diffusers import FluxTransformer2DModel
+
+    from sd_training.families.components.transformer import transformer_blocks
+
+    net = FluxTransformer2DModel.from_pretrained(Path(family_pipeline("flux")) / "transformer")
+    g = torch.Generator().manual_seed(0)
+    c = net.config
+    x = dict(hidden_states=torch.randn(2, 4, c.in_channels, generator=g),
+             encoder_hidden_states=torch.randn(2, 3, c.joint_attention_dim, generator=g),
+             pooled_projections=torch.randn(2, c.pooled_projection_dim, generator=g),
+             timestep=torch.tensor([0.2, 0.9]), img_ids=torch.zeros(4, 3), txt_ids=torch.zeros(3, 3),
+             guidance=torch.tensor([3.5, 3.5]) if c.guidance_embeds else None)
+    return net, transformer_blocks, lambda m: m(**x, return_dict=False)[0], ("x_embedder.",)
+
+
+def train_step(net, call):
+    net.zero_grad(set_to_none=True)
+    out = call(net)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("case", [unet_case, flux_case], ids=["sd_unet", "flux_transformer"])
+@pytest.mark.parametrize("trained", [True, False], ids=["full", "frozen_base"])
+def test_gradients_equal_no_swap_and_two_blocks_at_most_are_on_the_device(family_pipeline, case, trained):
+    net, units_of, call, head = case(family_pipeline)
+    net.enable_gradient_checkpointing()
+    if not trained:  # an adapter's case: the swapped weights are frozen, something before them trains
+        for name, p in net.named_parameters():
+            p.requires_grad_(name.startswith(head))
+    # Both fresh copies: loaded weights sit at odd offsets in the file's buffer, and CPU kernels' results
+    # depend on the alignment (the swap keeps each weight's, sd_training.speed.block_swap.alike).
+    net, ref = copy.deepcopy(net), copy.deepcopy(net)
+    units = units_of(net)
+    n = len(units) - 1  # all but the first
+    swap = BlockSwap(units, n, DEVICE, swap_trained=trained)
+    swapped = [t for s in swap.slots for t in s.owners]
+    assert len(swapped) == sum(1 for u in units[1:] for p in u.parameters() if trained or not p.requires_grad)
+    for step in range(2):
+        want_out, want = train_step(ref, call)
+        swap.moves.clear()
+        out, got = train_step(net, call)
+        assert torch.equal(out, want_out) and want.keys() == got.keys() and want, step
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+        # Each swapped block came in once for the forward and once for the backward, and went out after each;
+        # in the backward a trained block's weights were copied back to the host.
+        for phase in (FORWARD, BACKWARD):
+            ins = [m.block for m in swap.moves if m.phase == phase and m.direction == "in"]
+            outs = [m for m in swap.moves if m.phase == phase and m.direction == "out"]
+            assert sorted(ins) == list(range(1, len(units))), (phase, ins)
+            assert sorted(m.block for m in outs) == list(range(1, len(units))), phase
+            assert all((m.bytes > 0) == (trained and phase == BACKWARD) for m in outs), outs
+        forward = [m.block for m in swap.moves if m.phase == FORWARD and m.direction == "in"]
+        backward = [m.block for m in swap.moves if m.phase == BACKWARD and m.direction == "in"]
+        assert forward == sorted(forward) and backward == sorted(backward, reverse=True)  # in order, ahead of use
+        assert swap.max_resident <= WINDOW and swap.resident == 0
+        # Between steps every swapped tensor is its host buffer (the same buffer every step).
+        assert all(t.data_ptr() == h.data_ptr() for s in swap.slots for t, h in zip(s.owners, s.hosts))
+        with torch.no_grad():  # a weight update in place, as the optimizer makes it: the host copy is the weight
+            for p, q in zip(net.parameters(), ref.parameters()):
+                if p.grad is not None:
+                    p.sub_(0.1 * p.grad)
+                    q.sub_(0.1 * q.grad)
+    swap.moves.clear()
+    with torch.no_grad():  # validation and samples: a forward without gradients streams the same way
+        assert torch.equal(call(net), call(ref))
+    assert len(swap.moves) == 2 * n and swap.resident == 0
+
+
+def test_the_counts_are_refused_by_name(family_pipeline):
+    net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
+    for n in (0, 4):
+        with pytest.raises(ConfigError, match="'model.block_swap' is %d, but the net has 3 blocks" % n):
+            BlockSwap(list(net), n, DEVICE)
