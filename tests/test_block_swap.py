@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_resume import args_for, assert_same, final_state, finish, kill_after_checkpoint, launch, losses
+from conftest import train_args
+from test_resume import assert_same, finish, kill_after_checkpoint, launch, losses
+
+from sd_training.checkpoint import Checkpointer, complete_steps
 
 from sd_training.config import ConfigError
 from sd_training.speed.block_swap import BACKWARD, FORWARD, WINDOW, BlockSwap
@@ -108,3 +111,43 @@ def test_the_counts_are_refused_by_name(family_pipeline):
     for n in (0, 4):
         with pytest.raises(ConfigError, match="'model.block_swap' is %d, but the net has 3 blocks" % n):
             BlockSwap(list(net), n, DEVICE)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+STEPS, CKPT = 4, 2
+FULL = {"optimizer.in_backward": "true", "optimizer.params.max_grad_norm": "null", "model.use_ema": "true",
+        "model.ema.device": "cpu", "model.ema.decay": 0.9}
+LORA = {"model.adapter.type": "lora", "model.adapter.rank": 4}
+RUNS = [("sd", FULL, 12), ("flux", LORA, 2)]  # (family, mode, blocks swapped: sd's UNet has 17, flux's 2)
+
+
+def run_args(tmp_path, pipeline, shards, name, swap, **kw):
+    return train_args(tmp_path, pipeline, shards, name=name, **{
+        "model.gradient_checkpointing": "true", "model.block_swap": swap, "dataset.params.resolution": 32,
+        "system.batch_size": 2, "experiment.num_examples_to_see": 2 * STEPS, "experiment.checkpoint_every": CKPT,
+        "experiment.keep_last_checkpoints": 10, "experiment.sample_per_prompt": 0,
+        "dataset.params.resampled": "false", **kw})
+
+
+def final(run: Path) -> dict:
+    return Checkpointer.load(run / "checkpoints" / f"step_{STEPS:08d}", 0)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mode, swap", RUNS, ids=["sd_full", "flux_lora"])
+def test_a_swapped_run_killed_and_resumed_ends_as_the_run_without_swap(tmp_path, family_pipeline, shapes_shards,
+                                                                       family, mode, swap):
+    pipeline = family_pipeline(family)
+    finish(launch(tmp_path, run_args(tmp_path, pipeline, shapes_shards, "plain", 0, **mode)))
+    args = run_args(tmp_path, pipeline, shapes_shards, "swapped", swap, **mode)
+    run = tmp_path / "runs" / "swapped"
+    kill_after_checkpoint(launch(tmp_path, args), run / "checkpoints", CKPT)
+    assert max(complete_steps(run / "checkpoints")) < STEPS
+    out = finish(launch(tmp_path, args))
+    assert "resumed from" in out and f"model.block_swap: {swap} of" in out
+    plain = tmp_path / "runs" / "plain"
+    assert losses(run) == losses(plain) and len(losses(run)) == STEPS
+    a, b = final(plain), final(run)
+    assert a.keys() == b.keys() >= {"optimizer", "lr_scheduler"}
+    for key in a:  # the net (and EMA), the optimizer state, the schedule: bit for bit
+        assert_same(a[key], b[key], key)
