@@ -6,6 +6,7 @@ swap (full fine-tune with the optimizer in the backward and a CPU EMA; LoRA) end
 optimizer state of the run without one, across a kill and resume; what cannot work is refused by name."""
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,10 @@ from sd_training.config import ConfigError
 from sd_training.speed.block_swap import BACKWARD, FORWARD, WINDOW, BlockSwap
 
 DEVICE = torch.device("cpu", 0)  # the "device": a torch.device distinct from the host's, CPU tensors either way
+
+
+LORA_KEYS = {"model.adapter.type": "lora", "model.adapter.rank": 4}
+IN_BACKWARD = {"optimizer.in_backward": "true", "optimizer.params.max_grad_norm": "null"}
 
 
 # ---------------------------------------------------------------------------------------------- the component
@@ -106,18 +111,103 @@ def test_gradients_equal_no_swap_and_two_blocks_at_most_are_on_the_device(family
     assert len(swap.moves) == 2 * n and swap.resident == 0
 
 
-def test_the_counts_are_refused_by_name(family_pipeline):
+def in_backward_optimizer(net, name):
+    from sd_training.config.schema import OptimizerConfig, OptimizerParams
+    from sd_training.optim import build_optimizer, param_groups
+
+    cfg = OptimizerConfig(name=name, in_backward=True, params=OptimizerParams(max_grad_norm=None))
+    return build_optimizer(param_groups(net, 0.01, True), cfg, torch.device("cpu"), 1e-3)
+
+
+@pytest.mark.parametrize("optimizer, compiled", [("adamw8bit", False), ("adamw", True)],
+                         ids=["adamw8bit_in_backward", "per_block_compile"])
+def test_a_full_fine_tune_updates_in_the_backward_as_without_swap(family_pipeline, optimizer, compiled):
+    """Each swapped block is updated in the backward while it is on the device (8-bit AdamW's state made
+    there too), its new weights copied back to its host buffers; per-block compile (the hooks run eagerly
+    beside each block's graph) trains the same weights as eager code without swap."""
+    from conftest import counting_backend
+
+    net, units_of, call, _ = flux_case(family_pipeline)
+    net.enable_gradient_checkpointing()
+    net, ref = copy.deepcopy(net), copy.deepcopy(net)
+    units = units_of(net)
+    swap = BlockSwap(units, len(units), DEVICE)
+    graphs = []
+    if compiled:
+        torch._dynamo.reset()
+        backend, graphs = counting_backend()
+        for unit in units:
+            unit.compile(backend=backend)
+    opts = [in_backward_optimizer(m, optimizer) for m in (net, ref)]
+    swap.follow_optimizer(opts[0])
+    for step in range(3):
+        for m, opt in zip((net, ref), opts):
+            call(m).square().mean().backward()
+            opt.in_backward.grad_norm()  # as the Trainer's step reads it (a fresh count for the next backward)
+            opt.step()  # (the updates ran in the backward: this finds no gradient)
+            opt.zero_grad(set_to_none=True)
+        assert swap.resident == 0 and swap.max_resident <= WINDOW
+        assert all(p.grad is None for p in net.parameters())
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), (step, name)
+    assert not compiled or graphs  # the blocks ran as graphs
+    moved = [s for s in opts[0].state.values() if "state1" in s or "exp_avg" in s]
+    assert len(moved) == sum(1 for p in net.parameters())
+
+
+def test_the_counts_are_refused_by_name():
     net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
     for n in (0, 4):
         with pytest.raises(ConfigError, match="'model.block_swap' is %d, but the net has 3 blocks" % n):
             BlockSwap(list(net), n, DEVICE)
 
 
+# ---------------------------------------------------------------------------------------------- refusals
+SWAP = {"model.block_swap": 2, "model.gradient_checkpointing": "true"}
+REFUSED = [  # (what is set besides SWAP, words of the reason)
+    ({"distributed.strategy": "fsdp", **LORA_KEYS}, "distributed.strategy=fsdp: FSDP already shards"),
+    ({"model.gradient_checkpointing": "false", **LORA_KEYS}, "would keep every block's device weights"),
+    ({}, "a full fine-tune without optimizer.in_backward"),
+    ({**IN_BACKWARD, "model.use_ema": "true"}, "an EMA on the device in a full fine-tune"),
+    ({**LORA_KEYS, "model.compile": "true", "model.compile_mode": "reduce-overhead"}, "CUDA graphs replay"),
+]
+
+
+@pytest.mark.parametrize("over, why", REFUSED, ids=["fsdp", "no_checkpointing", "full_no_in_backward",
+                                                    "device_ema", "cuda_graphs"])
+def test_what_cannot_work_is_refused_at_config_load(tmp_path, tiny_pipeline, shapes_shards, over, why):
+    from sd_training.configure import load
+
+    with pytest.raises(ConfigError, match=r"^'model.block_swap' cannot work with .*" + re.escape(why)):
+        load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{**SWAP, **over}))
+
+
+def test_a_negative_count_is_refused(tmp_path, tiny_pipeline, shapes_shards):
+    from sd_training.configure import load
+
+    with pytest.raises(ConfigError, match="model.block_swap"):
+        load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{**SWAP, **LORA_KEYS, "model.block_swap": -1}))
+
+
+def test_more_blocks_than_the_net_has_and_ddp_ranks_are_refused_at_start_up(tmp_path, tiny_pipeline, shapes_shards):
+    from sd_training.configure import load
+    from sd_training.families import registry
+    from sd_training.speed.block_swap import install
+
+    cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{**SWAP, **LORA_KEYS, "model.block_swap": 18}))
+    family = registry.create(cfg, torch.device("cpu"), 0, True)
+    with pytest.raises(ConfigError, match="'model.block_swap' is 18, but the unet has 17 blocks that can swap"):
+        install(cfg, family, family.net, DEVICE, 1, "ddp")
+    cfg.model.block_swap = 2
+    with pytest.raises(ConfigError, match="distributed.strategy=ddp on 2 ranks: DDP broadcasts"):
+        install(cfg, family, family.net, DEVICE, 2, "ddp")
+    assert install(cfg, family, family.net, DEVICE, 1, "ddp").first == 15
+
+
 # ---------------------------------------------------------------------------------------------- runs
 STEPS, CKPT = 4, 2
-FULL = {"optimizer.in_backward": "true", "optimizer.params.max_grad_norm": "null", "model.use_ema": "true",
-        "model.ema.device": "cpu", "model.ema.decay": 0.9}
-LORA = {"model.adapter.type": "lora", "model.adapter.rank": 4}
+FULL = {**IN_BACKWARD, "model.use_ema": "true", "model.ema.device": "cpu", "model.ema.decay": 0.9}
+LORA = LORA_KEYS
 RUNS = [("sd", FULL, 12), ("flux", LORA, 2)]  # (family, mode, blocks swapped: sd's UNet has 17, flux's 2)
 
 
