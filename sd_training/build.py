@@ -74,13 +74,13 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     if adapters.enabled(cfg):
         # The frozen base in the training precision (FSDP2 shards a unit's parameters in one dtype: fp32 there).
         family.adapters = adapters.apply(cfg, family, dtype if cfg.distributed.strategy != "fsdp" else None)
+    # Only the trained module (and its EMA) is wrapped; the frozen components never are.
+    strategy = Strategy(cfg.distributed.strategy, info.has_group, device, dtype, cfg.distributed)
     # Before the EMA and the wrapper: both then see the swapped blocks' weights where they live (the host).
-    swap = block_swap.install(cfg, family, net, device, info.world_size, cfg.distributed.strategy)
+    swap = block_swap.install(cfg, family, net, device, info.world_size, strategy.name)
     ema = _build_ema(cfg, net, family.net_name, plan.total_steps, device)
     # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.model.mixed_precision == "fp16")
-    # Only the trained module (and its EMA) is wrapped; the frozen components never are.
-    strategy = Strategy(cfg.distributed.strategy, info.has_group, device, dtype, cfg.distributed)
     _log_memory_plan(cfg, info, family, net, ema, strategy, dtype, run_dir)
     model = strategy.wrap(family.loss_module, ema.shadow if ema is not None else None, family.shard_units,
                           shadow_units=ema is None or ema.names is None)

@@ -197,11 +197,11 @@ def test_more_blocks_than_the_net_has_and_ddp_ranks_are_refused_at_start_up(tmp_
     cfg = load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{**SWAP, **LORA_KEYS, "model.block_swap": 18}))
     family = registry.create(cfg, torch.device("cpu"), 0, True)
     with pytest.raises(ConfigError, match="'model.block_swap' is 18, but the unet has 17 blocks that can swap"):
-        install(cfg, family, family.net, DEVICE, 1, "ddp")
+        install(cfg, family, family.net, DEVICE, 1, "single")
     cfg.model.block_swap = 2
-    with pytest.raises(ConfigError, match="distributed.strategy=ddp on 2 ranks: DDP broadcasts"):
+    with pytest.raises(ConfigError, match=r"distributed.strategy=ddp on 2 rank\(s\) under torchrun: DDP broadcasts"):
         install(cfg, family, family.net, DEVICE, 2, "ddp")
-    assert install(cfg, family, family.net, DEVICE, 1, "ddp").first == 15
+    assert install(cfg, family, family.net, DEVICE, 1, "single").first == 15
 
 
 # ---------------------------------------------------------------------------------------------- runs

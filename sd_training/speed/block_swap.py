@@ -284,7 +284,8 @@ def alike(t: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Ten
 
 def _hook(method, index: int):
     """A hook calling ``method(index)``, run eagerly under per-block compile (a graph break: it moves
-    tensors and records stream events, which a graph cannot hold)."""
+    tensors and records stream events, which a graph cannot hold). Copies of the net keep it: one that shares
+    the swapped tensors (an adapter's EMA applied to the net for exports and samples) needs them brought in."""
 
     @torch.compiler.disable
     def hook(*_args):
@@ -327,15 +328,17 @@ def check_config(cfg) -> None:
 def install(cfg, family, net: torch.nn.Module, device: torch.device, world_size: int,
             strategy: str) -> BlockSwap | None:
     """The run's swap (``model.block_swap`` > 0) over ``family.swap_units(net)``; what only start-up knows
-    is checked here: the block count and the rank count."""
+    is checked here: the block count and the wrapper (``strategy``: ``Strategy.name``, ``single`` for one
+    process without a process group)."""
     n = cfg.model.block_swap
     if not n:
         return None
-    if strategy == "ddp" and world_size > 1:
-        raise ConfigError(f"'model.block_swap' cannot work with distributed.strategy=ddp on {world_size} ranks: DDP "
-                          "broadcasts every parameter from rank 0 and reduces gradients in buckets that need its "
-                          "parameters on its one device (and a full fine-tune's optimizer.in_backward cannot run "
-                          "under DDP). Train on one GPU, or use distributed.strategy=fsdp instead of block_swap")
+    if strategy == "ddp":  # (torchrun with one rank wraps too)
+        raise ConfigError(f"'model.block_swap' cannot work with distributed.strategy=ddp on {world_size} rank(s) "
+                          "under torchrun: DDP broadcasts every parameter from rank 0 and reduces gradients in "
+                          "buckets that need its parameters on its one device (and a full fine-tune's "
+                          "optimizer.in_backward cannot run under DDP on several ranks). Train one process with "
+                          "plain python train.py, or use distributed.strategy=fsdp instead of model.block_swap")
     units = family.swap_units(net)
     if not units:
         raise ConfigError(f"'model.block_swap' needs repeated blocks, and the {family.net_name} of this family has "
