@@ -155,6 +155,22 @@ def test_a_full_fine_tune_updates_in_the_backward_as_without_swap(family_pipelin
     assert len(moved) == sum(1 for p in net.parameters())
 
 
+def test_the_plan_counts_the_swapped_weights_and_the_two_in_flight(family_pipeline):
+    from sd_training.speed.block_swap import plan
+
+    net, units_of, _, _ = unet_case(family_pipeline)
+    units = units_of(net)
+    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    got = plan(units, 5)
+    assert (got.swapped, got.blocks) == (sum(sizes[-5:]), len(units))
+    assert got.in_flight == sum(sorted(sizes[-5:])[-2:]) < got.swapped
+    for p in net.parameters():  # an adapter's run: only the frozen weights swap
+        p.requires_grad_(False)
+    trained = next(units[-1].parameters()).requires_grad_(True)
+    assert plan(units, 5, swap_trained=False).swapped == got.swapped - trained.numel()
+    assert plan(units, 0) == type(got)(0, 0, len(units))
+
+
 def test_the_counts_are_refused_by_name():
     net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
     for n in (0, 4):

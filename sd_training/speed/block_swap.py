@@ -294,6 +294,26 @@ def _hook(method, index: int):
     return hook
 
 
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class SwapPlan:
+    """Parameter counts for the memory plan (weights only: gradients are freed in the backward, the
+    optimizer state stays on the device): ``swapped`` live in host memory, ``in_flight`` are on the device
+    at the worst moment (the two largest swapped blocks). The device saves ``swapped - in_flight``."""
+
+    swapped: int
+    in_flight: int
+    blocks: int  # the net's blocks that can swap
+
+
+def plan(units: list[torch.nn.Module], swapped: int, swap_trained: bool = True) -> SwapPlan:
+    """The swap's counts for ``units`` (``Family.swap_units``, on the meta device too), the last ``swapped``
+    of them swapped; ``swap_trained`` False: an adapter's run, whose trained parameters stay."""
+    sizes = [sum(p.numel() for p in u.parameters() if swap_trained or not p.requires_grad)
+             for u in units[len(units) - swapped:]] if swapped else []
+    return SwapPlan(sum(sizes), sum(sorted(sizes)[-WINDOW:]), len(units))
+
+
 # ---------------------------------------------------------------------------------------------- the config
 def check_config(cfg) -> None:
     """What ``model.block_swap`` cannot work with, refused at config load with the reason (the block count
