@@ -171,6 +171,13 @@ def test_the_plan_counts_the_swapped_weights_and_the_two_in_flight(family_pipeli
     assert plan(units, 0) == type(got)(0, 0, len(units))
 
 
+def test_a_trained_block_that_checkpointing_does_not_recompute_is_named():
+    net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
+    BlockSwap(list(net), 1, DEVICE)
+    with pytest.raises(RuntimeError, match="swapped block 2 \\(Linear\\) got its gradient while the block was in host"):
+        net(torch.ones(1, 2)).sum().backward()
+
+
 def test_the_counts_are_refused_by_name():
     net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
     for n in (0, 4):

@@ -157,6 +157,10 @@ class BlockSwap:
 
     def _grad_in(self, index: int) -> None:
         slot = self.slot(index)
+        if not slot.active:  # its update would run on the host copy, or fail on mixed devices
+            raise RuntimeError(f"model.block_swap: a parameter of swapped block {index} ({type(slot.module).__name__}) "
+                               "got its gradient while the block was in host memory: gradient checkpointing does not "
+                               "recompute that block whole (Family.swap_units must name only such blocks)")
         slot.pending -= 1
         if slot.pending == 0:  # its update runs in the hooks after this one: copied back at the next event
             self._released_in_backward.append(slot)
