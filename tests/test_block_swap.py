@@ -193,11 +193,12 @@ REFUSED = [  # (what is set besides SWAP, words of the reason)
     ({}, "a full fine-tune without optimizer.in_backward"),
     ({**IN_BACKWARD, "model.use_ema": "true"}, "an EMA on the device in a full fine-tune"),
     ({**LORA_KEYS, "model.compile": "true", "model.compile_mode": "reduce-overhead"}, "CUDA graphs replay"),
+    ({**LORA_KEYS, "model.adapter.export_merged": "true"}, "model.adapter.export_merged: the merged copy"),
 ]
 
 
 @pytest.mark.parametrize("over, why", REFUSED, ids=["fsdp", "no_checkpointing", "full_no_in_backward",
-                                                    "device_ema", "cuda_graphs"])
+                                                    "device_ema", "cuda_graphs", "export_merged"])
 def test_what_cannot_work_is_refused_at_config_load(tmp_path, tiny_pipeline, shapes_shards, over, why):
     from sd_training.configure import load
 

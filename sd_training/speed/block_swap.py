@@ -283,6 +283,7 @@ def alike(t: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Ten
     span = (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * size if t.numel() else 0
     raw = torch.empty(span + 64, dtype=torch.uint8, device=device, pin_memory=pin)
     start = (t.data_ptr() - raw.data_ptr()) % 64
+    start -= start % size  # (a weight off its own dtype's alignment: the nearest aligned start before)
     return raw[start:start + span].view(t.dtype).as_strided(t.shape, t.stride())
 
 
@@ -342,6 +343,10 @@ def check_config(cfg) -> None:
     elif not adapter and m.use_ema and m.ema.device != "cpu":
         why = ("an EMA on the device in a full fine-tune: it would hold a device copy of every swapped block. Set "
                "model.ema.device=cpu")
+    elif adapter and m.adapter.export_merged:
+        why = ("model.adapter.export_merged: the merged copy is the whole net in fp32 on one device, and the swapped "
+               "blocks' base lives in host memory. Set it to false and merge the exported LoRA where the full "
+               "model fits")
     elif m.compile and m.compile_mode in CUDA_GRAPH_MODES:
         why = (f"model.compile_mode={m.compile_mode}: CUDA graphs replay fixed weight addresses, and a swapped "
                "block's device copy is new every step. Use compile_mode default or max-autotune-no-cudagraphs")
