@@ -178,11 +178,16 @@ def test_a_trained_block_that_checkpointing_does_not_recompute_is_named():
         net(torch.ones(1, 2)).sum().backward()
 
 
-def test_the_counts_are_refused_by_name():
+def test_the_counts_and_weights_it_cannot_move_are_refused_by_name():
+    import bitsandbytes as bnb
+
     net = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
     for n in (0, 4):
         with pytest.raises(ConfigError, match="'model.block_swap' is %d, but the net has 3 blocks" % n):
             BlockSwap(list(net), n, DEVICE)
+    net[2] = bnb.nn.Linear8bitLt(2, 2, has_fp16_weights=False)
+    with pytest.raises(ConfigError, match="cannot move the Int8Params weights of block 2 \\(Linear8bitLt\\)"):
+        BlockSwap(list(net), 1, DEVICE)
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -106,7 +106,12 @@ class BlockSwap:
     # ------------------------------------------------------------------ set-up
     def _make_slot(self, index: int, block: torch.nn.Module, swap_trained: bool) -> _Slot:
         owners = [p for p in block.parameters() if swap_trained or not p.requires_grad]
-        owners += [b for b in block.buffers()]
+        owners += [b for b in block.buffers()]  # (constants: diffusion blocks update no buffer in forward)
+        odd = next((t for t in owners if type(t) not in (torch.Tensor, torch.nn.Parameter)
+                    or type(t.data) is not torch.Tensor), None)
+        if odd is not None:  # a quantised layer's packed weight and its scales move together or not at all
+            raise ConfigError(f"'model.block_swap' cannot move the {type(odd).__name__} weights of block {index} "
+                              f"({type(block).__name__}): only plain tensors swap (a quantised base does not)")
         hosts = []
         with torch.no_grad():
             for t in owners:
