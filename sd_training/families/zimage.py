@@ -114,7 +114,8 @@ def shard_units(net: torch.nn.Module, level: str) -> list[torch.nn.Module]:
     return blocks(net)
 
 
-def build_zimage_models(cfg, device: torch.device, seed: int, text_device: torch.device | None = None) -> ZImageModels:
+def build_zimage_models(cfg, device: torch.device, seed: int, text_device: torch.device | None = None,
+                        net_device: torch.device | None = None) -> ZImageModels:
     """The components from ``model.*``: the LLM frozen (``model.text_encoder.dtype``, on ``text_device``, None:
     ``device``), the VAE frozen
     (``model.vae.dtype``), the transformer from ``model.transformer`` (from scratch with its params)."""
@@ -139,7 +140,7 @@ def build_zimage_models(cfg, device: torch.device, seed: int, text_device: torch
     llm_dtype = llm_text.frozen_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)
     return ZImageModels(
         tokenizer=tokenizer, text_encoder=load_llm(text_device or device, llm_dtype),
-        vae=load_vae(cfg, device), transformer=build_transformer(cfg, ZImageTransformer2DModel, device, seed),
+        vae=load_vae(cfg, device), transformer=build_transformer(cfg, ZImageTransformer2DModel, net_device or device, seed),
         noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32)
 
 
@@ -169,7 +170,7 @@ class ZImage(FlowFamily):
     forward_names = ("x", "t")
 
     def build_models(self) -> ZImageModels:
-        models = build_zimage_models(self.cfg.model, self.device, self.seed, self.text_device)
+        models = build_zimage_models(self.cfg.model, self.device, self.seed, self.text_device, self.net_device)
         check_models(models)
         return models
 

@@ -245,7 +245,8 @@ def to_channels_last(module: torch.nn.Module) -> torch.nn.Module:
     return module.to(memory_format=torch.channels_last)
 
 
-def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_context_dim: int = 0) -> Models:
+def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_context_dim: int = 0,
+                 net_device: torch.device | None = None) -> Models:
     """The components of a UNet pipeline. ``extra_context_dim``: cross-attention width the UNet expects
     beyond the text encoder's hidden size (a family that concatenates a second encoder's states)."""
     import diffusers
@@ -276,7 +277,7 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_co
         raise ConfigError(f"'model.noise_scheduler_inference': unknown scheduler class {sched_cfg.get('_class_name')}")
     inference_scheduler = sched_cls.from_config(sched_cfg)
 
-    unet = build_unet(cfg, seed).to(device)
+    unet = build_unet(cfg, seed).to(net_device or device)  # (model.block_swap: the host)
     unet.train()
     channels_last = uses_channels_last(cfg, device)
     if channels_last:
