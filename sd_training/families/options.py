@@ -173,6 +173,7 @@ def check_adapter(cfg) -> None:
     if cfg.model.train_target == "vae":
         raise ConfigError("'model.adapter.type' with model.train_target=vae: adapters train the diffusion net "
                           "(unet / transformer); remove model.adapter or set model.train_target=unet")
+    check_adapter_type(a)  # first: a key the type does not take is named before what it would combine with
     if a.target_modules and a.target_regex is not None:
         raise ConfigError("'model.adapter.target_modules' and 'model.adapter.target_regex' both set: use one")
     if a.target_regex is not None:
@@ -199,7 +200,6 @@ def check_adapter(cfg) -> None:
     if a.text_encoders != TextEncoderAdapterConfig() and not a.text_encoders.train:
         raise ConfigError("'model.adapter.text_encoders.*' keys are set but model.adapter.text_encoders.train is not: "
                           "set it to true or remove the keys")
-    check_adapter_type(a)
 
 
 def check_adapter_type(a) -> None:

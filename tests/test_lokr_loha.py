@@ -1,0 +1,161 @@
+"""``model.adapter.type: lokr | loha``: peft's LoKr and LoHa on every family's net, their exports and refusals.
+
+Exports (no training: the adapter made by our code, its weights random and non-zero, exported):
+- the ComfyUI / kohya file (``model.adapter.export_kohya``) holds LyCORIS' keys under the names ComfyUI maps
+  for the family, and ComfyUI's arithmetic on it (comfy/weight_adapter/lokr.py, loha.py, written out here)
+  gives every adapted layer our merged net's update (to 1e-5);
+- where diffusers has a LoKr loader (the Z-Image and FLUX.2 pipelines' ``load_lora_weights``, and every model's
+  ``load_lora_adapter`` for the diffusers file), the file loaded and fused gives our merged net's weights.
+Runs (tiny pipelines, 32 px): one per type trains only the adapter, its export reloads as trained (init_from),
+and a killed LoKr run resumes bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from helpers import args_with, run_trainer
+
+from sd_training import adapters
+from sd_training.config import ConfigError
+from sd_training.configure import load
+from sd_training.families import registry
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+args = args_with({"dataset.params.resolution": 32, "model.adapter.rank": 4, "model.adapter.alpha": 8,
+                  "model.adapter.export_kohya": "true"})
+# Per family: the file's name of a diffusers layer, as ComfyUI's comfy/lora.py maps them (written out here, not
+# taken from the code under test), and targets (FLUX.2: the layers its original does not fuse).
+NAMES = {
+    "sd": lambda layer, fam: "lora_unet_" + layer.replace(".", "_"),
+    "sdxl": lambda layer, fam: "lora_unet_" + layer.replace(".", "_"),
+    "sd3": lambda layer, fam: "lycoris_" + layer.replace(".", "_"),
+    "flux": lambda layer, fam: "lycoris_" + layer.replace(".", "_"),
+    "zimage": lambda layer, fam: "diffusion_model." + layer,
+    "qwen_image": lambda layer, fam: "diffusion_model." + layer,
+    "flux2_klein": lambda layer, fam: "diffusion_model." + fam.comfy_lora_names.original(layer)[0],
+}
+FLUX2_UNFUSED = r"transformer_blocks\.\d+\.(attn\.(to_out\.0|to_add_out)|ff(_context)?\..+)|single_transformer_blocks\..+"
+TARGETS = {"flux2_klein": FLUX2_UNFUSED, "sd": r".*(attn[12]\.to_(q|k|v|out\.0)|proj_in|conv1)"}
+
+
+def make(pipeline, shards, tmp_path, kind, **over):
+    """The family of ``pipeline`` with a ``kind`` adapter made by our code, its weights random."""
+    cfg = load(args(tmp_path, pipeline, shards, **{"model.adapter.type": kind, **over}))
+    fam = registry.create(cfg, torch.device("cpu"), 0, True)
+    ad = adapters.apply(cfg, fam, None)
+    gen = torch.Generator().manual_seed(1)
+    for p in fam.net.parameters():
+        if p.requires_grad:
+            p.data = torch.randn(p.shape, generator=gen) * 0.2
+    return fam, ad
+
+
+def comfy_update(state: dict, base: str, shape: torch.Size) -> torch.Tensor:
+    """What ComfyUI adds to a weight for the LoKr / LoHa keys ``base.*`` (``calculate_weight``, strength 1)."""
+    get = state.get
+    alpha = get(base + ".alpha")
+    if get(base + ".hada_w1_a") is not None:
+        w1a, w1b, w2a, w2b = (state[f"{base}.hada_{k}"] for k in ("w1_a", "w1_b", "w2_a", "w2_b"))
+        scale = float(alpha) / w1b.shape[0] if alpha is not None else 1.0
+        return ((w1a @ w1b) * (w2a @ w2b) * scale).reshape(shape)
+    dim = None
+    w1 = get(base + ".lokr_w1")
+    if w1 is None:
+        dim = state[base + ".lokr_w1_b"].shape[0]
+        w1 = state[base + ".lokr_w1_a"] @ state[base + ".lokr_w1_b"]
+    w2 = get(base + ".lokr_w2")
+    if w2 is None:
+        dim = state[base + ".lokr_w2_b"].shape[0]
+        w2 = state[base + ".lokr_w2_a"] @ state[base + ".lokr_w2_b"]
+    if w2.dim() == 4:
+        w1 = w1[:, :, None, None]
+    scale = float(alpha) / dim if alpha is not None and dim is not None else 1.0
+    return scale * torch.kron(w1, w2).reshape(shape)
+
+
+def merged_and_base(net) -> tuple[dict, dict]:
+    ours = adapters.merged_copy(net).state_dict()
+    base = {k.replace("base_layer.", ""): v for k, v in net.state_dict().items() if "base_layer." in k}
+    return ours, base
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_the_comfyui_file_gives_our_merged_update(name, family_pipeline, shapes_shards, tmp_path):
+    from safetensors.torch import load_file
+
+    pipeline = family_pipeline(name)
+    for kind in ("lokr", "loha"):
+        over = {"model.adapter.target_regex": TARGETS[name]} if name in TARGETS else {}
+        fam, ad = make(pipeline, shapes_shards, tmp_path, kind, **over)
+        out = tmp_path / f"export_{kind}"
+        adapters.export(ad, fam, fam.net, out, merged=False, kohya=True)
+        file = out / (adapters.KOHYA_FILE if name in ("sd", "sdxl") else adapters.COMFY_FILE)
+        state = load_file(str(file))
+        ours, base = merged_and_base(fam.net)
+        layers = [k[:-len(".weight")] for k in base if k.endswith(".weight")]
+        assert layers and all(".lokr_" in k or ".hada_" in k or k.endswith(".alpha") for k in state)
+        expected = {NAMES[name](layer, fam): layer for layer in layers}
+        assert {k.rsplit(".", 1)[0] for k in state} == set(expected), (sorted(state)[:6], sorted(expected)[:3])
+        for key, layer in expected.items():
+            want = ours[layer + ".weight"] - base[layer + ".weight"]
+            assert want.abs().max() > 0, layer
+            got = comfy_update(state, key, want.shape)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"{name} {kind} {layer}")
+        if kind == "lokr" and name in ("sd", "flux"):  # the diffusers file: every model's load_lora_adapter reads it
+            net = type(adapters.merged_copy(fam.net)).from_pretrained(pipeline, subfolder=fam.net_name)
+            net.load_lora_adapter(str(out), weight_name=adapters.LORA_FILE, prefix=fam.net_name)
+            net.fuse_lora()
+            fused = {k.replace("base_layer.", ""): v for k, v in net.state_dict().items() if ".lokr_" not in k}
+            for layer in layers:
+                torch.testing.assert_close(fused[layer + ".weight"], ours[layer + ".weight"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["zimage", "flux2_klein"])
+def test_diffusers_loads_the_lokr_files_to_our_merged_net(name, family_pipeline, shapes_shards, tmp_path):
+    """The pipelines whose ``lora_state_dict`` converts LoKr files (ai-toolkit's diffusion_model. layout)."""
+    from diffusers import DiffusionPipeline
+
+    pipeline = family_pipeline(name)
+    over = {"model.adapter.target_regex": TARGETS[name]} if name in TARGETS else {}
+    fam, ad = make(pipeline, shapes_shards, tmp_path, "lokr", **over, **{"model.adapter.lokr_factor": 4})
+    out = tmp_path / "export"
+    adapters.export(ad, fam, fam.net, out, merged=False, kohya=True)
+    ours, base = merged_and_base(fam.net)
+    pipe = DiffusionPipeline.from_pretrained(pipeline)
+    for weight_name in (adapters.LORA_FILE, adapters.COMFY_FILE):
+        loaded = copy.deepcopy(pipe)
+        loaded.load_lora_weights(str(out), weight_name=weight_name)
+        loaded.fuse_lora()
+        fused = {k.replace("base_layer.", ""): v for k, v in loaded.transformer.state_dict().items()
+                 if ".lokr_" not in k}
+        moved = [k for k in base if not torch.equal(ours[k], base[k])]
+        assert moved
+        for k in base:
+            torch.testing.assert_close(fused[k], ours[k], atol=1e-5, rtol=0, msg=f"{weight_name}: {k}")
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"model.adapter.type": "lokr", "model.adapter.use_dora": "true"}, r"'model.adapter.use_dora' with model.adapter.type=lokr"),
+    ({"model.adapter.type": "loha", "model.adapter.init": "gaussian"}, r"'model.adapter.init' with model.adapter.type=loha"),
+    ({"model.adapter.type": "loha", "model.adapter.dropout": 0.1}, r"'model.adapter.dropout' with model.adapter.type=loha"),
+    ({"model.adapter.type": "lokr", "model.adapter.text_encoders.train": "true"},
+     r"'model.adapter.text_encoders.train' with model.adapter.type=lokr"),
+    ({"model.adapter.type": "loha", "model.adapter.lokr_factor": 4}, r"'model.adapter.lokr_factor' applies to model.adapter.type=lokr"),
+    ({"model.adapter.type": "lora", "model.adapter.decompose_both": "true"}, r"'model.adapter.decompose_both' applies"),
+    ({"model.adapter.type": "lokr", "model.adapter.lokr_factor": 0}, r"'model.adapter.lokr_factor' 0"),
+])
+def test_what_lokr_and_loha_do_not_take_is_refused_at_load(over, message, tiny_pipeline, shapes_shards, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        load(args(tmp_path, tiny_pipeline, shapes_shards, **over))
+
+
+def test_flux2_fused_layers_are_refused_for_the_comfyui_file(family_pipeline, shapes_shards, tmp_path):
+    """BFL's checkpoint fuses q, k and v: a Kronecker / Hadamard update of each is not one of the fused layer."""
+    argv = args(tmp_path, family_pipeline("flux2_klein"), shapes_shards, **{"model.adapter.type": "loha"})
+    with pytest.raises(ConfigError, match=r"'model.adapter.export_kohya': the transformer's layer "
+                                          r"transformer_blocks\.0\.attn\.to_q is one of the 3 layers the original "
+                                          r"fuses in double_blocks\.0\.img_attn\.qkv"):
+        load(argv)
