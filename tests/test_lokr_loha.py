@@ -12,6 +12,7 @@ and a killed LoKr run resumes bit for bit."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import pytest
@@ -159,3 +160,46 @@ def test_flux2_fused_layers_are_refused_for_the_comfyui_file(family_pipeline, sh
                                           r"transformer_blocks\.0\.attn\.to_q is one of the 3 layers the original "
                                           r"fuses in double_blocks\.0\.img_attn\.qkv"):
         load(argv)
+
+
+@pytest.mark.parametrize("name, kind", [("sd", "lokr"), ("flux", "loha")])
+def test_a_short_run_trains_only_the_adapter_and_its_exports_hold_it(name, kind, family_pipeline, shapes_shards,
+                                                                      tmp_path):
+    """Two fp32 steps with the EMA and validation: only the adapter moves (the base stays the pipeline's, bit for
+    bit), the validation loss moves with it, the EMA holds the adapter only, and the export reloads as trained
+    (``init_from``'s reader) with its ComfyUI file giving the trained net's update."""
+    from safetensors.torch import load_file
+
+    pipeline = family_pipeline(name)
+    cfg = load(args(tmp_path, pipeline, shapes_shards, **{
+        "model.adapter.type": kind, "experiment.num_examples_to_see": 8, "experiment.sample_per_prompt": 0,
+        "validation.path": shapes_shards, "validation.num_batches": 1, "model.use_ema": "true",
+        "optimizer.params.learning_rate": 1e-2}))
+    fam = registry.create(cfg, torch.device("cpu"), cfg.system.seed, True)
+    adapters.apply(cfg, fam, None)
+    prefix = adapters.adapter_prefix(fam.net)
+    start = {n: p.detach().clone() for n, p in fam.net.named_parameters() if p.requires_grad}
+    assert start and all(prefix in n for n in start)
+    t = run_trainer(cfg)
+
+    trained = {n: p.detach() for n, p in t.net.named_parameters() if p.requires_grad}
+    assert trained.keys() == start.keys() == dict(t.ema.shadow.named_parameters()).keys()
+    assert all(not torch.equal(trained[n], start[n]) for n in start), [n for n in start if torch.equal(trained[n], start[n])]
+    base = {k.replace("base_layer.", ""): v for k, v in t.net.state_dict().items() if prefix not in k}
+    original = type(adapters.merged_copy(t.net)).from_pretrained(pipeline, subfolder=fam.net_name).state_dict()
+    assert base.keys() == original.keys() and all(torch.equal(base[k], original[k]) for k in base)
+    rows = [json.loads(line) for line in (t.run_dir.root / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
+    assert sorted(val) == [0, 2] and val[2] != val[0], val
+
+    export = t.run_dir.pipeline(None)
+    fresh = registry.create(cfg, torch.device("cpu"), cfg.system.seed, True)
+    adapters.load_lora(adapters.apply(cfg, fresh, None), str(export))
+    reloaded = {n: p for n, p in fresh.net.named_parameters() if p.requires_grad}
+    assert all(torch.equal(reloaded[n], trained[n]) for n in trained)
+    state = load_file(str(export / (adapters.KOHYA_FILE if name == "sd" else adapters.COMFY_FILE)))
+    ours, base = merged_and_base(t.net)
+    for layer in [k[:-len(".weight")] for k in base if k.endswith(".weight")]:
+        want = ours[layer + ".weight"] - base[layer + ".weight"]
+        got = comfy_update(state, NAMES[name](layer, fam), want.shape)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=layer)
