@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import copy
 import json
-import re
+import os
+import sys
+from pathlib import Path
 
+import forked
 import pytest
 import torch
-from helpers import args_with, run_trainer
+from helpers import args_with, max_diff, run_trainer
 
 from sd_training import adapters
 from sd_training.config import ConfigError
@@ -25,6 +28,7 @@ from sd_training.configure import load
 from sd_training.families import registry
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+HERE = Path(__file__).parent
 args = args_with({"dataset.params.resolution": 32, "model.adapter.rank": 4, "model.adapter.alpha": 8,
                   "model.adapter.export_kohya": "true"})
 # Per family: the file's name of a diffusers layer, as ComfyUI's comfy/lora.py maps them (written out here, not
@@ -203,3 +207,54 @@ def test_a_short_run_trains_only_the_adapter_and_its_exports_hold_it(name, kind,
         want = ours[layer + ".weight"] - base[layer + ".weight"]
         got = comfy_update(state, NAMES[name](layer, fam), want.shape)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=layer)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_equal_one_rank_with_the_batch_doubled(tiny_pipeline, shapes_shards, tmp_path):
+    """tests/dist_worker.py with a LoKr (decomposed factors too: rank 2 under half of most sides): 3 AdamW steps
+    on a fixed global batch of 8, 1 rank x 8 against 2 ranks x 4 (DDP, fp32, gloo); the adapter alone moves."""
+    common = {"model.adapter.type": "lokr", "model.adapter.rank": 2, "model.adapter.decompose_both": "true",
+              "model.adapter.export_kohya": "false", "optimizer.params.learning_rate": 1e-3,
+              "lr_scheduler.params.warmup_length": 0, "optimizer.params.epsilon": 1e-4, "distributed.strategy": "ddp"}
+
+    def workers(nproc, out, **over):
+        argv = [str(out), *args(tmp_path, tiny_pipeline, shapes_shards, name=f"w{nproc}", **common, **over)]
+        res = forked.run([sys.executable, str(HERE / "dist_worker.py"), *argv], nproc=nproc, capture_output=True,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        return torch.load(out)
+
+    one = workers(1, tmp_path / "one.pt", **{"system.batch_size": 8})
+    init = torch.load(tmp_path / "one.init.pt")
+    two = workers(2, tmp_path / "two.pt", **{"system.batch_size": 4})
+    moved = {k for k in one if not torch.equal(one[k], init[k])}
+    assert moved and all(".lokr_" in k for k in moved) and any(".lokr_w2_b." in k for k in moved)
+    assert max_diff(one, init) > 1e-4 and max_diff(one, two) < 1e-5, max_diff(one, two)
+
+
+@pytest.mark.slow
+def test_a_killed_lokr_run_resumes_bit_identical(tiny_pipeline, shapes_shards, tmp_path):
+    """As test_adapters_resume's LoRA run (one process, bf16, a loader worker, the EMA): killed after the step-3
+    checkpoint and restarted, it ends with the net (base and LoKr), EMA, optimizer and losses of a straight run."""
+    from test_resume import N, args_for, assert_same, final_state, finish, kill_after_checkpoint, launch, losses
+
+    from sd_training.checkpoint import complete_steps
+
+    kw = {"model.adapter.type": "lokr", "model.adapter.rank": 4, "model.adapter.alpha": 8, "model.use_ema": "true",
+          "experiment.checkpoint_async": "false", "system.workers": 1, "model.mixed_precision": "bf16"}
+    finish(launch(tmp_path, args_for(tmp_path, tiny_pipeline, shapes_shards, "straight", **kw)))
+    resumed = args_for(tmp_path, tiny_pipeline, shapes_shards, "resumed", **kw)
+    run = tmp_path / "runs" / "resumed"
+    kill_after_checkpoint(launch(tmp_path, resumed), run / "checkpoints", 3)
+    first = complete_steps(run / "checkpoints")
+    assert max(first) < N, first
+    assert "resumed from" in finish(launch(tmp_path, resumed))
+    a, ta = final_state(tmp_path / "runs" / "straight")
+    b, tb = final_state(run)
+    assert ta["step"] == tb["step"] == N
+    assert any(".lokr_w1" in k for k in a["unet"]) and a["ema"]
+    for part in ("unet", "ema", "optimizer", "lr_scheduler"):
+        assert_same(a[part], b[part], part)
+    la, lb = losses(tmp_path / "runs" / "straight"), losses(run)
+    assert all(la[s] == lb[s] for s in range(max(first) + 1, N + 1)), (la, lb)
