@@ -26,6 +26,7 @@ from sd_training import adapters
 from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.families import registry
+from sd_training.outputs import lycoris_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HERE = Path(__file__).parent
@@ -81,6 +82,19 @@ def comfy_update(state: dict, base: str, shape: torch.Size) -> torch.Tensor:
     return scale * torch.kron(w1, w2).reshape(shape)
 
 
+def planned_params(net, kind: str, factor: int = -1, decompose_both: bool = False) -> int:
+    """``lycoris_file.parameter_count`` (the memory plan's formula) summed over the adapted layers."""
+    total = 0
+    for module in net.modules():
+        if isinstance(getattr(module, "scaling", None), dict) and "default" in module.scaling:
+            layer, rank = module.get_base_layer(), module.r["default"]
+            conv = isinstance(layer, torch.nn.Conv2d)
+            n_in, n_out = (layer.in_channels, layer.out_channels) if conv else (layer.in_features, layer.out_features)
+            kernel = layer.kernel_size[0] * layer.kernel_size[1] if conv else 1
+            total += lycoris_file.parameter_count(n_in, n_out, rank, kind, factor, decompose_both, kernel)
+    return total
+
+
 def merged_and_base(net) -> tuple[dict, dict]:
     ours = adapters.merged_copy(net).state_dict()
     base = {k.replace("base_layer.", ""): v for k, v in net.state_dict().items() if "base_layer." in k}
@@ -103,6 +117,7 @@ def test_the_comfyui_file_gives_our_merged_update(name, family_pipeline, shapes_
         layers = [k[:-len(".weight")] for k in base if k.endswith(".weight")]
         assert layers and all(".lokr_" in k or ".hada_" in k or k.endswith(".alpha") for k in state)
         expected = {NAMES[name](layer, fam): layer for layer in layers}
+        assert planned_params(fam.net, kind) == sum(p.numel() for p in fam.net.parameters() if p.requires_grad)
         assert {k.rsplit(".", 1)[0] for k in state} == set(expected), (sorted(state)[:6], sorted(expected)[:3])
         for key, layer in expected.items():
             want = ours[layer + ".weight"] - base[layer + ".weight"]
@@ -125,7 +140,9 @@ def test_diffusers_loads_the_lokr_files_to_our_merged_net(name, family_pipeline,
 
     pipeline = family_pipeline(name)
     over = {"model.adapter.target_regex": TARGETS[name]} if name in TARGETS else {}
-    fam, ad = make(pipeline, shapes_shards, tmp_path, "lokr", **over, **{"model.adapter.lokr_factor": 4})
+    fam, ad = make(pipeline, shapes_shards, tmp_path, "lokr", **over, **{"model.adapter.lokr_factor": 4,
+                                                                          "model.adapter.decompose_both": "true"})
+    assert planned_params(fam.net, "lokr", 4, True) == sum(p.numel() for p in fam.net.parameters() if p.requires_grad)
     out = tmp_path / "export"
     adapters.export(ad, fam, fam.net, out, merged=False, kohya=True)
     ours, base = merged_and_base(fam.net)
