@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -185,7 +186,7 @@ def test_flux2_fused_layers_are_refused_for_the_comfyui_file(family_pipeline, sh
 
 @pytest.mark.parametrize("name, kind", [("sd", "lokr"), ("flux", "loha")])
 def test_a_short_run_trains_only_the_adapter_and_its_exports_hold_it(name, kind, family_pipeline, shapes_shards,
-                                                                      tmp_path):
+                                                                      tmp_path, monkeypatch):
     """Two fp32 steps with the EMA and validation: only the adapter moves (the base stays the pipeline's, bit for
     bit), the validation loss moves with it, the EMA holds the adapter only, and the export reloads as trained
     (``init_from``'s reader) with its ComfyUI file giving the trained net's update."""
@@ -220,6 +221,13 @@ def test_a_short_run_trains_only_the_adapter_and_its_exports_hold_it(name, kind,
     assert all(torch.equal(reloaded[n], trained[n]) for n in trained)
     state = load_file(str(export / (adapters.KOHYA_FILE if name == "sd" else adapters.COMFY_FILE)))
     ours, base = merged_and_base(t.net)
+    # The card's how-to-load snippet (LoKr: the net's load_lora_adapter; LoHa: peft) puts the trained adapter on
+    # the base pipeline and makes an image.
+    namespace = {}
+    monkeypatch.chdir(tmp_path)
+    exec(re.search(r"```python\n(.*?)```", (export / "README.md").read_text(), flags=re.S).group(1), namespace)
+    loaded = adapters.merged_copy(getattr(namespace["pipe"], fam.net_name)).state_dict()
+    assert all(torch.equal(loaded[k], ours[k]) for k in ours) and (tmp_path / "sample.png").is_file()
     for layer in [k[:-len(".weight")] for k in base if k.endswith(".weight")]:
         want = ours[layer + ".weight"] - base[layer + ".weight"]
         got = comfy_update(state, NAMES[name](layer, fam), want.shape)
