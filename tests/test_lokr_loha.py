@@ -189,14 +189,15 @@ def test_a_short_run_trains_only_the_adapter_and_its_exports_hold_it(name, kind,
                                                                       tmp_path, monkeypatch):
     """Two fp32 steps with the EMA and validation: only the adapter moves (the base stays the pipeline's, bit for
     bit), the validation loss moves with it, the EMA holds the adapter only, and the export reloads as trained
-    (``init_from``'s reader) with its ComfyUI file giving the trained net's update."""
+    (``init_from``'s reader), its ComfyUI file gives the trained net's update, its card's snippet loads it and
+    its merged pipeline holds the merged net."""
     from safetensors.torch import load_file
 
     pipeline = family_pipeline(name)
     cfg = load(args(tmp_path, pipeline, shapes_shards, **{
         "model.adapter.type": kind, "experiment.num_examples_to_see": 8, "experiment.sample_per_prompt": 0,
         "validation.path": shapes_shards, "validation.num_batches": 1, "model.use_ema": "true",
-        "optimizer.params.learning_rate": 1e-2}))
+        "optimizer.params.learning_rate": 1e-2, "model.adapter.export_merged": "true"}))
     fam = registry.create(cfg, torch.device("cpu"), cfg.system.seed, True)
     adapters.apply(cfg, fam, None)
     prefix = adapters.adapter_prefix(fam.net)
@@ -228,6 +229,8 @@ def test_a_short_run_trains_only_the_adapter_and_its_exports_hold_it(name, kind,
     exec(re.search(r"```python\n(.*?)```", (export / "README.md").read_text(), flags=re.S).group(1), namespace)
     loaded = adapters.merged_copy(getattr(namespace["pipe"], fam.net_name)).state_dict()
     assert all(torch.equal(loaded[k], ours[k]) for k in ours) and (tmp_path / "sample.png").is_file()
+    merged = type(adapters.merged_copy(t.net)).from_pretrained(export / adapters.MERGED, subfolder=fam.net_name)
+    assert all(torch.equal(v, ours[k]) for k, v in merged.state_dict().items())  # export_merged: peft merges both
     for layer in [k[:-len(".weight")] for k in base if k.endswith(".weight")]:
         want = ours[layer + ".weight"] - base[layer + ".weight"]
         got = comfy_update(state, NAMES[name](layer, fam), want.shape)
