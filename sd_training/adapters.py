@@ -308,17 +308,15 @@ def load_lora(adapters: Adapters, path: str) -> None:
                           f"adapter on (it adapts {', '.join(modules)}): a LoRA of another family or settings")
     for name, module in modules.items():
         part = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
-        if adapter_prefix(module) != "lora_":  # LoKr / LoHa: written by peft's names, read as they are
-            pass
-        elif name == adapters.net_name:
-            part = convert_unet_state_dict_to_peft(part)
-        else:
-            part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
+        if adapter_prefix(module) == "lora_":  # LoKr / LoHa files hold peft's own names: read as they are
+            part = (convert_unet_state_dict_to_peft(part) if name == adapters.net_name
+                    else convert_state_dict_to_peft(convert_state_dict_to_diffusers(part)))
         want = get_peft_model_state_dict(module)
         missing = sorted(set(want) - set(part))
         if missing:
             raise ConfigError(f"'model.adapter.init_from': {file} has no {name} weights for {missing[0]!r} ("
-                              f"{len(missing)} of {len(want)} missing): made with other targets or for another base")
+                              f"{len(missing)} of {len(want)} missing): made with other targets, another model.adapter.type "
+                              "or for another base")
         for k, v in part.items():
             if k not in want or want[k].shape != v.shape:
                 got = "no such layer" if k not in want else f"shape {tuple(want[k].shape)}"

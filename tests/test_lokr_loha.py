@@ -286,3 +286,13 @@ def test_a_killed_lokr_run_resumes_bit_identical(tiny_pipeline, shapes_shards, t
         assert_same(a[part], b[part], part)
     la, lb = losses(tmp_path / "runs" / "straight"), losses(run)
     assert all(la[s] == lb[s] for s in range(max(first) + 1, N + 1)), (la, lb)
+
+
+def test_a_lora_file_is_refused_as_init_from_of_a_lokr(tiny_pipeline, shapes_shards, tmp_path):
+    fam, ad = make(tiny_pipeline, shapes_shards, tmp_path, "lora", **{"model.adapter.export_kohya": "false"})
+    adapters.export(ad, fam, fam.net, tmp_path / "lora", merged=False)
+    cfg = load(args(tmp_path, tiny_pipeline, shapes_shards, **{
+        "model.adapter.type": "lokr", "model.adapter.init_from": str(tmp_path / "lora")}))
+    with pytest.raises(ConfigError, match=r"'model.adapter.init_from': .* has no unet weights for .*lokr_w1.* "
+                                          r"another model.adapter.type"):
+        adapters.apply(cfg, registry.create(cfg, torch.device("cpu"), 0, True), None)
