@@ -7,7 +7,8 @@ Exports (no training: the adapter made by our code, its weights random and non-z
 - where diffusers has a LoKr loader (the Z-Image and FLUX.2 pipelines' ``load_lora_weights``, and every model's
   ``load_lora_adapter`` for the diffusers file), the file loaded and fused gives our merged net's weights.
 Runs (tiny pipelines, 32 px): one per type trains only the adapter, its export reloads as trained (init_from),
-and a killed LoKr run resumes bit for bit."""
+its model card's snippet loads it, 2 ranks equal 1 rank (LoKr under DDP, LoHa under FSDP2), and a killed LoKr run
+resumes bit for bit. The memory plan's parameter count per layer is checked against peft's."""
 
 from __future__ import annotations
 
@@ -240,25 +241,33 @@ def test_a_short_run_trains_only_the_adapter_and_its_exports_hold_it(name, kind,
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_equal_one_rank_with_the_batch_doubled(tiny_pipeline, shapes_shards, tmp_path):
-    """tests/dist_worker.py with a LoKr (decomposed factors too: rank 2 under half of most sides): 3 AdamW steps
-    on a fixed global batch of 8, 1 rank x 8 against 2 ranks x 4 (DDP, fp32, gloo); the adapter alone moves."""
-    common = {"model.adapter.type": "lokr", "model.adapter.rank": 2, "model.adapter.decompose_both": "true",
-              "model.adapter.export_kohya": "false", "optimizer.params.learning_rate": 1e-3,
-              "lr_scheduler.params.warmup_length": 0, "optimizer.params.epsilon": 1e-4, "distributed.strategy": "ddp"}
+    """tests/dist_worker.py: 3 AdamW steps on a fixed global batch of 8, 1 rank x 8 against 2 ranks x 4 (fp32,
+    gloo), for a LoKr under DDP (decomposed factors too: rank 2 is under half of most sides, decompose_both) and a
+    LoHa under FSDP2 (the frozen base sharded); the adapter alone moves."""
+    common = {"model.adapter.rank": 2, "model.adapter.export_kohya": "false", "optimizer.params.learning_rate": 1e-3,
+              "lr_scheduler.params.warmup_length": 0, "optimizer.params.epsilon": 1e-4}
+    kinds = {"lokr": {"model.adapter.type": "lokr", "model.adapter.decompose_both": "true"},
+             "loha": {"model.adapter.type": "loha"}}
 
-    def workers(nproc, out, **over):
-        argv = [str(out), *args(tmp_path, tiny_pipeline, shapes_shards, name=f"w{nproc}", **common, **over)]
+    def workers(nproc, strategies, **over):
+        argv = []
+        for kind, strategy in zip(kinds, strategies):
+            argv += ["--"] * bool(argv) + [str(tmp_path / f"{kind}{nproc}.pt"), *args(
+                tmp_path, tiny_pipeline, shapes_shards, name=f"{kind}{nproc}", **common, **kinds[kind],
+                **{"distributed.strategy": strategy}, **over)]
         res = forked.run([sys.executable, str(HERE / "dist_worker.py"), *argv], nproc=nproc, capture_output=True,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, timeout=600)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-        return torch.load(out)
 
-    one = workers(1, tmp_path / "one.pt", **{"system.batch_size": 8})
-    init = torch.load(tmp_path / "one.init.pt")
-    two = workers(2, tmp_path / "two.pt", **{"system.batch_size": 4})
-    moved = {k for k in one if not torch.equal(one[k], init[k])}
-    assert moved and all(".lokr_" in k for k in moved) and any(".lokr_w2_b." in k for k in moved)
-    assert max_diff(one, init) > 1e-4 and max_diff(one, two) < 1e-5, max_diff(one, two)
+    workers(1, ("ddp", "ddp"), **{"system.batch_size": 8})
+    workers(2, ("ddp", "fsdp"), **{"system.batch_size": 4})
+    for kind in kinds:
+        one, two = (torch.load(tmp_path / f"{kind}{n}.pt") for n in (1, 2))
+        init = torch.load(tmp_path / f"{kind}1.init.pt")
+        moved = {k for k in one if not torch.equal(one[k], init[k])}
+        assert moved and all(f".{adapters.PREFIXES[kind.upper()]}" in k for k in moved), kind
+        assert kind != "lokr" or any(".lokr_w2_b." in k for k in moved)
+        assert max_diff(one, init) > 1e-4 and max_diff(one, two) < 1e-5, (kind, max_diff(one, two))
 
 
 @pytest.mark.slow
