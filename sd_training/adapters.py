@@ -1,4 +1,4 @@
-"""``model.adapter``: peft LoRA / DoRA adapters trained instead of the full net (every family).
+"""``model.adapter``: peft LoRA / DoRA / LoKr / LoHa adapters trained instead of the full net (every family).
 
 The family says which layers its presets adapt (``Family.adapter_presets``: full-match regular expressions
 over the net's layer names; ``Family.text_adapter_presets`` for its text encoders) and which text encoders
@@ -139,6 +139,26 @@ def net_config(targets: list[str], a):
     if a.type == "lokr":
         return LoKrConfig(decompose_factor=a.lokr_factor, decompose_both=a.decompose_both, **common)
     return LoHaConfig(**common)
+
+
+def layer_params(n_in: int, n_out: int, rank: int, kind: str, factor: int = -1, decompose_both: bool = False,
+                 kernel: int = 1) -> int:
+    """The parameters of one adapter layer on a Linear ``n_in`` -> ``n_out`` (a Conv2d: ``n_in`` input channels,
+    ``kernel`` = k x k), as peft makes them (for the memory plan). LoRA: rank x (n_in x kernel + n_out) (DoRA adds
+    n_out). LoHa: 2 x rank x (n_in x kernel + n_out). LoKr: n_out = a x b and n_in = c x d (peft's
+    ``factorization`` with ``factor``); the left factor a x c whole (rank x (a + c) with ``decompose_both`` when
+    rank < max(a, c) / 2), the right one b x d x kernel whole when rank >= max(b, d) / 2, else rank x (b + d x kernel)."""
+    if kind == "lora":
+        return rank * (n_in * kernel + n_out)
+    if kind == "loha":
+        return 2 * rank * (n_in * kernel + n_out)
+    from peft.tuners.lokr.layer import factorization
+
+    c, d = factorization(n_in, factor)
+    a, b = factorization(n_out, factor)
+    left = rank * (a + c) if decompose_both and rank < max(a, c) / 2 else a * c
+    right = b * d * kernel if rank >= max(b, d) / 2 else rank * (b + d * kernel)
+    return left + right
 
 
 # ---------------------------------------------------------------------------------------------- apply

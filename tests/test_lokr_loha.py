@@ -28,7 +28,6 @@ from sd_training import adapters
 from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.families import registry
-from sd_training.outputs import lycoris_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HERE = Path(__file__).parent
@@ -85,7 +84,7 @@ def comfy_update(state: dict, base: str, shape: torch.Size) -> torch.Tensor:
 
 
 def planned_params(net, kind: str, factor: int = -1, decompose_both: bool = False) -> int:
-    """``lycoris_file.parameter_count`` (the memory plan's formula) summed over the adapted layers."""
+    """``adapters.layer_params`` (the memory plan's formula) summed over the adapted layers."""
     total = 0
     for module in net.modules():
         if isinstance(getattr(module, "scaling", None), dict) and "default" in module.scaling:
@@ -93,7 +92,7 @@ def planned_params(net, kind: str, factor: int = -1, decompose_both: bool = Fals
             conv = isinstance(layer, torch.nn.Conv2d)
             n_in, n_out = (layer.in_channels, layer.out_channels) if conv else (layer.in_features, layer.out_features)
             kernel = layer.kernel_size[0] * layer.kernel_size[1] if conv else 1
-            total += lycoris_file.parameter_count(n_in, n_out, rank, kind, factor, decompose_both, kernel)
+            total += adapters.layer_params(n_in, n_out, rank, kind, factor, decompose_both, kernel)
     return total
 
 

@@ -100,21 +100,3 @@ def save(net: torch.nn.Module, out: Path, how: str, kohya_prefix: str = "", comf
 
     save_file(lycoris_state(net, how, kohya_prefix, comfy), str(out))
     return out
-
-
-def parameter_count(n_in: int, n_out: int, rank: int, kind: str, factor: int = -1, decompose_both: bool = False,
-                    kernel: int = 1) -> int:
-    """The parameters of one LoKr / LoHa layer of ``n_in`` x ``n_out`` (a Conv2d: ``n_in`` its input channels and
-    ``kernel`` its k x k), as peft makes them (the memory plan's count; a LoRA's is rank x (n_in x kernel + n_out)).
-    LoHa: 2 x rank x (n_in x kernel + n_out). LoKr: n_out = a x b and n_in = c x d (peft's ``factorization``); the
-    left factor a x c whole (or rank x (a + c) with ``decompose_both`` when rank < max(a, c) / 2), the right one
-    b x d x kernel whole when rank >= max(b, d) / 2, else rank x (b + d x kernel)."""
-    if kind == "loha":
-        return 2 * rank * (n_in * kernel + n_out)
-    from peft.tuners.lokr.layer import factorization
-
-    c, d = factorization(n_in, factor)
-    a, b = factorization(n_out, factor)
-    left = rank * (a + c) if decompose_both and rank < max(a, c) / 2 else a * c
-    right = b * d * kernel if rank >= max(b, d) / 2 else rank * (b + d * kernel)
-    return left + right
