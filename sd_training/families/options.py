@@ -138,7 +138,7 @@ class FamilyModelFields:
     t5: T5Config = f(T5Config, "sd3/flux: the T5 encoder's use and length")
     llm: LLMConfig = f(LLMConfig, "zimage: the LLM text encoder's length")
     guidance_embed: float = f(3.5, "flux: the guidance value fed to a guidance-distilled transformer (guidance_embeds) in training", ge=0)
-    adapter: AdapterConfig = f(AdapterConfig, "LoRA / DoRA adapters trained instead of the full net (every family)")
+    adapter: AdapterConfig = f(AdapterConfig, "LoRA / DoRA / LoKr / LoHa adapters trained instead of the full net (every family)")
 
 
 @dataclass
