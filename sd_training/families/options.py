@@ -110,7 +110,8 @@ class AdapterConfig:
     init_from: Optional[str] = f(None, "continue from a diffusers-format LoRA: a folder holding "
                                  "pytorch_lora_weights.safetensors or the file (same targets and rank)")
     lokr_factor: int = f(-1, "lokr: the Kronecker factorisation's factor (LyCORIS' factor, ai-toolkit's lokr_factor): "
-                         "each side n splits as (f, n / f) where f divides n; -1: the most square split", ge=-1)
+                         "each side n splits as (f, n / f) where f divides n, else the most square split with a first part "
+                         "<= f; -1: the most square split", ge=-1)
     decompose_both: bool = f(False, "lokr: decompose the left (smaller) Kronecker factor into rank-r matrices too "
                              "(LyCORIS' decompose_both); the right one is decomposed whenever rank < half its side")
     export_merged: bool = f(False, "exports also write the full pipeline with the adapter merged, in <export>/merged")
