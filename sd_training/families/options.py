@@ -120,7 +120,8 @@ class AdapterConfig:
                            "convert_state_dict_to_kohya); Z-Image, FLUX.2, Qwen-Image: "
                            "pytorch_lora_weights_comfyui.safetensors (the original checkpoint's layer names, "
                            "diffusion_model.<layer>, as ComfyUI loads them); SD3, Flux: refused (ComfyUI loads the "
-                           "diffusers file)")
+                           "diffusers file); lokr / loha: LyCORIS' keys under the names ComfyUI maps for the family "
+                           "(SD3, Flux: lycoris_<layer>)")
 
     @property
     def enabled(self) -> bool:
