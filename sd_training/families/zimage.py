@@ -89,7 +89,10 @@ ZIMAGE_COMFY = ComfyLoraNames(rules=(
     Rule(_BLOCK + r"attention\.to_out\.0", r"\1.attention.out"),
     Rule(_BLOCK + r"(feed_forward\.w[123]|adaLN_modulation\.0)", r"\1.\2"),
     Rule(r"t_embedder\.mlp\.[02]|cap_embedder\.1", r"\g<0>"),
-), style="dot", alpha=True, reader="_convert_non_diffusers_z_image_lora_to_diffusers")
+), style="dot", alpha=True, reader="_convert_non_diffusers_z_image_lora_to_diffusers",
+    # LoKr / LoHa: ComfyUI maps diffusers' Z-Image names (its z_image_to_diffusers) and diffusers reads them
+    # (_convert_non_diffusers_lokr_to_diffusers, ai-toolkit's layout)
+    lycoris_diffusers_names=True)
 
 
 @dataclass
