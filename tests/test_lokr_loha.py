@@ -304,3 +304,18 @@ def test_a_lora_file_is_refused_as_init_from_of_a_lokr(tiny_pipeline, shapes_sha
     with pytest.raises(ConfigError, match=r"'model.adapter.init_from': .* has no unet weights for .*lokr_w1.* "
                                           r"another model.adapter.type"):
         adapters.apply(cfg, registry.create(cfg, torch.device("cpu"), 0, True), None)
+
+
+@pytest.mark.parametrize("kind, extra", [("lokr", {}), ("lokr", {"model.adapter.lokr_factor": 4,
+                                                                    "model.adapter.decompose_both": "true"}),
+                                         ("loha", {})])
+def test_the_plan_at_config_load_counts_the_adapter_peft_makes(tiny_pipeline, shapes_shards, tmp_path, kind, extra):
+    """memory.fit's load-time plan (the net on the meta device) counts the LoKr / LoHa parameters the run makes."""
+    from sd_training.memory.fit import load_plan
+
+    over = {"model.adapter.type": kind, "model.adapter.rank": 4, **extra}
+    cfg = load(args(tmp_path, tiny_pipeline, shapes_shards, **over))
+    family = registry.create(cfg, torch.device("cpu"), 0, True)
+    family.adapters = adapters.apply(cfg, family, None)
+    made = sum(p.numel() for p in family.net.parameters() if p.requires_grad)
+    assert load_plan(cfg).params == made > 0
