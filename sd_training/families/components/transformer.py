@@ -18,6 +18,7 @@ from ...config.schema import ModelConfig, ObjectiveConfig, TrainConfig, UNetConf
 from ...loading import check_constructor_params, load_component
 from ...speed.precision import frozen_vae_dtype
 from ..options import TransformerConfig
+from . import quantized_base
 from .unet import frozen, load_weights
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ def build_transformer(cfg: ModelConfig, cls, device: torch.device, seed: int = 0
             raise ConfigError("the transformer has no source: set model.pretrained, model.transformer.pretrained or "
                               "model.transformer.params (from scratch)")
         net = load_weights(cls.from_pretrained, src, "transformer", "model.transformer.pretrained", **kw)
-    net.to(device=device, dtype=torch.float32)
+    # A quantised base (model.adapter.base_quantization) stays on the CPU: it moves layer by layer as it is quantised.
+    net.to(device=quantized_base.build_device(cfg, device), dtype=torch.float32)
     net.train()
     net.requires_grad_(True)
     if cfg.gradient_checkpointing:

@@ -26,6 +26,7 @@ from ...config.schema import ModelConfig
 from ...loading import check_constructor_params
 from ...loading import load_component as _load
 from ...speed.precision import frozen_vae_dtype
+from . import quantized_base
 from .clip import build_text_encoder
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,8 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_co
         raise ConfigError(f"'model.noise_scheduler_inference': unknown scheduler class {sched_cfg.get('_class_name')}")
     inference_scheduler = sched_cls.from_config(sched_cfg)
 
-    unet = build_unet(cfg, seed).to(device)
+    # A quantised base (model.adapter.base_quantization) stays on the CPU: it moves layer by layer as it is quantised.
+    unet = build_unet(cfg, seed).to(quantized_base.build_device(cfg, device))
     unet.train()
     channels_last = uses_channels_last(cfg, device)
     if channels_last:
