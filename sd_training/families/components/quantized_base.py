@@ -39,8 +39,10 @@ BACKENDS = ("none", "nf4", "int8", "int8_weight", "fp8_weight", "gguf")
 BNB = ("nf4", "int8")
 TORCHAO = ("int8_weight", "fp8_weight")
 # Bytes each backend stores per weight of a quantised layer, scales included (measured by stored_bytes on
-# 3072 x 3072 layers, Flux's width): nf4 0.5 + absmax in 8 bits per 64 + its fp32 scale per 256 blocks.
-BYTES_PER_PARAM = {"nf4": 0.5078, "int8": 1.0013, "int8_weight": 1.0013, "fp8_weight": 1.0013}
+# 3072 x 3072 and 3072 x 12288 layers, Flux's widths): nf4 0.5 + an 8-bit absmax per 64 weights + its fp32
+# scales; the 8-bit ones 1 + an fp32 scale per output row (4 / 3072). GGUF: the file's types decide (Q8_0 1.0625,
+# Q4_K 0.5625 bytes per weight).
+BYTES_PER_PARAM = {"nf4": 0.516, "int8": 1.0013, "int8_weight": 1.0013, "fp8_weight": 1.0013}
 
 
 def enabled(cfg) -> bool:
@@ -112,8 +114,9 @@ def dequantized_weight(layer: torch.nn.Module) -> torch.Tensor:
         import bitsandbytes.functional as F
 
         return F.dequantize_4bit(w.data, w.quant_state).float()
-    if name == "Int8Params":
-        return (w.data.float() * layer.weight.SCB.float()[:, None] / 127.0)
+    if name == "Int8Params":  # the row scales move to the layer's state at its first forward
+        scb = w.SCB if w.SCB is not None else layer.state.SCB
+        return w.data.float() * scb.float()[:, None] / 127.0
     if name == "GGUFParameter":
         from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
@@ -160,15 +163,16 @@ def move_rest(net: torch.nn.Module, compute_dtype: torch.dtype, device: torch.de
 def dequantized_copy(net: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``net`` (adapters and all) whose quantised layers are plain fp32 Linear layers holding the
     weights the quantised ones compute with: the reference the tests compare against."""
-    out = copy.deepcopy(net)
-    for name, m in list(out.named_modules()):
+    plain = {}
+    for m in net.modules():
         if is_quantized(m) and not hasattr(m, "base_layer"):
-            plain = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
-            plain.weight = torch.nn.Parameter(dequantized_weight(m).to(plain.weight.device), requires_grad=False)
+            layer = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            layer.weight = torch.nn.Parameter(dequantized_weight(m), requires_grad=False)
             if m.bias is not None:
-                plain.bias = torch.nn.Parameter(m.bias.detach().float(), requires_grad=False)
-            set_layer(out, name, plain)
-    return out
+                layer.bias = torch.nn.Parameter(m.bias.detach().float().clone(), requires_grad=False)
+            plain[id(m)] = layer
+    # deepcopy's memo puts the plain layers in place of the quantised ones (never copied themselves)
+    return copy.deepcopy(net, memo=dict(plain))
 
 
 def stored_bytes(net: torch.nn.Module) -> tuple[int, int]:
@@ -181,8 +185,8 @@ def stored_bytes(net: torch.nn.Module) -> tuple[int, int]:
         count += m.in_features * m.out_features
         if type(w).__name__ == "Params4bit":
             total += w.data.numel() * w.data.element_size()
-            total += sum(t.numel() * t.element_size() for t in w.quant_state.as_dict(packed=True).values()
-                         if isinstance(t, torch.Tensor) and not _is_packed_json(t))
+            total += sum(t.numel() * t.element_size() for k, t in w.quant_state.as_dict(packed=True).items()
+                         if isinstance(t, torch.Tensor) and not k.startswith("quant_state."))  # not its JSON
         elif type(w).__name__ == "Int8Params":
             total += w.data.numel() + w.SCB.numel() * w.SCB.element_size()
         elif hasattr(w, "tensor_data_names"):
@@ -190,10 +194,6 @@ def stored_bytes(net: torch.nn.Module) -> tuple[int, int]:
         else:
             total += w.data.numel() * w.data.element_size()
     return total, count
-
-
-def _is_packed_json(t: torch.Tensor) -> bool:
-    return t.dtype == torch.uint8 and t.dim() == 1 and t.numel() < 256  # bitsandbytes' packed quant_state text
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
@@ -216,11 +216,10 @@ def load_gguf(cls, path: str, config_source: str | None, compute_dtype: torch.dt
     except (ValueError, KeyError, RuntimeError, OSError) as e:
         raise ConfigError(f"'model.adapter.base_gguf': {path} does not load as a {cls.__name__}: "
                           f"{str(e).splitlines()[0][:300]}") from None
-    move_rest(net, compute_dtype, device)
     for m in net.modules():
         if is_quantized(m):
-            m.weight = type(m.weight)(m.weight.data.to(device), quant_type=m.weight.quant_type) \
-                if m.weight.device != device else m.weight
+            m.to(device)  # GGUFParameter keeps its quant_type through .to (diffusers moves GGUF models so)
+    move_rest(net, compute_dtype, device)
     return net
 
 

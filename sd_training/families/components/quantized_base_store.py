@@ -147,7 +147,7 @@ def _rebuild(name: str, old: torch.nn.Linear, tensors: dict, meta: dict, backend
 
     key = f"{name}.weight"
     own = {k: v for k, v in tensors.items() if k.startswith(f"{name}._weight_")}
-    weight = unflatten_tensor_state_dict(own, {key: meta[key], "tensor_names": [key]})[0][key]
+    weight = unflatten_tensor_state_dict(own, {key: meta[key], "tensor_names": json.dumps([key])})[0][key]
     new = torch.nn.Linear(old.in_features, old.out_features, bias=has_bias, device="meta")
     new.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
     return new
