@@ -131,22 +131,24 @@ def base_state(net) -> dict:
 
 # ---------------------------------------------------------------------------------------------- layers
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ("nf4+dora", "int8_weight+dora"))
 def test_lora_on_the_quantised_base_equals_it_on_the_dequantised_reference_and_the_base_never_moves(
         tiny_pipeline, tmp_path, backend):
+    backend, _, dora = backend.partition("+")
     net, names = quantised_unet(tiny_pipeline, backend, tmp_path)
     assert len(names) > 10
     stored, count = qb.stored_bytes(net)
     assert stored / count < (0.6 if backend == "nf4" else 1.1)  # bf16 would be 2
     full = qb.dequantized_weight(unet(tiny_pipeline).get_submodule(names[0]))
     assert max_diff(qb.dequantized_weight(net.get_submodule(names[0])), full) > 0  # it was quantised
-    with_lora(net, names)
+    with_lora(net, names, use_dora=bool(dora))
     reference = qb.dequantized_copy(net)
     assert not any(qb.is_quantized(m) and not hasattr(m, "base_layer") for m in reference.modules())
     out, grads = unet_step(net)
     ref_out, ref_grads = unet_step(reference)
     assert relative(out, ref_out) < REFERENCE_TOL["forward"], relative(out, ref_out)
-    assert grads.keys() == ref_grads.keys() and all("lora_" in n for n in grads) and len(grads) == 2 * len(names)
+    assert grads.keys() == ref_grads.keys() and all("lora_" in n for n in grads)
+    assert len(grads) == (3 if dora else 2) * len(names)  # A, B (and DoRA's magnitude) of every layer
     worst = max(relative(grads[n], ref_grads[n]) for n in grads)
     assert worst < REFERENCE_TOL["grad"], worst
     assert all(float(g.abs().max()) > 0 for g in grads.values())
@@ -244,6 +246,8 @@ REFUSALS = [
     ({"model.adapter.type": "lora", "model.adapter.base_quantization": "gguf"}, "model.adapter.base_gguf"),
     ({"model.adapter.type": "lora", "model.adapter.base_gguf": "x.gguf"}, "model.adapter.base_gguf"),
     ({"model.adapter.type": "lora", "model.adapter.base_quantization": "int4"}, "model.adapter.base_quantization"),
+    ({"model.adapter.type": "lora", "model.adapter.base_quantization": "gguf", "model.adapter.base_gguf": "x.gguf",
+      "model.adapter.use_dora": "true"}, "use_dora"),
 ]
 
 
@@ -254,3 +258,84 @@ def test_refusals_name_the_key(tmp_path, tiny_pipeline, shapes_shards, over, wor
     with pytest.raises(ConfigError, match="base_quantization|base_gguf") as e:
         configure.load(train_args(tmp_path, tiny_pipeline, shapes_shards, **over))
     assert words in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+def generate(pipe):
+    """An image at the runs' 32 px: 2 steps, seed 3, in [0, 1]."""
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return pipe(prompt="a red circle on a blue background", height=32, width=32, num_inference_steps=2,
+                    generator=torch.Generator().manual_seed(3), output_type="np").images[0]
+
+
+@pytest.mark.slow
+def test_sd_nf4_run_resumes_exactly_on_its_stored_base_and_its_lora_loads_on_the_full_precision_pipeline(
+        tmp_path, tiny_pipeline, shapes_shards):
+    """Killed after its first checkpoint and restarted, an nf4 LoRA run (bf16, EMA) ends bit-identical to the
+    straight run, reloading its quantised base from the run folder; its checkpoints hold the adapter only; its
+    LoRA export loads on the plain bf16 pipeline with load_lora_weights and changes the image."""
+    import numpy as np
+    from diffusers import DiffusionPipeline
+    from test_resume import N, args_for, assert_same, final_state, finish, kill_after_checkpoint, launch, losses
+
+    from sd_training import adapters
+    from sd_training.checkpoint import complete_steps
+
+    kw = {"model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.base_quantization": "nf4",
+          "model.mixed_precision": "bf16", "optimizer.params.learning_rate": 1e-2, "experiment.checkpoint_async": "false"}
+    straight = finish(launch(tmp_path, args_for(tmp_path, tiny_pipeline, shapes_shards, "straight", **kw)))
+    assert "quantised now" in straight
+    resumed = args_for(tmp_path, tiny_pipeline, shapes_shards, "resumed", **kw)
+    run = tmp_path / "runs" / "resumed"
+    kill_after_checkpoint(launch(tmp_path, resumed, 1), run / "checkpoints", 3)
+    assert max(complete_steps(run / "checkpoints")) < N
+    out = finish(launch(tmp_path, resumed, 1))
+    assert "resumed from" in out and "reloaded from" in out and "quantised now" not in out, out[-3000:]
+    a, ta = final_state(tmp_path / "runs" / "straight")
+    b, tb = final_state(run)
+    assert ta["step"] == tb["step"] == N
+    for name in ("unet", "ema", "optimizer", "lr_scheduler"):
+        assert_same(a[name], b[name], name)
+    assert a["unet"] and all("lora_" in k for k in a["unet"]), sorted(a["unet"])[:3]  # the adapter only
+    la, lb = losses(tmp_path / "runs" / "straight"), losses(run)
+    assert all(la[s] == lb[s] for s in range(4, N + 1)), (la, lb)
+    stored = [(tmp_path / "runs" / r / "quantized_base" / store.WEIGHTS).read_bytes() for r in ("straight", "resumed")]
+    assert stored[0] == stored[1]  # the same quantisation of the same base
+    # The export: a plain LoRA file on the full-precision base
+    export = tmp_path / "runs" / "straight" / "current_pipeline"
+    assert (export / adapters.LORA_FILE).is_file()
+    pipe = DiffusionPipeline.from_pretrained(tiny_pipeline, dtype=torch.bfloat16)
+    before = generate(pipe)
+    pipe.load_lora_weights(str(export))
+    loaded = {k: v for k, v in pipe.unet.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(a["unet"])
+    after = generate(pipe)
+    assert np.abs(after - before).max() > 1e-2, np.abs(after - before).max()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_flux_int8_weight_lora_on_two_ddp_ranks_trains_the_same_adapter_on_both(tmp_path, flux_pipeline, shapes_shards):
+    import os
+    import sys
+    from pathlib import Path
+
+    import forked
+
+    args = train_args(tmp_path, flux_pipeline, shapes_shards, name="ddp", **{
+        "model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.base_quantization": "int8_weight",
+        "model.mixed_precision": "bf16", "dataset.params.resolution": 32, "system.batch_size": 2,
+        "experiment.num_examples_to_see": 12, "experiment.sample_per_prompt": 0, "model.t5.max_length": 16})
+    out = tmp_path / "adapter"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={forked._free_port()}", str(Path(__file__).parent / "quantized_worker.py"), str(out), *args]
+    res = forked.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+                     timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "int8_weight" in res.stdout + res.stderr and "quantised now" in res.stdout + res.stderr
+    ranks = [torch.load(f"{out}.rank{r}.pt") for r in (0, 1)]
+    assert ranks[0] and all("lora_" in k for k in ranks[0])
+    assert max_diff(ranks[0], ranks[1], strict=True) == 0
+    assert max(float(v.abs().max()) for k, v in ranks[0].items() if "lora_B" in k) > 0  # it trained

@@ -5,6 +5,7 @@ autoencoder stage)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -225,11 +226,14 @@ def check_base_quantization(cfg) -> None:
                           "dtype, and the quantised weights (bitsandbytes' packed bytes with their statistics, "
                           "torchao's and GGUF's tensor subclasses) do not shard that way. The quantised base is "
                           "a quarter to a half of bf16's size, so it is replicated: use distributed.strategy=ddp")
-    if a.use_dora:
-        raise ConfigError(f"{key} with model.adapter.use_dora: DoRA's magnitude needs the base weight's norm "
-                          "in full precision, which peft recomputes by dequantising every step; train a LoRA "
-                          "(use_dora=false) on a quantised base")
+    if a.use_dora and q == "gguf":
+        raise ConfigError(f"{key} with model.adapter.use_dora: DoRA's magnitude needs the base weight's norm, and "
+                          "peft cannot dequantise diffusers' GGUF layers for it (it can bitsandbytes' and torchao's: "
+                          "nf4, int8, int8_weight, fp8_weight); train a LoRA (use_dora=false) on the GGUF base")
     if a.export_merged:
         raise ConfigError(f"{key} with model.adapter.export_merged: merging into a quantised base would round "
                           "the update away; export the LoRA folder only and merge it into the full-precision "
                           "base (pipe.load_lora_weights(folder), then pipe.fuse_lora())")
+    if q == "gguf" and not os.path.isfile(a.base_gguf):
+        raise ConfigError(f"'model.adapter.base_gguf': {a.base_gguf} is not a file (a GGUF file of the family's "
+                          "transformer / UNet, e.g. a city96 or QuantStack quantisation)")
