@@ -160,7 +160,7 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
     if a.export_kohya and family.comfy_lora_names is not None:  # its file names every target: refused before any work
         comfy_lora.check_layers(family.comfy_lora_names, net, targets, "model.adapter.export_kohya", family.net_name)
     total = sum(p.numel() for p in net.parameters())
-    if base_dtype is not None:
+    if base_dtype is not None and a.base_quantization == "none":  # a quantised base is already in it
         net.to(base_dtype)
     trained = inject(net, lora_config(targets, a.rank, a.alpha, a))
     lines = [f"{family.net_name}: {len(targets)} layers, {trained:,} parameters"]

@@ -82,7 +82,7 @@ def quantised_unet(pipeline, backend, tmp_path, dtype=torch.float32):
     names = block_layers(net)
     if backend == "gguf":
         path = write_gguf(net, tmp_path / "unet.gguf", names)
-        net = qb.load_gguf(UNet2DConditionModel, path, str(pipeline), dtype, CPU)
+        net = qb.load_gguf(UNet2DConditionModel, path, str(pipeline), "unet", dtype, CPU)
         return net, [n for n, m in net.named_modules() if qb.is_quantized(m)]
     net.to(dtype)
     qb.quantize(net, names, backend, dtype, CPU)

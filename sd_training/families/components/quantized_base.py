@@ -198,24 +198,49 @@ def stored_bytes(net: torch.nn.Module) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- GGUF
 
-def load_gguf(cls, path: str, config_source: str | None, compute_dtype: torch.dtype, device: torch.device):
+def gguf_net(cfg, cls, config_source: str | None, subfolder: str, from_params: bool):
+    """The family's net read from ``model.adapter.base_gguf`` (``cfg``: the ``model`` section) on the CPU, its
+    layers quantised as the file stores them and the rest in the training precision; None when the base is
+    not a GGUF file. The file is the whole base: the net's full-precision weights are never read."""
+    if not (enabled(cfg) and cfg.adapter.base_quantization == "gguf"):
+        return None
+    if from_params:
+        raise ConfigError(f"'model.adapter.base_gguf' with model.{subfolder}.params: the GGUF file is the net's "
+                          "weights; leave the params out (its config.json comes from the pipeline)")
+    if config_source is None:
+        raise ConfigError(f"'model.adapter.base_gguf': the {subfolder}'s config.json (its architecture) comes from "
+                          f"model.pretrained or model.{subfolder}.pretrained: set one")
+    from ...speed.precision import autocast_dtype
+
+    dtype = autocast_dtype(cfg.mixed_precision) or torch.float32
+    return load_gguf(cls, cfg.adapter.base_gguf, config_source, subfolder, dtype, torch.device("cpu"))
+
+
+def load_gguf(cls, path: str, config_source: str, subfolder: str, compute_dtype: torch.dtype,
+              device: torch.device):
     """``cls.from_single_file(path, quantization_config=GGUFQuantizationConfig(compute_dtype))``: the net of
-    a GGUF file (``model.adapter.base_gguf``), its architecture from ``config_source`` (the pipeline's
-    ``transformer/`` or ``unet/`` config, where the file alone does not say it)."""
+    a GGUF file, its architecture from ``config_source`` (a pipeline root with ``subfolder/config.json``, or
+    the component's folder)."""
+    import os
+
     from diffusers import GGUFQuantizationConfig
 
     if not hasattr(cls, "from_single_file"):
         raise ConfigError(f"'model.adapter.base_gguf': diffusers' {cls.__name__} has no single-file loader "
                           "(from_single_file), so a GGUF file cannot be read for this family; use "
                           "model.adapter.base_quantization=nf4, int8, int8_weight or fp8_weight")
-    kw = {"quantization_config": GGUFQuantizationConfig(compute_dtype=compute_dtype), "torch_dtype": compute_dtype}
-    if config_source is not None:
-        kw.update(config=config_source, subfolder=_subfolder(config_source, cls))
+    kw = {"quantization_config": GGUFQuantizationConfig(compute_dtype=compute_dtype), "torch_dtype": compute_dtype,
+          "config": config_source}
+    if os.path.isfile(os.path.join(config_source, subfolder, "config.json")):
+        kw["subfolder"] = subfolder
     try:
         net = cls.from_single_file(path, **kw)
-    except (ValueError, KeyError, RuntimeError, OSError) as e:
+    except (ValueError, KeyError, RuntimeError, OSError, TypeError) as e:
         raise ConfigError(f"'model.adapter.base_gguf': {path} does not load as a {cls.__name__}: "
                           f"{str(e).splitlines()[0][:300]}") from None
+    if not any(is_quantized(m) for m in net.modules()):
+        raise ConfigError(f"'model.adapter.base_gguf': {path} holds no quantised layer of the {cls.__name__} "
+                          "(its weights are all float): use it as model.pretrained, or a quantised file")
     for m in net.modules():
         if is_quantized(m):
             m.to(device)  # GGUFParameter keeps its quant_type through .to (diffusers moves GGUF models so)
@@ -223,14 +248,5 @@ def load_gguf(cls, path: str, config_source: str | None, compute_dtype: torch.dt
     return net
 
 
-def _subfolder(source: str, cls) -> str | None:
-    import os
-
-    for sub in ("transformer", "unet"):
-        if os.path.isfile(os.path.join(source, sub, "config.json")):
-            return sub
-    return None
-
-
 __all__ = ["BACKENDS", "BYTES_PER_PARAM", "enabled", "build_device", "is_quantized", "targets", "quantize",
-           "quantize_layer", "dequantized_weight", "dequantized_copy", "stored_bytes", "load_gguf"]
+           "quantize_layer", "dequantized_weight", "dequantized_copy", "stored_bytes", "gguf_net", "load_gguf"]

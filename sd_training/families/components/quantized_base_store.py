@@ -189,32 +189,21 @@ def prepare(cfg, family, compute_dtype: torch.dtype | None, folder: Path | None,
 
 
 def _from_gguf(cfg, family, dtype: torch.dtype) -> str:
-    """The quantised layers of ``model.adapter.base_gguf`` put in place of the built net's (its other
-    tensors loaded too: the file is the base)."""
+    """The net the family read from ``model.adapter.base_gguf`` (``quantized_base.gguf_net``), moved to the
+    device: the file is the stored base, nothing is quantised or kept."""
     from . import quantized_base as qb
 
-    a, net = cfg.model.adapter, family.net
-    src = getattr(cfg.model, family.net_name, None)
-    config_source = (getattr(src, "pretrained", None) if src is not None else None) or cfg.model.pretrained
-    gguf = qb.load_gguf(type(net), a.base_gguf, config_source, dtype, family.device)
-    quantized = [n for n, m in gguf.named_modules() if qb.is_quantized(m)]
-    layers = dict(net.named_modules())
-    missing = [n for n in quantized if n not in layers]
-    if missing:
-        raise ConfigError(f"'model.adapter.base_gguf': {a.base_gguf} has layers the {family.net_name} lacks "
-                          f"({', '.join(missing[:3])}): it is another model")
-    rest = {k: v for k, v in gguf.state_dict().items() if not any(k.startswith(n + ".") for n in quantized)}
-    own = net.state_dict()
-    wrong = [k for k, v in rest.items() if k not in own or tuple(own[k].shape) != tuple(v.shape)]
-    if wrong:
-        raise ConfigError(f"'model.adapter.base_gguf': {a.base_gguf}'s {wrong[0]} does not fit the "
-                          f"{family.net_name}: it is another model")
-    for name in quantized:
-        set_layer(net, name, gguf.get_submodule(name))
-    net.load_state_dict(rest, strict=False)
+    net = family.net
+    quantized = [n for n, m in net.named_modules() if qb.is_quantized(m)]
+    if not quantized:  # a family that builds its net without build_transformer / build_unet
+        raise ConfigError(f"'model.adapter.base_gguf': the {family.name} family's {family.net_name} was not read "
+                          "from the GGUF file; use model.adapter.base_quantization=nf4, int8, int8_weight or "
+                          "fp8_weight")
     qb.move_rest(net, dtype, family.device)
+    for name in quantized:
+        net.get_submodule(name).to(family.device)
     setattr(net, TRAINED_ONLY, True)  # checkpoints hold the adapter: the base is the GGUF file
     stored, count = qb.stored_bytes(net)
-    return (f"model.adapter.base_quantization=gguf: {len(quantized)} layers of the {family.net_name} from "
-            f"{a.base_gguf} ({count:,} weights, {stored / max(count, 1):.3f} bytes each; the file is the stored "
-            f"base: nothing is quantised or kept); the rest in {dtype}")
+    return (f"model.adapter.base_quantization=gguf: {len(quantized)} layers of the {family.net_name} read "
+            f"quantised from {cfg.model.adapter.base_gguf} ({count:,} weights, {stored / max(count, 1):.3f} bytes "
+            f"each; the file is the stored base: nothing is quantised or kept); the rest in {dtype}")

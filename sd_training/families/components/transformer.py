@@ -87,7 +87,10 @@ def build_transformer(cfg: ModelConfig, cls, device: torch.device, seed: int = 0
     fp32, train mode, with gradient checkpointing when asked; from ``model.transformer.params`` (seeded) or
     from ``model.transformer.pretrained`` / ``model.pretrained``'s ``transformer/``."""
     t: TransformerConfig = cfg.transformer
-    if t.params:
+    gguf = quantized_base.gguf_net(cfg, cls, source(cfg, "transformer")[0], "transformer", bool(t.params))
+    if gguf is not None:  # model.adapter.base_gguf: the file is the net (quantised), on the CPU
+        net = gguf
+    elif t.params:
         check_transformer_params(cls, t.params)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -102,9 +105,10 @@ def build_transformer(cfg: ModelConfig, cls, device: torch.device, seed: int = 0
                               "model.transformer.params (from scratch)")
         net = load_weights(cls.from_pretrained, src, "transformer", "model.transformer.pretrained", **kw)
     # A quantised base (model.adapter.base_quantization) stays on the CPU: it moves layer by layer as it is quantised.
-    net.to(device=quantized_base.build_device(cfg, device), dtype=torch.float32)
+    if gguf is None:
+        net.to(device=quantized_base.build_device(cfg, device), dtype=torch.float32)
+        net.requires_grad_(True)
     net.train()
-    net.requires_grad_(True)
     if cfg.gradient_checkpointing:
         net.enable_gradient_checkpointing()
     return net

@@ -145,6 +145,10 @@ def _source(cfg: ModelConfig, component: str) -> str | None:
 
 
 def build_unet(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    gguf = quantized_base.gguf_net(cfg, resolve_unet_class(cfg.unet.target), _source(cfg, "unet"), "unet",
+                                   bool(cfg.unet.params))
+    if gguf is not None:  # model.adapter.base_gguf: the file is the net (quantised), on the CPU
+        return gguf
     if cfg.unet.params:
         cls = resolve_unet_class(cfg.unet.target)
         # Seeded so every rank (and every restart) starts from the same weights before any broadcast.
