@@ -7,8 +7,9 @@ quantised ones compute with) within ``REFERENCE_TOL``; the base does not move ov
 stored layers reload bit for bit and a changed base or a damaged copy is quantised again. End to end: an SD
 run with nf4 killed and resumed equals the straight run (the quantised base reloaded from the run folder),
 its LoRA export loads on the full-precision pipeline in plain diffusers and changes the image; a Flux run
-(torchao int8) on 2 DDP ranks trains the same adapter on both ranks; every other family's net quantises
-and takes its LoRA preset; the refusals name their key."""
+(torchao int8) on 2 DDP ranks trains the same adapter on both ranks; a Flux LoRA on a GGUF file trains and
+its export loads on the bf16 pipeline; every other family's net quantises and takes its LoRA preset; the
+refusals name their key."""
 
 from __future__ import annotations
 
@@ -262,12 +263,12 @@ def test_refusals_name_the_key(tmp_path, tiny_pipeline, shapes_shards, over, wor
 
 # ---------------------------------------------------------------------------------------------- runs
 
-def generate(pipe):
+def generate(pipe, **kw):
     """An image at the runs' 32 px: 2 steps, seed 3, in [0, 1]."""
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         return pipe(prompt="a red circle on a blue background", height=32, width=32, num_inference_steps=2,
-                    generator=torch.Generator().manual_seed(3), output_type="np").images[0]
+                    generator=torch.Generator().manual_seed(3), output_type="np", **kw).images[0]
 
 
 @pytest.mark.slow
@@ -339,3 +340,39 @@ def test_flux_int8_weight_lora_on_two_ddp_ranks_trains_the_same_adapter_on_both(
     assert ranks[0] and all("lora_" in k for k in ranks[0])
     assert max_diff(ranks[0], ranks[1], strict=True) == 0
     assert max(float(v.abs().max()) for k, v in ranks[0].items() if "lora_B" in k) > 0  # it trained
+
+
+@pytest.mark.slow
+def test_flux_lora_on_a_gguf_file_trains_and_its_export_loads_on_the_full_precision_pipeline(
+        tmp_path, flux_pipeline, shapes_shards):
+    """The transformer read from a GGUF file (Q8_0 block layers) instead of the pipeline's weights; the LoRA
+    trains, checkpoints hold it alone, and plain diffusers loads it on the bf16 pipeline to another image."""
+    import numpy as np
+    from diffusers import DiffusionPipeline, FluxTransformer2DModel
+    from helpers import run_trainer
+
+    from sd_training import adapters, configure
+    from sd_training.families.components.transformer import transformer_blocks
+
+    full = FluxTransformer2DModel.from_pretrained(flux_pipeline, subfolder="transformer")
+    path = write_gguf(full, tmp_path / "flux.gguf", qb.targets(transformer_blocks(full), full))
+    cfg = configure.load(train_args(tmp_path, flux_pipeline, shapes_shards, name="gguf", **{
+        "model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.base_quantization": "gguf",
+        "model.adapter.base_gguf": path, "model.mixed_precision": "bf16", "dataset.params.resolution": 32,
+        "experiment.num_examples_to_see": 12, "experiment.checkpoint_every": 3, "experiment.sample_per_prompt": 0,
+        "optimizer.params.learning_rate": 1e-2, "model.t5.max_length": 16}))
+    t = run_trainer(cfg)
+    quantised = [n for n, m in t.net.named_modules() if qb.is_quantized(m) and not hasattr(m, "base_layer")]
+    assert len(quantised) >= 10 and type(t.net.get_submodule(quantised[0])).__name__ == "GGUFLinear"
+    assert not (t.run_dir.quantized_base).exists()  # the file is the stored base
+    from sd_training.checkpoint import Checkpointer
+
+    shared, _, _ = Checkpointer.load(t.run_dir.checkpoints / "step_00000003", 0)
+    assert shared["transformer"] and all("lora_" in k for k in shared["transformer"])
+    pipe = DiffusionPipeline.from_pretrained(flux_pipeline, dtype=torch.bfloat16)
+    before = generate(pipe, max_sequence_length=16)
+    pipe.load_lora_weights(str(t.run_dir.root / "current_pipeline"))
+    assert any("lora_" in k for k in pipe.transformer.state_dict())
+    after = generate(pipe, max_sequence_length=16)
+    assert np.abs(after - before).max() > 1e-3, np.abs(after - before).max()
+    assert (t.run_dir.root / "current_pipeline" / adapters.LORA_FILE).is_file()
