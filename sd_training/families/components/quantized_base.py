@@ -57,6 +57,15 @@ def build_device(cfg, device: torch.device) -> torch.device:
     return torch.device("cpu") if enabled(cfg) else device
 
 
+def build_dtype(cfg) -> torch.dtype:
+    """The dtype a family reads its trained net in: fp32, or the training precision when the base is
+    quantised (the full-precision copy in host memory is then half the size, and quantised from there)."""
+    from ...speed.precision import autocast_dtype
+
+    model = getattr(cfg, "model", cfg)
+    return (autocast_dtype(model.mixed_precision) or torch.float32) if enabled(cfg) else torch.float32
+
+
 # ---------------------------------------------------------------------------------------------- layers
 
 def is_quantized(layer: torch.nn.Module) -> bool:
@@ -210,10 +219,7 @@ def gguf_net(cfg, cls, config_source: str | None, subfolder: str, from_params: b
     if config_source is None:
         raise ConfigError(f"'model.adapter.base_gguf': the {subfolder}'s config.json (its architecture) comes from "
                           f"model.pretrained or model.{subfolder}.pretrained: set one")
-    from ...speed.precision import autocast_dtype
-
-    dtype = autocast_dtype(cfg.mixed_precision) or torch.float32
-    return load_gguf(cls, cfg.adapter.base_gguf, config_source, subfolder, dtype, torch.device("cpu"))
+    return load_gguf(cls, cfg.adapter.base_gguf, config_source, subfolder, build_dtype(cfg), torch.device("cpu"))
 
 
 def load_gguf(cls, path: str, config_source: str, subfolder: str, compute_dtype: torch.dtype,
@@ -248,5 +254,5 @@ def load_gguf(cls, path: str, config_source: str, subfolder: str, compute_dtype:
     return net
 
 
-__all__ = ["BACKENDS", "BYTES_PER_PARAM", "enabled", "build_device", "is_quantized", "targets", "quantize",
+__all__ = ["BACKENDS", "BYTES_PER_PARAM", "enabled", "build_device", "build_dtype", "is_quantized", "targets", "quantize",
            "quantize_layer", "dequantized_weight", "dequantized_copy", "stored_bytes", "gguf_net", "load_gguf"]

@@ -103,10 +103,12 @@ def build_transformer(cfg: ModelConfig, cls, device: torch.device, seed: int = 0
         if src is None:
             raise ConfigError("the transformer has no source: set model.pretrained, model.transformer.pretrained or "
                               "model.transformer.params (from scratch)")
+        if quantized_base.enabled(cfg):  # read in the training precision: half the host memory of fp32
+            kw["torch_dtype"] = quantized_base.build_dtype(cfg)
         net = load_weights(cls.from_pretrained, src, "transformer", "model.transformer.pretrained", **kw)
     # A quantised base (model.adapter.base_quantization) stays on the CPU: it moves layer by layer as it is quantised.
     if gguf is None:
-        net.to(device=quantized_base.build_device(cfg, device), dtype=torch.float32)
+        net.to(device=quantized_base.build_device(cfg, device), dtype=quantized_base.build_dtype(cfg))
         net.requires_grad_(True)
     net.train()
     if cfg.gradient_checkpointing:

@@ -161,6 +161,8 @@ def build_unet(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
     src = _source(cfg, "unet")
     cls = resolve_unet_class(cfg.unet.target)
     kwargs = dict(revision=cfg.revision) if cfg.revision and src == cfg.pretrained else {}
+    if quantized_base.enabled(cfg):  # read in the training precision: half the host memory of fp32
+        kwargs["torch_dtype"] = quantized_base.build_dtype(cfg)
     return load_weights(cls.from_pretrained, src, "unet", "model.unet.pretrained", **kwargs)
 
 
