@@ -13,7 +13,6 @@ refusals name their key."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -285,7 +284,8 @@ def test_sd_nf4_run_resumes_exactly_on_its_stored_base_and_its_lora_loads_on_the
     from sd_training.checkpoint import complete_steps
 
     kw = {"model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.base_quantization": "nf4",
-          "model.mixed_precision": "bf16", "optimizer.params.learning_rate": 1e-2, "experiment.checkpoint_async": "false"}
+          "model.mixed_precision": "bf16", "optimizer.params.learning_rate": 1e-2,
+          "experiment.checkpoint_async": "false"}
     straight = finish(launch(tmp_path, args_for(tmp_path, tiny_pipeline, shapes_shards, "straight", **kw)))
     assert "quantised now" in straight
     resumed = args_for(tmp_path, tiny_pipeline, shapes_shards, "resumed", **kw)

@@ -66,7 +66,8 @@ class Strategy:
             # Frozen weights stored by a quantisation library (model.adapter.base_quantization: bitsandbytes'
             # parameters, torchao's tensor subclasses) are not broadcast at wrapping: every rank quantised or
             # reloaded the same base, and the packed bytes cannot be broadcast without their statistics.
-            quantized = [n for n, p in net.named_parameters() if not p.requires_grad and type(p) is not torch.nn.Parameter]
+            quantized = [n for n, p in net.named_parameters()
+                         if not p.requires_grad and type(p) is not torch.nn.Parameter]
             if quantized:
                 torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, quantized)
             # Gradients live in the all-reduce buckets (no second copy); the bucket size and static graph

@@ -254,5 +254,6 @@ def load_gguf(cls, path: str, config_source: str, subfolder: str, compute_dtype:
     return net
 
 
-__all__ = ["BACKENDS", "BYTES_PER_PARAM", "enabled", "build_device", "build_dtype", "is_quantized", "targets", "quantize",
-           "quantize_layer", "dequantized_weight", "dequantized_copy", "stored_bytes", "gguf_net", "load_gguf"]
+__all__ = ["BACKENDS", "BYTES_PER_PARAM", "enabled", "build_device", "build_dtype", "is_quantized", "targets",
+           "quantize", "quantize_layer", "dequantized_weight", "dequantized_copy", "stored_bytes", "gguf_net",
+           "load_gguf"]
