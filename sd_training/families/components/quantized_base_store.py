@@ -6,7 +6,11 @@ quantisation state; torchao's flattened tensor subclasses, their attributes in t
 bias; ``quantized_base.json`` says what they were made from (backend, compute dtype, each layer's name and
 shape, a CRC32 of a strided sample of each source weight: a changed base is quantised again) and the weight
 file's size and CRC32 (``checkpoint.integrity.file_record``: a damaged copy is quantised again, not
-loaded). Written by rank 0 under a temporary name and renamed into place."""
+loaded). Written by rank 0 under a temporary name and renamed into place.
+
+:func:`prepare` is what ``build.build_model`` calls before peft wraps the net: quantise (or reload) the
+family's net in place, or take the net the family read from a GGUF file, and mark it so that checkpoints
+hold only its trained parameters (``checkpoint.model_state.TRAINED_ONLY``)."""
 
 from __future__ import annotations
 
