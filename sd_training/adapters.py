@@ -205,7 +205,7 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
         comfy_lora.check_layers(family.comfy_lora_names, net, targets, "model.adapter.export_kohya", family.net_name,
                                 a.type)
     total = sum(p.numel() for p in net.parameters())
-    if base_dtype is not None:
+    if base_dtype is not None and a.base_quantization == "none":  # a quantised base is already in it
         net.to(base_dtype)
     trained = inject(net, net_config(targets, a))
     lines = [f"{family.net_name}: {len(targets)} layers, {trained:,} parameters"]

@@ -5,6 +5,7 @@ autoencoder stage)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -68,6 +69,9 @@ class LLMConfig:
 
 ADAPTER_TYPES = ("lora", "lokr", "loha")  # peft's LoraConfig, LoKrConfig, LoHaConfig (sd_training.adapters)
 ADAPTER_INITS = ("default", "gaussian")  # peft's init_lora_weights: True (Kaiming A, zero B) or "gaussian"
+# model.adapter.base_quantization (families/components/quantized_base.py): named for what the base stores,
+# the library in the help: nf4 / int8 bitsandbytes, int8_weight / fp8_weight torchao weight-only, a GGUF file
+QUANTIZATIONS = ("none", "nf4", "int8", "int8_weight", "fp8_weight", "gguf")
 
 
 @dataclass
@@ -123,6 +127,13 @@ class AdapterConfig:
                            "diffusers file); lokr / loha: LyCORIS' keys under the names ComfyUI maps for the family "
                            "(SD3, Flux: lycoris_<layer>)")
 
+    base_quantization: str = f("none", "the frozen base's block Linear layers stored quantised under the adapter: "
+                               "nf4 / int8 (bitsandbytes 4-bit NormalFloat / LLM.int8), int8_weight / fp8_weight "
+                               "(torchao weight-only), gguf (the file in model.adapter.base_gguf); none: the "
+                               "training precision", choices=QUANTIZATIONS)
+    base_gguf: Optional[str] = f(None, "model.adapter.base_quantization=gguf: a GGUF file of the family's net "
+                                 "(transformer / UNet) to train on, read with diffusers' from_single_file")
+
     @property
     def enabled(self) -> bool:
         return self.type is not None
@@ -168,6 +179,10 @@ def check_adapter(cfg) -> None:
     """``model.adapter`` rules that need no model (the layer checks are ``sd_training.adapters``')."""
     a = cfg.model.adapter
     if not a.enabled:
+        if a.base_quantization != "none" or a.base_gguf is not None:
+            raise ConfigError("'model.adapter.base_quantization' quantises the frozen base under an adapter, but "
+                              "model.adapter.type is not set: set model.adapter.type=lora (a full fine-tune trains "
+                              "every weight, which cannot be stored quantised)")
         if a != AdapterConfig():
             raise ConfigError("'model.adapter.*' keys are set but model.adapter.type is not: set "
                               "model.adapter.type=lora to train an adapter, or remove the keys")
@@ -199,6 +214,7 @@ def check_adapter(cfg) -> None:
     if a.export_kohya and a.use_dora:
         raise ConfigError("'model.adapter.export_kohya' with model.adapter.use_dora: the kohya file's DoRA scale is "
                           "not written in a layout we have checked; export the diffusers LoRA folder only")
+    check_base_quantization(cfg)
     if a.text_encoders != TextEncoderAdapterConfig() and not a.text_encoders.train:
         raise ConfigError("'model.adapter.text_encoders.*' keys are set but model.adapter.text_encoders.train is not: "
                           "set it to true or remove the keys")
@@ -227,3 +243,33 @@ def check_adapter_type(a) -> None:
         if is_set:
             raise ConfigError(f"'model.adapter.{key}' with model.adapter.type={a.type}: {why}; remove it or set "
                               "model.adapter.type=lora")
+
+
+def check_base_quantization(cfg) -> None:
+    """``model.adapter.base_quantization`` / ``base_gguf`` against the rest of the config (an adapter is set)."""
+    a, q = cfg.model.adapter, cfg.model.adapter.base_quantization
+    if (q == "gguf") != (a.base_gguf is not None):
+        raise ConfigError("'model.adapter.base_gguf' names the GGUF file of model.adapter.base_quantization=gguf: "
+                          "set both, or neither")
+    if q == "none":
+        return
+    key = f"'model.adapter.base_quantization={q}'"
+    if cfg.model.fp8:
+        raise ConfigError(f"{key} with model.fp8: model.fp8 trains the blocks' own Linear layers in float8, a "
+                          "quantised base stores them frozen; set model.fp8=false")
+    if cfg.distributed.strategy == "fsdp":
+        raise ConfigError(f"{key} with distributed.strategy=fsdp: FSDP2 shards parameters as DTensors of one "
+                          "dtype, and the quantised weights (bitsandbytes' packed bytes with their statistics, "
+                          "torchao's and GGUF's tensor subclasses) do not shard that way. The quantised base is "
+                          "a quarter to a half of bf16's size, so it is replicated: use distributed.strategy=ddp")
+    if a.use_dora and q == "gguf":
+        raise ConfigError(f"{key} with model.adapter.use_dora: DoRA's magnitude needs the base weight's norm, and "
+                          "peft cannot dequantise diffusers' GGUF layers for it (it can bitsandbytes' and torchao's: "
+                          "nf4, int8, int8_weight, fp8_weight); train a LoRA (use_dora=false) on the GGUF base")
+    if a.export_merged:
+        raise ConfigError(f"{key} with model.adapter.export_merged: merging into a quantised base would round "
+                          "the update away; export the LoRA folder only and merge it into the full-precision "
+                          "base (pipe.load_lora_weights(folder), then pipe.fuse_lora())")
+    if q == "gguf" and not os.path.isfile(a.base_gguf):
+        raise ConfigError(f"'model.adapter.base_gguf': {a.base_gguf} is not a file (a GGUF file of the family's "
+                          "transformer / UNet, e.g. a city96 or QuantStack quantisation)")
