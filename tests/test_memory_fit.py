@@ -126,3 +126,21 @@ def test_the_plan_asks_the_family_for_the_activations_and_the_class(monkeypatch)
     assert _plan([])[1] is None
     vae = parse([*ARGS, "model.train_target=vae"])
     assert registry.trained_family(vae).net_name == "vae"
+
+
+def test_a_lora_that_fits_only_on_a_quantised_base_is_advised_nf4():
+    """The load-time plan counts a quantised base (its blocks' Linear weights at the backend's bytes, the rest in
+    bf16) and advises model.adapter.base_quantization=nf4 where that is what fits; the advised config plans it."""
+    lora = ["model.adapter.type=lora", "model.adapter.rank=16", "model.gradient_checkpointing=true",
+            "model.use_ema=false"]
+    cfg, plan = _plan(lora)
+    q_cfg, q_plan = _plan([*lora, "model.adapter.base_quantization=nf4"])
+    full, quantised = need_bytes(plan, cfg), need_bytes(q_plan, q_cfg)
+    base = plan.planned_adapter
+    assert 0 < q_plan.planned_adapter.quantizable == base.quantizable < base.base  # the blocks' Linears only
+    assert full - quantised == pytest.approx(base.base * (2 - q_plan.planned_adapter.base_bytes))
+    assert quantised < full * 0.5
+    memory = (quantised + full) / 2 / ADVICE_FRACTION
+    advice = advise(plan, cfg, memory)
+    assert ["model.adapter.base_quantization=nf4"] in [a.changes for a in advice]
+    assert next(a.need for a in advice if a.changes == ["model.adapter.base_quantization=nf4"]) == pytest.approx(quantised)

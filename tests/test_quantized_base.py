@@ -376,3 +376,27 @@ def test_flux_lora_on_a_gguf_file_trains_and_its_export_loads_on_the_full_precis
     after = generate(pipe, max_sequence_length=16)
     assert np.abs(after - before).max() > 1e-3, np.abs(after - before).max()
     assert (t.run_dir.root / "current_pipeline" / adapters.LORA_FILE).is_file()
+
+
+def test_a_lokr_or_loha_on_a_quantised_base_is_refused_naming_both_keys(tiny_pipeline, shapes_shards, tmp_path):
+    from sd_training.config import ConfigError
+    from sd_training.configure import load
+
+    for kind in ("lokr", "loha"):
+        with pytest.raises(ConfigError, match=f"base_quantization=nf4' with model.adapter.type={kind}"):
+            load(train_args(tmp_path, tiny_pipeline, shapes_shards, **{
+                "model.adapter.type": kind, "model.adapter.base_quantization": "nf4"}))
+
+
+def test_the_start_up_plan_counts_a_torchao_weight_at_its_stored_bytes():
+    """torchao's quantised weights report their logical dtype (bf16: 2 bytes); the plan counts their inner
+    tensors (1 byte per weight and a scale per row), as components.quantized_base.stored_bytes measures them."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from sd_training.memory.plan import tensor_bytes
+
+    layer = torch.nn.Sequential(torch.nn.Linear(256, 512)).to(torch.bfloat16)
+    quantize_(layer, Int8WeightOnlyConfig())
+    w = layer[0].weight
+    assert w.element_size() == 2 and w.scale.numel() == 512
+    assert tensor_bytes(w) == 256 * 512 * 1 + 512 * w.scale.element_size()  # int8 weights, a scale per row

@@ -262,6 +262,10 @@ def check_base_quantization(cfg) -> None:
                           "dtype, and the quantised weights (bitsandbytes' packed bytes with their statistics, "
                           "torchao's and GGUF's tensor subclasses) do not shard that way. The quantised base is "
                           "a quarter to a half of bf16's size, so it is replicated: use distributed.strategy=ddp")
+    if a.type != "lora":
+        raise ConfigError(f"{key} with model.adapter.type={a.type}: peft wraps quantised layers (bitsandbytes, "
+                          "torchao, GGUF) with LoRA only; its LoKr / LoHa layers take plain Linear and Conv2d "
+                          "layers. Train a LoRA on the quantised base, or a LoKr / LoHa on the unquantised one")
     if a.use_dora and q == "gguf":
         raise ConfigError(f"{key} with model.adapter.use_dora: DoRA's magnitude needs the base weight's norm, and "
                           "peft cannot dequantise diffusers' GGUF layers for it (it can bitsandbytes' and torchao's: "

@@ -35,7 +35,8 @@ from ..config.rules import text_encoder_placement
 from ..families import registry
 from .activations import SampleShape
 from ..speed import block_swap
-from .load import adapter_state_bytes, json_file, meta_module, meta_params, plan_adapter, safetensors_params
+from .load import (adapter_state_bytes, json_file, meta_module, meta_params, plan_adapter, quantized_base_bytes,
+                   safetensors_params)
 from .plan import GIB, MemoryRow, per_trained_param
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class Setting:
     world: int
     text_on_device: bool = True  # the frozen text encoders stay on the device (model.text_encoder_placement)
     swap: int = 0  # model.block_swap: the net's last blocks in host memory
+    quant: str = "none"  # model.adapter.base_quantization
 
 
 @dataclass
@@ -169,6 +171,7 @@ class LoadPlan:
     # model.block_swap: each swappable block's parameters that would live in host memory (a full fine-tune's
     # all, at 4 bytes; an adapter's frozen base, at its base bytes), in execution order; () when none
     swap_units: tuple[int, ...] = ()
+    quant: str = "none"  # the run's model.adapter.base_quantization (planned_adapter counts it)
 
     def activations(self, s: Setting) -> float:
         return s.batch * self.per_sample[s.checkpointing]
@@ -176,7 +179,10 @@ class LoadPlan:
     def state(self, s: Setting) -> float:
         per = per_trained_param(s.optimizer, s.ema_on_device, s.in_backward)
         if self.planned_adapter is not None:
-            return adapter_state_bytes(self.planned_adapter, per, s.strategy, s.world)
+            planned = self.planned_adapter
+            if s.quant not in (self.quant, "none"):  # a lever's backend (the run's own is in planned.base_bytes)
+                planned = replace(planned, base_bytes=quantized_base_bytes(s.quant, planned.base, planned.quantizable))
+            return adapter_state_bytes(planned, per, s.strategy, s.world)
         if s.strategy == "fsdp_offload":
             return 0.0
         return self.params * per / (s.world if s.strategy == "fsdp" else 1)
@@ -203,7 +209,8 @@ def current_setting(cfg) -> Setting:
     strategy = "fsdp_offload" if d.strategy == "fsdp" and d.fsdp_cpu_offload else d.strategy
     return Setting(cfg.system.batch_size, bool(m.gradient_checkpointing), cfg.optimizer.name,
                    bool(cfg.optimizer.in_backward), bool(m.use_ema and m.ema.device != "cpu"), strategy,
-                   _world_size(), text_encoder_placement(cfg) == "device", int(m.block_swap))
+                   _world_size(), text_encoder_placement(cfg) == "device", int(m.block_swap),
+                   m.adapter.base_quantization if m.adapter.enabled else "none")
 
 
 def swap_unit_params(fam, conf: dict, class_name: str) -> tuple[int, ...]:
@@ -255,12 +262,13 @@ def load_plan(cfg) -> LoadPlan | None:
     units = swap_unit_params(fam, conf, class_name)
     if not cfg.model.adapter.enabled:
         return LoadPlan(fam.net_name, n_params, f"{n_params / 1e6:,.1f}M parameters", per_sample, None, *text, units)
-    planned = plan_adapter(cfg, conf, class_name, fam.adapter_presets, fam.net_name)
+    planned = plan_adapter(cfg, conf, class_name, fam.adapter_presets, fam.net_name, fam)
     if planned is None:
         return None
     what = (f"a LoRA of {planned.trained / 1e6:,.2f}M parameters on {planned.layers:,} layers; the frozen base's "
-            f"{planned.base / 1e6:,.1f}M parameters at {planned.base_bytes} bytes")
-    return LoadPlan(fam.net_name, planned.trained, what, per_sample, planned, *text, units)
+            f"{planned.base / 1e6:,.1f}M parameters at {planned.base_bytes:.3g} bytes")
+    return LoadPlan(fam.net_name, planned.trained, what, per_sample, planned, *text, units,
+                    cfg.model.adapter.base_quantization)
 
 
 def _swap_lever(cfg, s: Setting, blocks: int) -> tuple[str, dict, int] | None:
@@ -313,6 +321,10 @@ def _levers(cfg, s: Setting, swap_blocks: int = 0) -> list[tuple[str, dict, int]
     if s.text_on_device and cfg.dataset.params.text_embeddings and is_latent_type(cfg.dataset.type):
         out.append(("model.text_encoder_placement=offload", dict(text_on_device=False), 1))
     swap = _swap_lever(cfg, s, swap_blocks)
+    a = cfg.model.adapter
+    if a.enabled and a.type == "lora" and s.quant == "none" and not cfg.model.fp8 and not a.export_merged:
+        # a 4-bit base: a third of bf16's bytes (components.quantized_base), dequantised in each forward
+        out.append(("model.adapter.base_quantization=nf4", dict(quant="nf4"), 2))
     return out + ([swap] if swap else [])
 
 
@@ -342,8 +354,10 @@ def advise(plan: LoadPlan, cfg, memory: float, limit: int = 3, fraction: float =
                 setting = replace(setting, **levers[i][1])
             if setting.strategy == "fsdp_offload" and any(levers[i][0] == "distributed.strategy=fsdp" for i in combo):
                 continue  # offload already shards
-            if setting.swap and setting.strategy != "ddp":
-                continue  # block swap is for one process (FSDP shards the blocks itself)
+            if (setting.swap or setting.quant != s.quant) and setting.strategy != "ddp":
+                continue  # block swap is for one process, a quantised base is not sharded (FSDP shards itself)
+            if setting.swap and setting.quant != "none":
+                continue  # quantised weights do not swap (speed.block_swap: plain tensors only)
             need = plan.need(setting)
             if need <= budget:
                 cost = sum(levers[i][2] for i in combo)
@@ -363,7 +377,7 @@ def advise(plan: LoadPlan, cfg, memory: float, limit: int = 3, fraction: float =
     elif not out:
         every, keys = s, []
         for key, change, _cost in levers:
-            if key != "distributed.strategy=fsdp" and "swap" not in change:  # the offload lever shards too
+            if key != "distributed.strategy=fsdp" and not {"swap", "quant"} & set(change):  # offload shards too
                 every, keys = replace(every, **change), [*keys, key]
         best = _largest_batch(plan, every, budget)
         if best:

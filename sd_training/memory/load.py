@@ -92,8 +92,9 @@ def meta_params(conf: dict, class_name: str | None = None) -> int:
 class PlannedAdapter:
     trained: int  # the adapter's parameters (the net's; text-encoder adapters are planned at start-up)
     base: int  # the net's frozen parameters
-    base_bytes: int  # bytes per base parameter as stored (the training precision; fp32 under FSDP)
+    base_bytes: float  # bytes per base parameter as stored (the training precision; fp32 under FSDP; quantised)
     layers: int  # adapted layers
+    quantizable: int = 0  # the base's weights model.adapter.base_quantization would quantise (its blocks' Linears)
 
 
 def lora_params(module: torch.nn.Module, targets: list[str], rank: int, dora: bool = False, kind: str = "lora",
@@ -115,10 +116,24 @@ def lora_params(module: torch.nn.Module, targets: list[str], rank: int, dora: bo
     return total
 
 
-def plan_adapter(cfg, conf: dict, class_name: str, presets: dict[str, str], net_name: str) -> PlannedAdapter | None:
+def quantized_base_bytes(backend: str, total: int, quantizable: int, gguf: str | None = None) -> float | None:
+    """Bytes per base parameter with ``backend`` (``model.adapter.base_quantization``): its ``quantizable``
+    weights at the backend's measured size, the rest of the ``total`` in bf16; a GGUF file's size over the net's
+    parameters; None for ``none``."""
+    from ..families.components.quantized_base import BYTES_PER_PARAM
+
+    if backend == "gguf" and gguf and os.path.isfile(gguf):
+        return os.path.getsize(gguf) / max(total, 1)
+    if backend not in BYTES_PER_PARAM:
+        return None
+    return (quantizable * BYTES_PER_PARAM[backend] + (total - quantizable) * 2) / max(total, 1)
+
+
+def plan_adapter(cfg, conf: dict, class_name: str, presets: dict[str, str], net_name: str,
+                 family=None) -> PlannedAdapter | None:
     """The adapter ``cfg.model.adapter`` would put on the net ``conf`` builds (a ``class_name``); None when
     the net does not build on the meta device or the targets resolve to nothing (the run reports that when
-    it builds)."""
+    it builds). ``family`` (its class): the base's quantisable weights are counted in its blocks."""
     a = cfg.model.adapter
     net = meta_module(conf, class_name)
     if net is None:
@@ -133,7 +148,12 @@ def plan_adapter(cfg, conf: dict, class_name: str, presets: dict[str, str], net_
     total = sum(p.numel() for p in net.parameters())
     half = cfg.model.mixed_precision in ("bf16", "fp16") and cfg.distributed.strategy != "fsdp"
     trained = lora_params(net, targets, a.rank, a.use_dora, a.type, a.lokr_factor, a.decompose_both)
-    return PlannedAdapter(trained, total, 2 if half else 4, len(targets))
+    quantizable = 0
+    if family is not None:  # the Linear layers of the blocks (components.quantized_base.targets' choice)
+        units = object.__new__(family).compile_units(net) or []  # read from the net alone, no built components
+        quantizable = sum(m.weight.numel() for u in units for m in u.modules() if type(m) is torch.nn.Linear)
+    base = quantized_base_bytes(a.base_quantization, total, quantizable, a.base_gguf) or (2 if half else 4)
+    return PlannedAdapter(trained, total, base, len(targets), quantizable)
 
 
 def adapter_state_bytes(planned: PlannedAdapter, per_trained: int, strategy: str, world_size: int) -> float:

@@ -56,8 +56,18 @@ GPU_SIZES_GB = (24, 40, 80)
 LORA_RANK, LORA_PRESET = 32, "attention_ffn"
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor stores: a tensor subclass that packs its data (torchao's quantised weights, which report
+    their logical dtype) by its inner tensors."""
+    names = getattr(t, "tensor_data_names", None) or getattr(t.data, "tensor_data_names", None)
+    if names:
+        inner = t if getattr(t, "tensor_data_names", None) else t.data
+        return sum(tensor_bytes(getattr(inner, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 def _bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    return sum(tensor_bytes(t) for t in [*module.parameters(), *module.buffers()])
 
 
 @dataclass
@@ -95,7 +105,7 @@ def _trained_bytes(module: torch.nn.Module, per_param: int) -> tuple[int, int, i
     trained = [p for p in module.parameters() if p.requires_grad]
     frozen = [p for p in module.parameters() if not p.requires_grad]
     n = sum(p.numel() for p in trained)
-    return n, n * per_param, sum(t.numel() * t.element_size() for t in frozen)
+    return n, n * per_param, sum(tensor_bytes(t) for t in frozen)
 
 
 def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], optimizer: str, world_size: int,
