@@ -91,6 +91,7 @@ def test_plan_memory_script_says_what_fits_which_gpu():
     text = out.stdout
     assert "the GPU has 24 GiB" in text and "It does not fit. Settings that would fit in 90% of it" in text
     assert "optimizer.name=adamw8bit" in text and "the GPU has 80 GiB" in text and "It fits" in text
+    assert "[" in text and "about free" in text  # each advised set says what it costs in speed
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_memory.py"), *ARGS, "optimizer.nmae=adamw"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "optimizer.nmae" in bad.stderr

@@ -391,6 +391,26 @@ def _largest_batch(plan: LoadPlan, s: Setting, budget: float) -> int:
     return int(room // per) if per > 0 and room >= per else 0
 
 
+# What each lever costs in speed, said with the advice (key prefix -> note)
+SPEED = {
+    "model.gradient_checkpointing": "recomputes each block in the backward: about a third slower",
+    "optimizer.name=adamw8bit": "about free",
+    "optimizer.in_backward": "about free; no gradient clipping",
+    "model.ema.device=cpu": "the EMA update on the CPU",
+    "model.text_encoder_placement=offload": "a copy of the text encoders onto the GPU per sample grid",
+    "model.adapter.base_quantization": "each block's weights dequantised in every forward: slower steps",
+    "model.block_swap": "each swapped block copied in per forward and backward, hidden while compute is longer",
+    "distributed.strategy=fsdp": "shards over the ranks; gathers each block",
+    "distributed.fsdp_cpu_offload": "the optimizer steps on the CPU: much slower",
+}
+
+
+def speed_notes(changes: list[str]) -> str:
+    """The speed cost of a set of changes, from :data:`SPEED`."""
+    notes = [note for key, note in SPEED.items() if any(key in c for c in changes)]
+    return f" [{'; '.join(notes)}]" if notes else ""
+
+
 def format_advice(advice: list[Advice], cfg, fraction: float = ADVICE_FRACTION) -> str:
     if not advice:
         return ("No setting this plan knows fits: train a LoRA (model.adapter.type=lora), lower "
@@ -400,7 +420,7 @@ def format_advice(advice: list[Advice], cfg, fraction: float = ADVICE_FRACTION) 
         keep = ""
         if a.batch < cfg.system.batch_size:
             keep = " (raise system.gradient_accumulation, or set system.global_batch_size, to keep the images per step)"
-        lines.append(f"{' '.join(a.changes)} -> about {a.need / GIB:,.1f} GiB{keep}")
+        lines.append(f"{' '.join(a.changes)} -> about {a.need / GIB:,.1f} GiB{keep}{speed_notes(a.changes)}")
     return f"Settings that would fit in {100 * fraction:.0f}% of it: " + "; or ".join(lines)
 
 
