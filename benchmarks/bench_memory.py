@@ -288,12 +288,10 @@ def rss_gib() -> dict:
     return {"rss_gib": now, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def make_trainer(args, spec: dict, mode: str):
-    """A real Trainer after ``setup()``: the mode's overrides on a config like the templates'."""
-    from sd_training import distributed
+def trainer_config(args, spec: dict, mode: str, pipeline: str, shards: str):
+    """The checked config (``configure.load``) of ``mode``: its overrides on a config like the templates'."""
     from sd_training.configure import load
     from sd_training.families.registry import FAMILIES
-    from sd_training.loop import Trainer
 
     work = Path(args.work)
     overrides = {
@@ -301,10 +299,10 @@ def make_trainer(args, spec: dict, mode: str):
         "experiment.num_examples_to_see": 10**6, "experiment.sample_per_prompt": 0, "experiment.resume": False,
         "experiment.start_fresh": True, "experiment.progress_bar": "off",
         "system.batch_size": args.batch, "system.workers": 0, "system.device": args.device,
-        "model.pretrained": os.environ["BENCH_PIPELINE"], "model.family": spec["family"],
+        "model.pretrained": pipeline, "model.family": spec["family"],
         "model.mixed_precision": f"'{args.precision}'", "model.gradient_checkpointing": True,
         "model.use_ema": bool(args.ema),
-        "dataset.params.path": os.environ["BENCH_SHARDS"], "dataset.params.resolution": args.resolution,
+        "dataset.params.path": shards, "dataset.params.resolution": args.resolution,
         "dataset.params.resampled": True, "wandb.mode": "disabled", "lr_scheduler.params.warmup_length": 0,
         "model.channels_last": args.channels_last, "model.compile": args.compile != "none",
         **mode_overrides(mode, spec),
@@ -314,7 +312,15 @@ def make_trainer(args, spec: dict, mode: str):
     yaml_text = None
     if spec.get("net"):  # the trainer builds the net from scratch (random weights) from its config
         yaml_text = json.dumps({"model": {FAMILIES[spec["family"]].net_name: {"params": spec["net"]}}})
-    cfg = load([f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()], yaml_text=yaml_text)
+    return load([f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()], yaml_text=yaml_text)
+
+
+def make_trainer(args, spec: dict, mode: str):
+    """A real Trainer after ``setup()`` on the mode's config (:func:`trainer_config`)."""
+    from sd_training import distributed
+    from sd_training.loop import Trainer
+
+    cfg = trainer_config(args, spec, mode, os.environ["BENCH_PIPELINE"], os.environ["BENCH_SHARDS"])
     # distributed.strategy=fsdp in one process: FSDP2 in a process group of one (as train.py starts it).
     trainer = Trainer(cfg, distributed.setup(args.device, one_rank_group=cfg.distributed.strategy == "fsdp"))
     trainer.setup()
@@ -446,6 +452,7 @@ def child(args) -> dict:
         "torch_threads": torch.get_num_threads(), "net_params": net_params, "net_params_expected": spec.get("net_params"),
         "setup_s": setup_s, "median_step_s": step_s, "images_per_sec": args.batch / step_s if step_s else None,
         "steps_per_sec": 1 / step_s if step_s else None, "off_device": off_device(trainer),
+        "batch_keys": sorted(batch),  # latent shards with stored text: latents and encoder_hidden_states
         "losses": losses, "nonfinite_skipped": int(trainer.guards.nonfinite_total), "measured": measured, "process_memory": mem,
         "plan": {"strategy": plan["strategy"], "row": row, "rows": plan["rows"]},
         "plan_vs_measured_gib": {  # the plan's rows beside the tensors the trainer holds
