@@ -122,8 +122,12 @@ def load_spec(args) -> tuple[str, dict]:
 
 
 def skip_reason(mode: str, spec: dict) -> str | None:
-    """Why ``mode`` cannot run in this build (a config key its lever sets is missing), else None."""
-    missing = missing_keys(mode_overrides(mode, spec))
+    """Why ``mode`` cannot run in this build (a config key its lever sets is missing, or the spec has no block
+    swap count for it), else None."""
+    try:
+        missing = missing_keys(mode_overrides(mode, spec))
+    except SystemExit as exn:  # e.g. --mode all on a spec without a swap count for every swapping mode
+        return f"skipped: {str(exn).removeprefix('bench_memory: ')}"
     if missing:
         return (f"skipped: this build's config has no {', '.join(missing)} (the lever of mode {mode} has not "
                 "landed; the mode turns on when it does)")

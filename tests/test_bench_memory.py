@@ -166,8 +166,10 @@ def test_a_mode_without_its_key_is_reported_not_run():
     assert bench_memory_modes.overrides("full_swap", spec)[bench_memory_modes.KEYS["block_swap"]] == 3
     reason = bench_memory.skip_reason("full_swap", {**spec, "family": "zimage"})
     assert reason is None or bench_memory_modes.KEYS["block_swap"] in reason
-    with pytest.raises(SystemExit, match="block_swap"):  # a swapping mode needs the spec's count
+    with pytest.raises(SystemExit, match="block_swap"):  # a swapping mode needs the spec's count ...
         bench_memory_modes.overrides("lora_swap", spec)
+    reason = bench_memory.skip_reason("lora_swap", {**spec, "family": "zimage"})  # ... else it is skipped, saying so
+    assert reason.startswith("skipped:") and "block_swap" in reason and "lora_swap" in reason
 
 
 def test_the_big_families_take_their_shapes_from_the_reference_models():
