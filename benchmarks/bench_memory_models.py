@@ -210,7 +210,18 @@ def latent_shards(pipeline: Path, images: str, out: Path, resolution: int, devic
                                "--workers", "0", "--device", device, "--no-progress"])
         if summary["shards_failed"] or not summary["complete"]:
             raise SystemExit(f"bench_memory: precompute_latents did not finish {out}: {summary}")
+        release_device_memory()  # this process waits while the modes run: it keeps no VAE activations cached
     return str(sorted(out.glob("*.tar"))[0])
+
+
+def release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def batches(spec: dict, model: str, pipeline: Path, work: Path, resolution: int, batch: int, device: str) -> str:

@@ -110,8 +110,9 @@ check bench_sdxl_speed "$PY" benchmarks/bench_memory.py --device cuda --mode ful
 # about 1-2 minutes) and --timeout bounds it, so every command stays under the 10-minute limit. A mode whose
 # lever is not in this build is listed as skipped, naming its config key. Goals (peak allocated): Flux.1-dev
 # LoRA <= 10 GiB at >= 0.5 steps/s, Flux.1-dev full <= 16, SDXL full <= 12, Qwen-Image LoRA <= 16, FLUX.2 dev
-# LoRA <= 24, Z-Image LoRA <= 8 GiB.  Wall time of this section: about 50 minutes on one H200 (estimated from
-# the set-up of the 12-20B nets, not yet measured), ~9 commands of 3-9 minutes.
+# LoRA <= 24, Z-Image LoRA <= 8 GiB.  Wall time of this section: about 50 minutes on one H200 (estimated, not
+# yet measured: each mode's set-up builds its 4-20B net in fp32 on the host, ~1-2 minutes), at most 79 minutes
+# (the sum of the --timeout bounds); 9 commands, each under 10 minutes.
 M36=(--device cuda --steps 4 --work "$OUT/bench_memory36")
 check mem36_flux_lora_nf4 "$PY" benchmarks/bench_memory.py "${M36[@]}" --model flux --mode lora,lora_nf4 \
   --timeout 270 --out "$OUT/mem36_flux_lora_nf4.json"
