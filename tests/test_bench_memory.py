@@ -259,3 +259,10 @@ def test_the_latent_shard_path_trains_with_the_encoders_and_vae_off_the_device(z
         assert "model.adapter.base_quantization" in nf4["error"] and "skipped" in proc.stdout
     else:
         assert "error" not in nf4 and nf4["trained_params"] == lora["measured"]["trained_params"]
+    # docs/memory.md's rows from the JSON: the plan beside the measured peak, a skipped mode saying why
+    import memory_table
+
+    table = memory_table.rows(result)
+    assert len(table) == 2 and table[0].startswith(f"| {TINY_LLM} (cpu, 32 px, batch 1) | `lora` |")
+    assert f"{result['summary']['lora']['peak_gib']:.1f}" in table[0]
+    assert ("skipped" in table[1]) == bool(nf4.get("skipped"))
