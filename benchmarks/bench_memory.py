@@ -34,14 +34,15 @@ fine-tunes for one GPU: ``offload`` (FSDP2 on one rank with ``distributed.fsdp_c
 ``opt_in_backward`` (``optimizer.in_backward``: no full set of gradients), ``adam8bit`` and
 ``adam8bit+opt_in_backward``; and issue 36's: ``lora_nf4``, ``lora_int8``, ``lora_int8_weight``,
 ``lora_fp8`` (a quantised frozen base, ``model.adapter.base_quantization``), ``lora_swap``,
-``lora_nf4_swap``, ``full_swap``, ``full_swap_8bit`` (``model.block_swap``: the spec's count),
+``full_swap``, ``full_swap_8bit`` (``model.block_swap``: the spec's count),
 ``lokr``, ``loha``. A mode whose config key this build lacks is reported as skipped, naming the key.
 ``--mode all`` runs every one.
 
 Measured per mode: on CUDA ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the steps
 (peak stats reset after set-up, synchronised before reading), on the CPU the process's peak RSS; images/s
-and steps/s (median step); where the frozen text encoders and VAE were (``off_device``); and the bytes the trainer actually holds (trained and frozen parameters by dtype, the
-gradients of the last step, the optimizer state, the frozen components), beside the start-up memory
+and steps/s (median step); where the frozen text encoders and VAE were (``off_device``); and the bytes
+the trainer actually holds (trained and frozen parameters by dtype, the gradients of the last step, the
+optimizer state, the frozen components), beside the start-up memory
 plan's rows for the run's strategy (``memory_plan.json``). Writes benchmarks/results/bench_memory.json
 (``--out``) with each goal's pass/fail (the spec's ``goals``: peak GiB allocated, ``speed_goals``:
 steps/s; on a GPU with the full-size model); prints a table.
@@ -318,7 +319,8 @@ def trainer_config(args, spec: dict, mode: str, pipeline: str, shards: str):
     yaml_text = None
     if spec.get("net"):  # the trainer builds the net from scratch (random weights) from its config
         yaml_text = json.dumps({"model": {FAMILIES[spec["family"]].net_name: {"params": spec["net"]}}})
-    return load([f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()], yaml_text=yaml_text)
+    argv = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()]
+    return load(argv, yaml_text=yaml_text)
 
 
 def make_trainer(args, spec: dict, mode: str):
@@ -356,8 +358,18 @@ def checkpoint_stall(trainer, step_s: float | None, saves: int = 2) -> dict:
     return out
 
 
+def stored(t) -> list:
+    """The plain tensors that hold ``t``'s data: itself, or a tensor subclass's inner tensors (torchao's
+    quantised weights report their original dtype and size, not what they store)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        return [x for name in t.__tensor_flatten__()[0] for x in stored(getattr(t, name))]
+    return [t]
+
+
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(x.numel() * x.element_size() for t in tensors for x in stored(t))
 
 
 def off_device(trainer) -> dict:
@@ -387,8 +399,8 @@ def held(trainer) -> dict:
     encoders = {id(m): m for m in trainer.encoders.values()}.values()
     enc_params = [p for m in encoders for p in m.parameters()]
     by_dtype: dict[str, int] = {}
-    for p in frozen:
-        by_dtype[str(p.dtype).replace("torch.", "")] = by_dtype.get(str(p.dtype).replace("torch.", ""), 0) + p.numel()
+    for x in (x for p in frozen for x in stored(p)):  # elements by the dtype they are stored in
+        by_dtype[str(x.dtype).replace("torch.", "")] = by_dtype.get(str(x.dtype).replace("torch.", ""), 0) + x.numel()
     return {
         "trained_params": sum(p.numel() for p in trained), "trained_bytes": tensor_bytes(trained),
         "trained_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in trained}),

@@ -83,6 +83,9 @@ def encoder_width(config: dict) -> int:
     return int(text.get("d_model") or text["hidden_size"])
 
 
+_COUNTED: dict[str, int] = {}  # net_params by the net's config (a meta build of SDXL's UNet takes seconds)
+
+
 def net_params(spec: dict) -> int | None:
     """Parameters of the spec's trained net, counted on the meta device (None: the tiny pipeline's)."""
     if not spec.get("net"):
@@ -91,7 +94,10 @@ def net_params(spec: dict) -> int | None:
     from sd_training.memory.load import meta_module
 
     cls = spec.get("net_class") or FAMILIES[spec["family"]].net_class
-    return sum(p.numel() for p in meta_module(spec["net"], cls).parameters())
+    key = json.dumps([cls, spec["net"]], sort_keys=True)
+    if key not in _COUNTED:
+        _COUNTED[key] = sum(p.numel() for p in meta_module(spec["net"], cls).parameters())
+    return _COUNTED[key]
 
 
 def host_memory_needed(spec: dict) -> float:

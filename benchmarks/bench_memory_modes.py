@@ -26,7 +26,8 @@ def adapter(kind: str) -> Overrides:
     """An adapter of ``kind`` with the spec's rank and targets (its ``lora`` entry)."""
     def overrides(spec: dict, mode: str) -> dict:
         lora = spec.get("lora") or {}
-        return {KEYS["adapter"]: kind, KEYS["rank"]: lora.get("rank", 16), KEYS["targets"]: lora.get("targets", "attention")}
+        return {KEYS["adapter"]: kind, KEYS["rank"]: lora.get("rank", 16),
+                KEYS["targets"]: lora.get("targets", "attention")}
     return overrides
 
 
@@ -86,7 +87,6 @@ MODE_LEVERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lora_int8_weight": ("LoRA on an int8 weight-only base (torchao)", ("lora", "int8_weight")),
     "lora_fp8": ("LoRA on a float8 weight-only base (torchao)", ("lora", "fp8")),
     "lora_swap": ("LoRA, the bf16 base's blocks swapped (block_swap)", ("lora", "swap")),
-    "lora_nf4_swap": ("LoRA on an nf4 base whose blocks are swapped too", ("lora", "nf4", "swap")),
     # a full fine-tune with swapped blocks updates each block while it is on the device (optimizer.in_backward)
     "full_swap": ("full fine-tune with block swap, the optimizer in the backward", ("swap", "opt_in_backward")),
     "full_swap_8bit": ("full fine-tune with block swap and 8-bit AdamW in the backward",
@@ -106,7 +106,8 @@ def _compose(levers: tuple[str, ...]) -> Overrides:
 
 
 # name -> (what it is, overrides(spec, mode)): what bench_memory runs.
-MODES: dict[str, tuple[str, Overrides]] = {name: (what, _compose(levers)) for name, (what, levers) in MODE_LEVERS.items()}
+MODES: dict[str, tuple[str, Overrides]] = {name: (what, _compose(levers))
+                                           for name, (what, levers) in MODE_LEVERS.items()}
 
 # How the batches are read (the spec's ``data``): ``images`` (a folder of shard images: the VAE encodes and the
 # text encoders encode every step, on the device) or ``latents`` (latent shards with stored text, written once
@@ -127,8 +128,10 @@ def lacks(key: str, value=None) -> str | None:
     """What this build's config lacks of ``key=value``: the key (a dotted path), or the value among its
     choices (``model.adapter.type=lokr`` before LoKr lands); None when it has both (anything under a free-form
     dict, e.g. ``model.transformer.params``, counts as present)."""
-    import sd_training.families.options  # noqa: F401  (registers the families' and adapters' fields)
     from sd_training.config.schema import train_config_class
+    from sd_training.families import options
+
+    assert options.FamilyModelFields  # imported: the families' and adapters' fields are registered
 
     node, meta = train_config_class()(), {}
     for part in key.split("."):
