@@ -12,7 +12,7 @@ import torch
 
 from . import adapters
 from .speed import compile_cache
-from .speed import fp8
+from .speed import block_swap, fp8
 from .checkpoint import init_weights_from, load_weights_checked
 from .config.schema import TrainConfig
 from .distributed import DistInfo
@@ -39,6 +39,7 @@ class ModelParts:
     model: torch.nn.Module  # what the step calls: the family's loss module, wrapped (and compiled)
     autocast_dtype: torch.dtype | None  # None: fp32
     scaler: torch.amp.GradScaler  # enabled under fp16 only
+    swap: block_swap.BlockSwap | None = None  # model.block_swap: the blocks streamed from host memory
 
 
 @dataclass
@@ -73,11 +74,13 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     if adapters.enabled(cfg):
         # The frozen base in the training precision (FSDP2 shards a unit's parameters in one dtype: fp32 there).
         family.adapters = adapters.apply(cfg, family, dtype if cfg.distributed.strategy != "fsdp" else None)
+    # Only the trained module (and its EMA) is wrapped; the frozen components never are.
+    strategy = Strategy(cfg.distributed.strategy, info.has_group, device, dtype, cfg.distributed)
+    # Before the EMA and the wrapper: both then see the swapped blocks' weights where they live (the host).
+    swap = block_swap.install(cfg, family, net, device, info.world_size, strategy.name)
     ema = _build_ema(cfg, net, family.net_name, plan.total_steps, device)
     # fp16 needs loss scaling (its range underflows small gradients); bf16 does not.
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.model.mixed_precision == "fp16")
-    # Only the trained module (and its EMA) is wrapped; the frozen components never are.
-    strategy = Strategy(cfg.distributed.strategy, info.has_group, device, dtype, cfg.distributed)
     _log_memory_plan(cfg, info, family, net, ema, strategy, dtype, run_dir)
     model = strategy.wrap(family.loss_module, ema.shadow if ema is not None else None, family.shard_units,
                           shadow_units=ema is None or ema.names is None)
@@ -90,7 +93,7 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
                      device.type, "max-autotune-no-cudagraphs" if mode == "max-autotune" else "default")
         options = {} if mode == "default" else {"mode": mode}
         model = compile_model(model, family, net, cfg.model.compile_scope, **options)
-    return ModelParts(family, net, ema, strategy, model, dtype, scaler)
+    return ModelParts(family, net, ema, strategy, model, dtype, scaler, swap)
 
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
@@ -192,6 +195,8 @@ def build_optimizer_parts(cfg: TrainConfig, info: DistInfo, plan: Plan, parts: M
                           for name, m in encoders.items()}
     family.use_wrapped_encoders(encoder_models)
     optimizer = build_optimizer(groups, o, parts.strategy.optimizer_device, peak_lr)
+    if parts.swap is not None:  # the swapped parameters' state goes to the device with them
+        parts.swap.follow_optimizer(optimizer)
     if family.compile_cache is not None:  # model.compile: the compiler's cache, saved after the first step
         family.compile_cache.save_after_first_step(optimizer)
     device_side_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and any(

@@ -27,6 +27,7 @@ from .families.options import FamilyModelFields
 from .adapters import check_lora_file, resolve_targets
 from .config.patterns import PatternTimeout
 from .memory.load import meta_module
+from .speed import block_swap
 from .outputs.comfy_lora import check_layers
 from .families.components.ddpm import validate_objective_config
 from .families.components.clip import validate_text_encoder_config
@@ -57,6 +58,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
     registry.validate(cfg)
     check_family_limits(cfg)
     check_init_from(cfg)
+    block_swap.check_config(cfg)
     check_comfy_names(cfg)
     check_dataset_inputs(cfg.dataset)
     check_batch(cfg)

@@ -260,6 +260,10 @@ class CommonModelFields:
                           choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     fp8: bool = f(False, "train the Linear layers of the net's repeated blocks (the transformer blocks) in float8 with "
                   "torchao (sd_training.speed.fp8; FP8 GPUs: H100, L40S, RTX 4090; pays with model.compile)")
+    block_swap: int = f(0, "blocks of the trained net kept in host memory and streamed through the device, each "
+                        "copied in ahead of its forward and of its backward (sd_training.speed.block_swap; 0: "
+                        "none). Needs model.gradient_checkpointing; a full fine-tune needs optimizer.in_backward",
+                        ge=0)
     compile_cache: Optional[str] = f(None, "model.compile: folder of the compiler's cache artifacts (torch >= 2.7 "
                                      "mega-cache), loaded before compiling and saved once the first step compiled, so "
                                      "a requeued job skips most of the warm-up (None: <run folder>/compile_cache)")

@@ -204,6 +204,12 @@ class Family(abc.ABC):
         the whole wrapped loss module is compiled (``torch.compile``)."""
         return None
 
+    def swap_units(self, net: torch.nn.Module) -> list[torch.nn.Module] | None:
+        """``model.block_swap``: the blocks of ``net`` that may live in host memory, in execution order, each
+        recomputed whole by gradient checkpointing (its backward then brings it in again); None: the family
+        has none. Default: the compile units (a transformer's blocks are both)."""
+        return self.compile_units(net)
+
     def step_flops(self) -> StepFlops | None:
         """FLOPs per training image (for MFU); None where MFU is not defined."""
         return None

@@ -54,6 +54,27 @@ def compile_units(net: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
+def swap_units(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model.block_swap``: the UNet's parts that gradient checkpointing recomputes whole, in execution
+    order: the down and up blocks' ResNets and the transformer blocks inside their attentions, the mid
+    block's attentions' transformer blocks and its ResNets after the first (diffusers calls the first, and
+    the attentions' norms and projections, outside the checkpoint: they stay on the device)."""
+    def parts(name: str, block) -> list:
+        return list(getattr(block, name, None) or [])
+
+    def level(block) -> list[torch.nn.Module]:  # a down or up block: resnet i, then attention i
+        attentions = parts("attentions", block)
+        return [unit for i, resnet in enumerate(parts("resnets", block))
+                for unit in [resnet, *(parts("transformer_blocks", attentions[i]) if i < len(attentions) else [])]]
+
+    units = [u for block in parts("down_blocks", net) for u in level(block)]
+    mid = getattr(net, "mid_block", None)
+    if mid is not None:  # resnet 0 (outside the checkpoint), then attention i, resnet i + 1
+        for attention, resnet in zip(parts("attentions", mid), parts("resnets", mid)[1:]):
+            units.extend([*parts("transformer_blocks", attention), resnet])
+    return units + [u for block in parts("up_blocks", net) for u in level(block)]
+
+
 def shard_units(net: torch.nn.Module, level: str) -> list[torch.nn.Module]:
     """The modules FSDP2 shards separately, innermost first. ``block``: each down/mid/up block (an SD UNet's
     largest is about 30% of the weights, all gathered at once). ``layer``: each resnet and transformer
@@ -151,6 +172,9 @@ class UNetFamily(PipelineFamily):
 
     def compile_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
         return compile_units(net)
+
+    def swap_units(self, net: torch.nn.Module) -> list[torch.nn.Module]:
+        return swap_units(net)
 
     @property
     def tokenizers(self):
