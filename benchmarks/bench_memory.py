@@ -361,11 +361,14 @@ def checkpoint_stall(trainer, step_s: float | None, saves: int = 2) -> dict:
 def stored(t) -> list:
     """The plain tensors that hold ``t``'s data: itself, or a tensor subclass's inner tensors (torchao's
     quantised weights report their original dtype and size, not what they store)."""
+    import torch
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    if is_traceable_wrapper_subclass(t):
-        return [x for name in t.__tensor_flatten__()[0] for x in stored(getattr(t, name))]
-    return [t]
+    if isinstance(t, DTensor) or not is_traceable_wrapper_subclass(t):  # FSDP2's: counted whole, as one rank holds
+        return [t]
+    inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+    return [x for tensor in inner if torch.is_tensor(tensor) for x in stored(tensor)]
 
 
 def tensor_bytes(tensors) -> int:
