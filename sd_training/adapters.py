@@ -1,4 +1,4 @@
-"""``model.adapter``: peft LoRA / DoRA adapters trained instead of the full net (every family).
+"""``model.adapter``: peft LoRA / DoRA / LoKr / LoHa adapters trained instead of the full net (every family).
 
 The family says which layers its presets adapt (``Family.adapter_presets``: full-match regular expressions
 over the net's layer names; ``Family.text_adapter_presets`` for its text encoders) and which text encoders
@@ -27,7 +27,7 @@ from .config import ConfigError
 from .config.patterns import full_matches
 from .config.schema import TrainConfig
 from .optim import param_groups
-from .outputs import comfy_lora
+from .outputs import comfy_lora, lycoris_file
 from .run.run_dir import replace_dir
 
 log = logging.getLogger(__name__)
@@ -127,14 +127,57 @@ def lora_config(targets: list[str], rank: int, alpha: float | None, a):
     )
 
 
+def net_config(targets: list[str], a):
+    """peft's config of ``model.adapter.type`` for the net: LoRA (``lora_config``), LoKr or LoHa (peft's
+    LyCORIS ports, whose weights and arithmetic are LyCORIS'); alpha / rank scales the update of each."""
+    if a.type == "lora":
+        return lora_config(targets, a.rank, a.alpha, a)
+    from peft import LoHaConfig, LoKrConfig
+
+    common = dict(r=a.rank, alpha=a.alpha if a.alpha is not None else a.rank,
+                  target_modules="^(" + "|".join(re.escape(t) for t in targets) + ")$")
+    if a.type == "lokr":
+        return LoKrConfig(decompose_factor=a.lokr_factor, decompose_both=a.decompose_both, **common)
+    return LoHaConfig(**common)
+
+
+def layer_params(n_in: int, n_out: int, rank: int, kind: str, factor: int = -1, decompose_both: bool = False,
+                 kernel: int = 1) -> int:
+    """The parameters of one adapter layer on a Linear ``n_in`` -> ``n_out`` (a Conv2d: ``n_in`` input channels,
+    ``kernel`` = k x k), as peft makes them (for the memory plan). LoRA: rank x (n_in x kernel + n_out) (DoRA adds
+    n_out). LoHa: 2 x rank x (n_in x kernel + n_out). LoKr: n_out = a x b and n_in = c x d (peft's
+    ``factorization`` with ``factor``); the left factor a x c whole (rank x (a + c) with ``decompose_both`` when
+    rank < max(a, c) / 2), the right one b x d x kernel whole when rank >= max(b, d) / 2, else rank x (b + d x kernel)."""
+    if kind == "lora":
+        return rank * (n_in * kernel + n_out)
+    if kind == "loha":
+        return 2 * rank * (n_in * kernel + n_out)
+    from peft.tuners.lokr.layer import factorization
+
+    c, d = factorization(n_in, factor)
+    a, b = factorization(n_out, factor)
+    left = rank * (a + c) if decompose_both and rank < max(a, c) / 2 else a * c
+    right = b * d * kernel if rank >= max(b, d) / 2 else rank * (b + d * kernel)
+    return left + right
+
+
 # ---------------------------------------------------------------------------------------------- apply
+
+# The names of an adapter's own parameters hold its tuner's prefix (peft's LoraModel / LoKrModel / LoHaModel.prefix)
+PREFIXES = {"LORA": "lora_", "LOKR": "lokr_", "LOHA": "hada_"}
+
+
+def adapter_prefix(module: torch.nn.Module) -> str:
+    """The prefix of the parameter names of ``module``'s peft adapter ("lora_", "lokr_" or "hada_")."""
+    return PREFIXES[module.peft_config["default"].peft_type.value]
+
 
 def inject(module: torch.nn.Module, config) -> int:
     """``add_adapter`` (diffusers' and transformers' models), the base frozen, the adapter trained in fp32.
     Returns the adapter's parameter count."""
     module.requires_grad_(False)
     module.add_adapter(config)
-    trained = [p for n, p in module.named_parameters() if "lora_" in n]
+    trained = [p for n, p in module.named_parameters() if PREFIXES[config.peft_type.value] in n]
     for p in trained:
         p.data = p.data.float()
         p.requires_grad_(True)
@@ -156,13 +199,15 @@ def _apply(cfg: TrainConfig, family, base_dtype: torch.dtype | None) -> Adapters
     a, net = cfg.model.adapter, family.net
     targets = resolve_targets(net, family.adapter_presets, a.targets, list(a.target_modules), a.target_regex,
                               "model.adapter", family.net_name)
-    check_rank(net, targets, a.rank, "model.adapter.rank", family.net_name)
+    if a.type != "lokr":  # a LoKr rank may exceed a side: its factors are then kept whole
+        check_rank(net, targets, a.rank, "model.adapter.rank", family.net_name)
     if a.export_kohya and family.comfy_lora_names is not None:  # its file names every target: refused before any work
-        comfy_lora.check_layers(family.comfy_lora_names, net, targets, "model.adapter.export_kohya", family.net_name)
+        comfy_lora.check_layers(family.comfy_lora_names, net, targets, "model.adapter.export_kohya", family.net_name,
+                                a.type)
     total = sum(p.numel() for p in net.parameters())
-    if base_dtype is not None:
+    if base_dtype is not None and a.base_quantization == "none":  # a quantised base is already in it
         net.to(base_dtype)
-    trained = inject(net, lora_config(targets, a.rank, a.alpha, a))
+    trained = inject(net, net_config(targets, a))
     lines = [f"{family.net_name}: {len(targets)} layers, {trained:,} parameters"]
     encoders = {}
     if a.text_encoders.train:
@@ -209,6 +254,8 @@ def check_export_kohya(cfg: TrainConfig, family_class, encoders: list[str] | Non
                               "model.adapter.text_encoders.train=false or model.adapter.export_kohya=false")
         return
     prefixes = family_class.kohya_lora_prefixes
+    if a.type != "lora" and net not in prefixes:  # a LyCORIS file by ComfyUI's lycoris_ names (outputs.lycoris_file)
+        return
     outside = [net] if net not in prefixes else [e for e in encoders or [] if e not in prefixes]
     if outside:
         raise ConfigError(f"'model.adapter.export_kohya': the {name} family's {outside[0]} has no kohya key "
@@ -281,13 +328,15 @@ def load_lora(adapters: Adapters, path: str) -> None:
                           f"adapter on (it adapts {', '.join(modules)}): a LoRA of another family or settings")
     for name, module in modules.items():
         part = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
-        part = (convert_unet_state_dict_to_peft(part) if name == adapters.net_name
-                else convert_state_dict_to_peft(convert_state_dict_to_diffusers(part)))
+        if adapter_prefix(module) == "lora_":  # LoKr / LoHa files hold peft's own names: read as they are
+            part = (convert_unet_state_dict_to_peft(part) if name == adapters.net_name
+                    else convert_state_dict_to_peft(convert_state_dict_to_diffusers(part)))
         want = get_peft_model_state_dict(module)
         missing = sorted(set(want) - set(part))
         if missing:
             raise ConfigError(f"'model.adapter.init_from': {file} has no {name} weights for {missing[0]!r} ("
-                              f"{len(missing)} of {len(want)} missing): made with other targets or for another base")
+                              f"{len(missing)} of {len(want)} missing): made with other targets, another model.adapter.type "
+                              "or for another base")
         for k, v in part.items():
             if k not in want or want[k].shape != v.shape:
                 got = "no such layer" if k not in want else f"shape {tuple(want[k].shape)}"
@@ -367,6 +416,15 @@ def save_comfy(adapters: Adapters, net: torch.nn.Module, lora_file: Path) -> Pat
     return out
 
 
+def save_lycoris(adapters: Adapters, net: torch.nn.Module, lora_file: Path) -> Path:
+    """A LoKr / LoHa export's copy for ComfyUI and kohya loaders (``outputs.lycoris_file``): LyCORIS' tensors under
+    kohya's names (UNet families, ``pytorch_lora_weights_kohya.safetensors``) or those ComfyUI maps for the
+    family (``pytorch_lora_weights_comfyui.safetensors``)."""
+    how = lycoris_file.style(adapters.net_name, adapters.kohya_prefixes, adapters.comfy_names)
+    out = lora_file.with_name(KOHYA_FILE if how == "kohya" else COMFY_FILE)
+    return lycoris_file.save(net, out, how, adapters.kohya_prefixes.get(adapters.net_name, ""), adapters.comfy_names)
+
+
 def merged_copy(net: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``net`` with the adapter merged into fp32 weights and the peft layers gone."""
     merged = copy.deepcopy(net).float()
@@ -384,7 +442,9 @@ def export(adapters: Adapters, family, net: torch.nn.Module, out: Path, merged: 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     lora_file = save_lora(adapters, net, tmp)
-    if kohya and adapters.comfy_names is not None:
+    if kohya and adapter_prefix(net) != "lora_":
+        save_lycoris(adapters, net, lora_file)
+    elif kohya and adapters.comfy_names is not None:
         save_comfy(adapters, net, lora_file)
     elif kohya:
         save_kohya(adapters, lora_file)

@@ -19,6 +19,7 @@ from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
 from .families import registry
 from .families.base import Family
+from .families.components import quantized_base_store
 from .memory.fit import check_plan, micro_batch_activations
 from .memory.plan import as_dicts, format_plan, memory_plan, module_bytes
 from .optim import build_lr_scheduler, build_optimizer, check_in_backward, lr_scale, param_groups
@@ -71,6 +72,9 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
     if cfg.model.fp8:  # before the wrapping and the EMA: both see the float8 layers
         fp8.check(adapters.enabled(cfg))
         fp8.convert(family.compile_units(net) or [net], device)
+    if adapters.enabled(cfg) and cfg.model.adapter.base_quantization != "none":
+        # model.adapter.base_quantization: the base's block layers quantised (or reloaded) before peft wraps them
+        log.info("%s", quantized_base_store.prepare(cfg, family, dtype, run_dir.quantized_base, info.is_main))
     if adapters.enabled(cfg):
         # The frozen base in the training precision (FSDP2 shards a unit's parameters in one dtype: fp32 there).
         family.adapters = adapters.apply(cfg, family, dtype if cfg.distributed.strategy != "fsdp" else None)

@@ -237,7 +237,7 @@ def check_comfy_names(cfg: TrainConfig) -> None:
         raise  # the user's target_regex: refused at load
     except ConfigError:
         return
-    check_layers(fam.comfy_lora_names, net, targets, "model.adapter.export_kohya", fam.net_name)
+    check_layers(fam.comfy_lora_names, net, targets, "model.adapter.export_kohya", fam.net_name, a.type)
 
 
 def check_init_from(cfg: TrainConfig) -> None:

@@ -57,7 +57,7 @@ def max_diff(a, b, strict: bool = False) -> float:
         if not a.is_floating_point():
             assert torch.equal(a, b.to(a.dtype))
             return 0.0
-        return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
     if isinstance(a, dict):
         assert a.keys() == b.keys() if strict else a.keys() <= b.keys(), sorted(set(a) ^ set(b))[:5]
         return max((max_diff(a[k], b[k], strict) for k in a), default=0.0)

@@ -53,8 +53,16 @@ def test_a_full_sdxl_fine_tune_is_advised_settings_that_fit_24_gib(sdxl):
             cfg3, plan3 = _plan([kv for change in fewer for kv in change.split()])
             assert need_bytes(plan3, cfg3) > ADVICE_FRACTION * memory, (a.changes, fewer)
     # kohya's recipe without offloading: checkpointing, 8-bit AdamW, updates in the backward, EMA off the GPU
-    single = [s for s in sets if not any("offload" in c for c in s)]
+    single = [s for s in sets if not any("offload" in c or "block_swap" in c for c in s)]
     assert single and all("model.gradient_checkpointing=true" in s and "optimizer.name=adamw8bit" in s for s in single)
+    # block swap (with what it needs: checkpointing, the optimizer in the backward, the EMA on the CPU) at the
+    # fewest blocks that fit: one block fewer does not
+    swap = next(c for s in sets for c in s if c.startswith("model.block_swap="))
+    blocks = int(swap.split()[0].split("=")[1])
+    assert "optimizer.in_backward=true" in swap and "model.ema.device=cpu" in swap and blocks > 1
+    cfg4, plan4 = _plan([kv for c in next(s for s in sets if swap in s) for kv in c.split()
+                         if not kv.startswith("model.block_swap=")] + [f"model.block_swap={blocks - 1}"])
+    assert need_bytes(plan4, cfg4) > ADVICE_FRACTION * memory
     assert any("optimizer.in_backward=true optimizer.params.max_grad_norm=null" in s for s in single)
     # one rank: FSDP2 in a process group of one, its state in CPU memory
     assert ["distributed.strategy=fsdp distributed.fsdp_cpu_offload=true"] in sets

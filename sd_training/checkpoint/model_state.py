@@ -77,11 +77,43 @@ class _EMAScalars:
         self.ema.load_meta_state_dict(sd)
 
 
+# A net carrying this attribute (true) has a frozen base stored elsewhere (model.adapter.base_quantization:
+# <run>/quantized_base): its checkpoints hold only its trained parameters (the adapter).
+TRAINED_ONLY = "checkpoint_trained_only"
+
+
+class TrainedOnly:
+    """The state of a net's trained parameters only (``TRAINED_ONLY``); loading refuses a state that lacks
+    one of them or names anything else of the net's."""
+
+    def __init__(self, net: torch.nn.Module):
+        self.net = net
+
+    def _names(self) -> list[str]:
+        return [n for n, p in self.net.named_parameters() if p.requires_grad]
+
+    def state_dict(self) -> dict:
+        params = dict(self.net.named_parameters())
+        return {n: params[n].detach() for n in self._names()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        names = set(self._names())
+        if set(sd) != names:
+            raise RuntimeError(f"the checkpoint's {len(sd)} trained tensors are not this run's {len(names)} "
+                               f"(first differing: {sorted(set(sd) ^ names)[:2]})")
+        params = dict(self.net.named_parameters())
+        with torch.no_grad():
+            for n, v in sd.items():
+                params[n].copy_(v)
+
+
 class ModelState:
     """The net, its optimizer and the EMA of one run, in the layout of its strategy (``strategy.sharded``)."""
 
     def __init__(self, strategy, net: torch.nn.Module, net_name: str, optimizer: torch.optim.Optimizer, ema=None):
         self.strategy, self.net, self.net_name, self.optimizer, self.ema = strategy, net, net_name, optimizer, ema
+        # What <net>.pt holds: the whole net, or its trained parameters when the base is stored apart
+        self.net_state = TrainedOnly(net) if getattr(net, TRAINED_ONLY, False) else net
         self._save_group = None  # gloo group of asynchronous sharded saves (created at the first one)
 
     @property
@@ -93,7 +125,7 @@ class ModelState:
         """The objects whose ``state_dict()`` rank 0 writes as ``<name>.pt`` files."""
         if self.strategy.sharded:
             return {EMA_META: _EMAScalars(self.ema)} if self.ema is not None else {}
-        objs = {self.net_name: self.net, OPTIMIZER: self.optimizer}
+        objs = {self.net_name: self.net_state, OPTIMIZER: self.optimizer}
         if self.ema is not None:
             objs[EMA] = self.ema
         return objs
@@ -137,7 +169,7 @@ class ModelState:
         :class:`CheckpointDamaged` naming the file and the parameter. ``optimizer``: False when the optimizer
         state is not loaded (another optimizer's, dropped)."""
         folder = Path(folder)
-        expected = shapes_of(self.net)
+        expected = shapes_of(self.net_state)
         if is_sharded(folder):
             self._check_dcp(folder / SHARDED, expected, optimizer)
         else:
@@ -221,7 +253,7 @@ class ModelState:
             if self.ema is not None:
                 self.ema.load_meta_state_dict(shared[EMA])
         else:
-            self.net.load_state_dict(shared[self.net_name])
+            self.net_state.load_state_dict(shared[self.net_name])
             if optimizer:
                 self.optimizer.load_state_dict(shared[OPTIMIZER])
             if self.ema is not None:

@@ -63,6 +63,13 @@ class Strategy:
         bf16_reduce = c is not None and c.grad_reduce_dtype == "bf16"
         if self.name == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
+            # Frozen weights stored by a quantisation library (model.adapter.base_quantization: bitsandbytes'
+            # parameters, torchao's tensor subclasses) are not broadcast at wrapping: every rank quantised or
+            # reloaded the same base, and the packed bytes cannot be broadcast without their statistics.
+            quantized = [n for n, p in net.named_parameters()
+                         if not p.requires_grad and type(p) is not torch.nn.Parameter]
+            if quantized:
+                torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, quantized)
             # Gradients live in the all-reduce buckets (no second copy); the bucket size and static graph
             # are the user's (distributed.bucket_cap_mb, distributed.static_graph).
             ddp = torch.nn.parallel.DistributedDataParallel(

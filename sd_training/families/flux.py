@@ -91,7 +91,8 @@ def encode_prompts(text_encoder, text_encoder_2, input_ids: torch.Tensor,
     return encode_t5(text_encoder_2, input_ids_2), pooled.float()
 
 
-def build_flux_models(cfg, device: torch.device, seed: int, text_device: torch.device | None = None) -> FluxModels:
+def build_flux_models(cfg, device: torch.device, seed: int, text_device: torch.device | None = None,
+                      net_device: torch.device | None = None) -> FluxModels:
     """The components from ``model.*``: CLIP and T5 frozen (``model.text_encoder.dtype``, on ``text_device``,
     None: ``device``), the VAE frozen
     (``model.vae.dtype``), the transformer from ``model.transformer`` (from scratch with its params)."""
@@ -123,7 +124,7 @@ def build_flux_models(cfg, device: torch.device, seed: int, text_device: torch.d
     return FluxModels(
         tokenizer=tokenizer, text_encoder=text_encoder, tokenizer_2=tokenizer_2,
         text_encoder_2=load_t5(text_device, t5_frozen_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)),
-        vae=load_vae(cfg, device), transformer=build_transformer(cfg, FluxTransformer2DModel, device, seed),
+        vae=load_vae(cfg, device), transformer=build_transformer(cfg, FluxTransformer2DModel, net_device or device, seed),
         noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32,
     )
 
@@ -166,7 +167,7 @@ class Flux(FlowFamily):
     net_class = "FluxTransformer2DModel"
 
     def build_models(self) -> FluxModels:
-        models = build_flux_models(self.cfg.model, self.device, self.seed, self.text_device)
+        models = build_flux_models(self.cfg.model, self.device, self.seed, self.text_device, self.net_device)
         check_models(models)
         # The same refusal as at load (configure.check_family_limits), for a transformer whose config could
         # not be read then (a hub id not in the local cache)

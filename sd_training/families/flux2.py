@@ -179,7 +179,7 @@ class Flux2Family(FlowFamily):
             text_encoder=load_text_encoder(cfg, self.text_device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
                                                                                     cfg.mixed_precision)),
             vae=load_vae_of("AutoencoderKLFlux2", cfg, self.device),
-            transformer=build_transformer(cfg, Flux2Transformer2DModel, self.device, self.seed),
+            transformer=build_transformer(cfg, Flux2Transformer2DModel, self.net_device, self.seed),
             noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler,
             pipeline_config=pipeline_settings(cfg, self.pipeline_keys), reload_fp32=reload_fp32)
         check_models(models.transformer, models.vae, self.width(models.text_encoder), self.text_encoder_name)

@@ -5,6 +5,7 @@ autoencoder stage)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -66,7 +67,11 @@ class LLMConfig:
                                   "default max_sequence_length, 512)", ge=1)
 
 
+ADAPTER_TYPES = ("lora", "lokr", "loha")  # peft's LoraConfig, LoKrConfig, LoHaConfig (sd_training.adapters)
 ADAPTER_INITS = ("default", "gaussian")  # peft's init_lora_weights: True (Kaiming A, zero B) or "gaussian"
+# model.adapter.base_quantization (families/components/quantized_base.py): named for what the base stores,
+# the library in the help: nf4 / int8 bitsandbytes, int8_weight / fp8_weight torchao weight-only, a GGUF file
+QUANTIZATIONS = ("none", "nf4", "int8", "int8_weight", "fp8_weight", "gguf")
 
 
 @dataclass
@@ -86,9 +91,12 @@ class AdapterConfig:
     """``model.adapter``: train a peft adapter on the family's net instead of all its weights (sd_training.adapters).
     The base weights stay frozen; exports are diffusers LoRA folders (``pipe.load_lora_weights(folder)``)."""
 
-    type: Optional[str] = f(None, "unset: a full fine-tune; set: a LoRA (DoRA with use_dora) on the targets", choices=("lora",))
-    rank: int = f(16, "LoRA rank r (the low-rank update B A has r columns)", ge=1)
-    alpha: Optional[float] = f(None, "LoRA alpha: the update is scaled by alpha / rank (None: rank, a scale of 1)", gt=0)
+    type: Optional[str] = f(None, "unset: a full fine-tune; lora (DoRA with use_dora), lokr (LyCORIS LoKr: a Kronecker "
+                            "product) or loha (LyCORIS LoHa: a Hadamard product of two low-rank updates) on the targets",
+                            choices=ADAPTER_TYPES)
+    rank: int = f(16, "rank r (LoRA: the update B A has r columns; LoKr: of the factors it decomposes, a rank of at "
+                  "least half a factor's side keeps that factor whole; LoHa: of each of its two low-rank terms)", ge=1)
+    alpha: Optional[float] = f(None, "alpha: the update is scaled by alpha / rank (None: rank, a scale of 1)", gt=0)
     dropout: float = f(0.0, "dropout probability on the LoRA branch's input", ge=0, le=1)
     use_dora: bool = f(False, "DoRA: a learned magnitude per output channel beside the LoRA direction")
     init: str = f("default", "init of the LoRA matrices: default (Kaiming A, zero B) or gaussian (B still zero)",
@@ -105,13 +113,26 @@ class AdapterConfig:
     text_encoders: TextEncoderAdapterConfig = f(TextEncoderAdapterConfig, "LoRA on the text encoder(s)")
     init_from: Optional[str] = f(None, "continue from a diffusers-format LoRA: a folder holding "
                                  "pytorch_lora_weights.safetensors or the file (same targets and rank)")
+    lokr_factor: int = f(-1, "lokr: the Kronecker factorisation's factor (LyCORIS' factor, ai-toolkit's lokr_factor): "
+                         "each side n splits as (f, n / f) where f divides n, else the most square split with a first part "
+                         "<= f; -1: the most square split", ge=-1)
+    decompose_both: bool = f(False, "lokr: decompose the left (smaller) Kronecker factor into rank-r matrices too "
+                             "(LyCORIS' decompose_both); the right one is decomposed whenever rank < half its side")
     export_merged: bool = f(False, "exports also write the full pipeline with the adapter merged, in <export>/merged")
     export_kohya: bool = f(False, "exports also write a copy for ComfyUI / A1111: SD, SDXL: "
                            "pytorch_lora_weights_kohya.safetensors (kohya key names, via diffusers' "
                            "convert_state_dict_to_kohya); Z-Image, FLUX.2, Qwen-Image: "
                            "pytorch_lora_weights_comfyui.safetensors (the original checkpoint's layer names, "
                            "diffusion_model.<layer>, as ComfyUI loads them); SD3, Flux: refused (ComfyUI loads the "
-                           "diffusers file)")
+                           "diffusers file); lokr / loha: LyCORIS' keys under the names ComfyUI maps for the family "
+                           "(SD3, Flux: lycoris_<layer>)")
+
+    base_quantization: str = f("none", "the frozen base's block Linear layers stored quantised under the adapter: "
+                               "nf4 / int8 (bitsandbytes 4-bit NormalFloat / LLM.int8), int8_weight / fp8_weight "
+                               "(torchao weight-only), gguf (the file in model.adapter.base_gguf); none: the "
+                               "training precision", choices=QUANTIZATIONS)
+    base_gguf: Optional[str] = f(None, "model.adapter.base_quantization=gguf: a GGUF file of the family's net "
+                                 "(transformer / UNet) to train on, read with diffusers' from_single_file")
 
     @property
     def enabled(self) -> bool:
@@ -130,7 +151,7 @@ class FamilyModelFields:
     t5: T5Config = f(T5Config, "sd3/flux: the T5 encoder's use and length")
     llm: LLMConfig = f(LLMConfig, "zimage: the LLM text encoder's length")
     guidance_embed: float = f(3.5, "flux: the guidance value fed to a guidance-distilled transformer (guidance_embeds) in training", ge=0)
-    adapter: AdapterConfig = f(AdapterConfig, "LoRA / DoRA adapters trained instead of the full net (every family)")
+    adapter: AdapterConfig = f(AdapterConfig, "LoRA / DoRA / LoKr / LoHa adapters trained instead of the full net (every family)")
 
 
 @dataclass
@@ -158,6 +179,10 @@ def check_adapter(cfg) -> None:
     """``model.adapter`` rules that need no model (the layer checks are ``sd_training.adapters``')."""
     a = cfg.model.adapter
     if not a.enabled:
+        if a.base_quantization != "none" or a.base_gguf is not None:
+            raise ConfigError("'model.adapter.base_quantization' quantises the frozen base under an adapter, but "
+                              "model.adapter.type is not set: set model.adapter.type=lora (a full fine-tune trains "
+                              "every weight, which cannot be stored quantised)")
         if a != AdapterConfig():
             raise ConfigError("'model.adapter.*' keys are set but model.adapter.type is not: set "
                               "model.adapter.type=lora to train an adapter, or remove the keys")
@@ -165,6 +190,7 @@ def check_adapter(cfg) -> None:
     if cfg.model.train_target == "vae":
         raise ConfigError("'model.adapter.type' with model.train_target=vae: adapters train the diffusion net "
                           "(unet / transformer); remove model.adapter or set model.train_target=unet")
+    check_adapter_type(a)  # first: a key the type does not take is named before what it would combine with
     if a.target_modules and a.target_regex is not None:
         raise ConfigError("'model.adapter.target_modules' and 'model.adapter.target_regex' both set: use one")
     if a.target_regex is not None:
@@ -188,6 +214,62 @@ def check_adapter(cfg) -> None:
     if a.export_kohya and a.use_dora:
         raise ConfigError("'model.adapter.export_kohya' with model.adapter.use_dora: the kohya file's DoRA scale is "
                           "not written in a layout we have checked; export the diffusers LoRA folder only")
+    check_base_quantization(cfg)
     if a.text_encoders != TextEncoderAdapterConfig() and not a.text_encoders.train:
         raise ConfigError("'model.adapter.text_encoders.*' keys are set but model.adapter.text_encoders.train is not: "
                           "set it to true or remove the keys")
+
+
+def check_adapter_type(a) -> None:
+    """What each ``model.adapter.type`` takes: LoRA's own keys are refused with lokr / loha and the LoKr keys
+    with any other type, each naming the key and the reason."""
+    if a.type != "lokr" and (a.lokr_factor != -1 or a.decompose_both):
+        key = "lokr_factor" if a.lokr_factor != -1 else "decompose_both"
+        raise ConfigError(f"'model.adapter.{key}' applies to model.adapter.type=lokr (the Kronecker factors), "
+                          f"not {a.type}: remove it or set model.adapter.type=lokr")
+    if a.type == "lokr" and a.lokr_factor == 0:
+        raise ConfigError("'model.adapter.lokr_factor' 0: use a factor >= 1 that divides the layers' sides, or -1 "
+                          "(the most square split)")
+    if a.type == "lora":
+        return
+    lora_only = [("use_dora", a.use_dora, "DoRA's magnitude is a LoRA method (peft has no LoKr / LoHa DoRA)"),
+                 ("dropout", a.dropout != 0, "LoRA's input dropout; peft's LoKr / LoHa drop ranks or whole modules "
+                                             "instead, which this trainer does not expose"),
+                 ("init", a.init != "default", "LoRA's Gaussian init; LoKr / LoHa start from peft's default (one "
+                                                "factor zero, so the update starts at zero)"),
+                 ("text_encoders.train", a.text_encoders.train, "no diffusers or kohya loader of these families "
+                  "reads a text-encoder LoKr / LoHa; train the text encoders' adapter with type=lora")]
+    for key, is_set, why in lora_only:
+        if is_set:
+            raise ConfigError(f"'model.adapter.{key}' with model.adapter.type={a.type}: {why}; remove it or set "
+                              "model.adapter.type=lora")
+
+
+def check_base_quantization(cfg) -> None:
+    """``model.adapter.base_quantization`` / ``base_gguf`` against the rest of the config (an adapter is set)."""
+    a, q = cfg.model.adapter, cfg.model.adapter.base_quantization
+    if (q == "gguf") != (a.base_gguf is not None):
+        raise ConfigError("'model.adapter.base_gguf' names the GGUF file of model.adapter.base_quantization=gguf: "
+                          "set both, or neither")
+    if q == "none":
+        return
+    key = f"'model.adapter.base_quantization={q}'"
+    if cfg.model.fp8:
+        raise ConfigError(f"{key} with model.fp8: model.fp8 trains the blocks' own Linear layers in float8, a "
+                          "quantised base stores them frozen; set model.fp8=false")
+    if cfg.distributed.strategy == "fsdp":
+        raise ConfigError(f"{key} with distributed.strategy=fsdp: FSDP2 shards parameters as DTensors of one "
+                          "dtype, and the quantised weights (bitsandbytes' packed bytes with their statistics, "
+                          "torchao's and GGUF's tensor subclasses) do not shard that way. The quantised base is "
+                          "a quarter to a half of bf16's size, so it is replicated: use distributed.strategy=ddp")
+    if a.use_dora and q == "gguf":
+        raise ConfigError(f"{key} with model.adapter.use_dora: DoRA's magnitude needs the base weight's norm, and "
+                          "peft cannot dequantise diffusers' GGUF layers for it (it can bitsandbytes' and torchao's: "
+                          "nf4, int8, int8_weight, fp8_weight); train a LoRA (use_dora=false) on the GGUF base")
+    if a.export_merged:
+        raise ConfigError(f"{key} with model.adapter.export_merged: merging into a quantised base would round "
+                          "the update away; export the LoRA folder only and merge it into the full-precision "
+                          "base (pipe.load_lora_weights(folder), then pipe.fuse_lora())")
+    if q == "gguf" and not os.path.isfile(a.base_gguf):
+        raise ConfigError(f"'model.adapter.base_gguf': {a.base_gguf} is not a file (a GGUF file of the family's "
+                          "transformer / UNet, e.g. a city96 or QuantStack quantisation)")

@@ -76,6 +76,9 @@ class PipelineFamily(Family):
         # (``text_device``: host memory unless on the device; ``placement.place`` puts them there in any case)
         self.text_placement = text_encoder_placement(cfg)
         self.text_device = self.device if self.text_placement == "device" else torch.device("cpu")
+        # model.block_swap: the net is built in host memory; the swap keeps its swapped blocks there and moves the
+        # rest to the device (speed.block_swap), so the whole net never sits on the device at load
+        self.net_device = torch.device("cpu") if getattr(cfg.model, "block_swap", 0) else self.device
         self.models = self.build_models()
         place_text_encoders(self.frozen_text_encoders(), self.text_placement, self.device)
         if vae_placement(cfg) == "offload":  # model.vae.placement: latent shards, the steps never run it

@@ -172,7 +172,7 @@ class QwenImage(FlowFamily):
             text_encoder=load_text_encoder(cfg, self.text_device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
                                                                                     cfg.mixed_precision)),
             vae=parts.QwenLatentVAE(load_vae_of("AutoencoderKLQwenImage", cfg, self.device)),
-            transformer=build_transformer(cfg, QwenImageTransformer2DModel, self.device, self.seed),
+            transformer=build_transformer(cfg, QwenImageTransformer2DModel, self.net_device, self.seed),
             noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32)
         check_models(models)
         tie_last_text_output(unwrap(models.transformer))

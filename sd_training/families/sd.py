@@ -63,7 +63,7 @@ class StableDiffusion(UNetFamily):
     text_encoder_names = ("text_encoder",)
 
     def build_models(self):
-        return build_models(self.cfg.model, self.device, seed=self.seed)
+        return build_models(self.cfg.model, self.device, seed=self.seed, net_device=self.net_device)
 
     # -- what trains besides the UNet -------------------------------------------------------------
     def frozen_modules(self) -> list[torch.nn.Module]:

@@ -207,7 +207,7 @@ class StableDiffusion3(FlowFamily):
             tokenizer_2=load(CLIPTokenizer.from_pretrained, "tokenizer_2"), tokenizer_3=tok3,
             text_encoder=place("text_encoder"), text_encoder_2=place("text_encoder_2"),
             text_encoder_3=t5, vae=load_vae(m, dev),
-            transformer=build_transformer(m, SD3Transformer2DModel, dev, self.seed),
+            transformer=build_transformer(m, SD3Transformer2DModel, self.net_device, self.seed),
             noise_scheduler=None, inference_scheduler=None, t5_length=length, reload_fp32=reload_fp32,
         )
         models.noise_scheduler, models.inference_scheduler = load_schedulers(m)

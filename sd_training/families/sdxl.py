@@ -159,7 +159,8 @@ class StableDiffusionXL(StableDiffusion):
         tok_src, tok_kw = source("tokenizer_2")
         tokenizer_2 = load_component(CLIPTokenizer.from_pretrained, tok_src, "tokenizer_2", "model.tokenizer_2.pretrained",
                                      **tok_kw)
-        models = build_models(cfg, self.device, seed=self.seed, extra_context_dim=text_encoder_2.config.hidden_size)
+        models = build_models(cfg, self.device, seed=self.seed, extra_context_dim=text_encoder_2.config.hidden_size,
+                              net_device=self.net_device)
         # Both encoders train (fp32, the UNet's schedule and, unless set, its LR) or both are frozen.
         place_text_encoder(text_encoder_2, self.device, cfg.text_encoder.train, cfg.gradient_checkpointing,
                            frozen_text_dtype(cfg.text_encoder.dtype, cfg.mixed_precision))

@@ -89,7 +89,10 @@ ZIMAGE_COMFY = ComfyLoraNames(rules=(
     Rule(_BLOCK + r"attention\.to_out\.0", r"\1.attention.out"),
     Rule(_BLOCK + r"(feed_forward\.w[123]|adaLN_modulation\.0)", r"\1.\2"),
     Rule(r"t_embedder\.mlp\.[02]|cap_embedder\.1", r"\g<0>"),
-), style="dot", alpha=True, reader="_convert_non_diffusers_z_image_lora_to_diffusers")
+), style="dot", alpha=True, reader="_convert_non_diffusers_z_image_lora_to_diffusers",
+    # LoKr / LoHa: ComfyUI maps diffusers' Z-Image names (its z_image_to_diffusers) and diffusers reads them
+    # (_convert_non_diffusers_lokr_to_diffusers, ai-toolkit's layout)
+    lycoris_diffusers_names=True)
 
 
 @dataclass
@@ -114,7 +117,8 @@ def shard_units(net: torch.nn.Module, level: str) -> list[torch.nn.Module]:
     return blocks(net)
 
 
-def build_zimage_models(cfg, device: torch.device, seed: int, text_device: torch.device | None = None) -> ZImageModels:
+def build_zimage_models(cfg, device: torch.device, seed: int, text_device: torch.device | None = None,
+                        net_device: torch.device | None = None) -> ZImageModels:
     """The components from ``model.*``: the LLM frozen (``model.text_encoder.dtype``, on ``text_device``, None:
     ``device``), the VAE frozen
     (``model.vae.dtype``), the transformer from ``model.transformer`` (from scratch with its params)."""
@@ -139,7 +143,7 @@ def build_zimage_models(cfg, device: torch.device, seed: int, text_device: torch
     llm_dtype = llm_text.frozen_dtype(cfg.text_encoder.dtype, cfg.mixed_precision)
     return ZImageModels(
         tokenizer=tokenizer, text_encoder=load_llm(text_device or device, llm_dtype),
-        vae=load_vae(cfg, device), transformer=build_transformer(cfg, ZImageTransformer2DModel, device, seed),
+        vae=load_vae(cfg, device), transformer=build_transformer(cfg, ZImageTransformer2DModel, net_device or device, seed),
         noise_scheduler=noise_scheduler, inference_scheduler=inference_scheduler, reload_fp32=reload_fp32)
 
 
@@ -169,7 +173,7 @@ class ZImage(FlowFamily):
     forward_names = ("x", "t")
 
     def build_models(self) -> ZImageModels:
-        models = build_zimage_models(self.cfg.model, self.device, self.seed, self.text_device)
+        models = build_zimage_models(self.cfg.model, self.device, self.seed, self.text_device, self.net_device)
         check_models(models)
         return models
 

@@ -34,7 +34,8 @@ from ..config.dataset import is_latent_type
 from ..config.rules import text_encoder_placement
 from ..families import registry
 from .activations import SampleShape
-from .load import adapter_state_bytes, json_file, meta_params, plan_adapter, safetensors_params
+from ..speed import block_swap
+from .load import adapter_state_bytes, json_file, meta_module, meta_params, plan_adapter, safetensors_params
 from .plan import GIB, MemoryRow, per_trained_param
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class Setting:
     strategy: str  # ddp | fsdp | fsdp_offload
     world: int
     text_on_device: bool = True  # the frozen text encoders stay on the device (model.text_encoder_placement)
+    swap: int = 0  # model.block_swap: the net's last blocks in host memory
 
 
 @dataclass
@@ -164,6 +166,9 @@ class LoadPlan:
     planned_adapter: object | None  # memory.load.PlannedAdapter
     frozen_text: float = 0.0  # bytes of the frozen text encoders, whole on every device unless kept off it
     frozen_what: str = ""  # which, for messages
+    # model.block_swap: each swappable block's parameters that would live in host memory (a full fine-tune's
+    # all, at 4 bytes; an adapter's frozen base, at its base bytes), in execution order; () when none
+    swap_units: tuple[int, ...] = ()
 
     def activations(self, s: Setting) -> float:
         return s.batch * self.per_sample[s.checkpointing]
@@ -176,9 +181,18 @@ class LoadPlan:
             return 0.0
         return self.params * per / (s.world if s.strategy == "fsdp" else 1)
 
+    def swapped_bytes(self, s: Setting) -> float:
+        """What ``s.swap`` blocks take off the device: their weights in host memory, less the two largest of
+        them in flight at a time (``speed.block_swap``: gradients and optimizer state stay as counted)."""
+        if not s.swap:
+            return 0.0
+        sizes = self.swap_units[len(self.swap_units) - s.swap:]
+        per = self.planned_adapter.base_bytes if self.planned_adapter is not None else 4
+        return (sum(sizes) - sum(sorted(sizes)[-block_swap.WINDOW:])) * per
+
     def resident(self, s: Setting) -> float:
         """What stays on the device whatever the batch: the trained state and the frozen text encoders."""
-        return self.state(s) + (self.frozen_text if s.text_on_device else 0.0)
+        return self.state(s) - self.swapped_bytes(s) + (self.frozen_text if s.text_on_device else 0.0)
 
     def need(self, s: Setting) -> float:
         return self.resident(s) + self.activations(s)
@@ -189,7 +203,18 @@ def current_setting(cfg) -> Setting:
     strategy = "fsdp_offload" if d.strategy == "fsdp" and d.fsdp_cpu_offload else d.strategy
     return Setting(cfg.system.batch_size, bool(m.gradient_checkpointing), cfg.optimizer.name,
                    bool(cfg.optimizer.in_backward), bool(m.use_ema and m.ema.device != "cpu"), strategy,
-                   _world_size(), text_encoder_placement(cfg) == "device")
+                   _world_size(), text_encoder_placement(cfg) == "device", int(m.block_swap))
+
+
+def swap_unit_params(fam, conf: dict, class_name: str) -> tuple[int, ...]:
+    """Each swappable block's parameters of the net ``conf`` builds on the meta device (all of them for a full
+    fine-tune; an adapter's run swaps its frozen base, which is every parameter before the adapter is made)."""
+    net = meta_module(conf, class_name)
+    if net is None:
+        return ()
+    # The family's units are read from the net alone (no built components): an instance without its __init__.
+    units = object.__new__(fam).swap_units(net) or []
+    return tuple(sum(p.numel() for p in u.parameters()) for u in units)
 
 
 def frozen_text_encoders(cfg, fam) -> tuple[float, str]:
@@ -227,18 +252,42 @@ def load_plan(cfg) -> LoadPlan | None:
     per_sample = (sample_activations(cfg, conf, False), sample_activations(cfg, conf, True))
     n_params = (safetensors_params(folder) if folder else None) or meta_params(conf, class_name)
     text = frozen_text_encoders(cfg, fam)
+    units = swap_unit_params(fam, conf, class_name)
     if not cfg.model.adapter.enabled:
-        return LoadPlan(fam.net_name, n_params, f"{n_params / 1e6:,.1f}M parameters", per_sample, None, *text)
+        return LoadPlan(fam.net_name, n_params, f"{n_params / 1e6:,.1f}M parameters", per_sample, None, *text, units)
     planned = plan_adapter(cfg, conf, class_name, fam.adapter_presets, fam.net_name)
     if planned is None:
         return None
     what = (f"a LoRA of {planned.trained / 1e6:,.2f}M parameters on {planned.layers:,} layers; the frozen base's "
             f"{planned.base / 1e6:,.1f}M parameters at {planned.base_bytes} bytes")
-    return LoadPlan(fam.net_name, planned.trained, what, per_sample, planned, *text)
+    return LoadPlan(fam.net_name, planned.trained, what, per_sample, planned, *text, units)
+
+
+def _swap_lever(cfg, s: Setting, blocks: int) -> tuple[str, dict, int] | None:
+    """model.block_swap with what it needs (speed.block_swap.check_config): one process, gradient checkpointing,
+    and for a full fine-tune the optimizer in the backward and no EMA on the device. ``blocks``: all of the
+    net's (advise lowers it to the fewest that fit)."""
+    if not blocks or s.swap or s.strategy != "ddp" or s.world > 1:
+        return None
+    keys, change = [f"model.block_swap={blocks}"], dict(swap=blocks)
+    if not s.checkpointing:
+        keys.append("model.gradient_checkpointing=true")
+        change["checkpointing"] = True
+    if not cfg.model.adapter.enabled:
+        if not s.in_backward:
+            if cfg.system.gradient_accumulation > 1 or cfg.model.mixed_precision == "fp16":
+                return None  # in_backward refuses them
+            keys.append("optimizer.in_backward=true" + (" optimizer.params.max_grad_norm=null"
+                                                        if cfg.optimizer.params.max_grad_norm else ""))
+            change["in_backward"] = True
+        if s.ema_on_device:
+            keys.append("model.ema.device=cpu")
+            change["ema_on_device"] = False
+    return " ".join(keys), change, 4  # a copy of each swapped block in per forward and per backward
 
 
 # (keys to set, how it changes the setting, what it costs: lower is tried first)
-def _levers(cfg, s: Setting) -> list[tuple[str, dict, int]]:
+def _levers(cfg, s: Setting, swap_blocks: int = 0) -> list[tuple[str, dict, int]]:
     out = []
     if not s.checkpointing:
         out.append(("model.gradient_checkpointing=true", dict(checkpointing=True), 3))
@@ -263,7 +312,8 @@ def _levers(cfg, s: Setting) -> list[tuple[str, dict, int]]:
     # unless the config says device); online, each step would move them: no lever.
     if s.text_on_device and cfg.dataset.params.text_embeddings and is_latent_type(cfg.dataset.type):
         out.append(("model.text_encoder_placement=offload", dict(text_on_device=False), 1))
-    return out
+    swap = _swap_lever(cfg, s, swap_blocks)
+    return out + ([swap] if swap else [])
 
 
 @dataclass
@@ -281,7 +331,7 @@ def advise(plan: LoadPlan, cfg, memory: float, limit: int = 3, fraction: float =
     budget = fraction * memory
     if plan.need(s) <= budget:
         return []
-    levers = _levers(cfg, s)
+    levers = _levers(cfg, s, len(plan.swap_units))
     found: list[tuple[int, int, Advice, frozenset]] = []
     for k in range(1, len(levers) + 1):
         for combo in itertools.combinations(range(len(levers)), k):
@@ -292,10 +342,19 @@ def advise(plan: LoadPlan, cfg, memory: float, limit: int = 3, fraction: float =
                 setting = replace(setting, **levers[i][1])
             if setting.strategy == "fsdp_offload" and any(levers[i][0] == "distributed.strategy=fsdp" for i in combo):
                 continue  # offload already shards
+            if setting.swap and setting.strategy != "ddp":
+                continue  # block swap is for one process (FSDP shards the blocks itself)
             need = plan.need(setting)
             if need <= budget:
                 cost = sum(levers[i][2] for i in combo)
-                found.append((k, cost, Advice([levers[i][0] for i in combo], need, s.batch), frozenset(combo)))
+                changes = [levers[i][0] for i in combo]
+                if setting.swap:  # the fewest blocks that fit
+                    fewest = next(n for n in range(1, setting.swap + 1)
+                                  if plan.need(replace(setting, swap=n)) <= budget)
+                    changes = [c.replace(f"model.block_swap={setting.swap}", f"model.block_swap={fewest}")
+                               for c in changes]
+                    need = plan.need(replace(setting, swap=fewest))
+                found.append((k, cost, Advice(changes, need, s.batch), frozenset(combo)))
     found.sort(key=lambda x: (x[0], x[1]))
     out = [a for *_, a, _f in found[:limit]]
     smaller = _largest_batch(plan, s, budget)
@@ -304,7 +363,7 @@ def advise(plan: LoadPlan, cfg, memory: float, limit: int = 3, fraction: float =
     elif not out:
         every, keys = s, []
         for key, change, _cost in levers:
-            if key != "distributed.strategy=fsdp":  # the offload lever shards too
+            if key != "distributed.strategy=fsdp" and "swap" not in change:  # the offload lever shards too
                 every, keys = replace(every, **change), [*keys, key]
         best = _largest_batch(plan, every, budget)
         if best:
@@ -376,9 +435,11 @@ def _world_size() -> int:
 
 def describe(plan: LoadPlan, cfg) -> str:
     s = current_setting(cfg)
-    per_batch, state = plan.activations(s), plan.state(s)
+    per_batch, swapped = plan.activations(s), plan.swapped_bytes(s)
+    state = plan.state(s) - swapped
     ema = " and EMA" if s.ema_on_device else ""
     over = f" over {s.world} ranks" if s.strategy == "fsdp" else ""
+    over += f"; {swapped / GIB:,.2f} GiB of it in host memory (model.block_swap={s.swap})" if swapped else ""
     text = plan.frozen_text if s.text_on_device else 0.0
     frozen = f", plus {text / GIB:,.2f} GiB of frozen text encoders ({plan.frozen_what})" if text else ""
     return (f"about {(state + per_batch + text) / GIB:,.1f} GiB per device: activations "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapters import _layer_size, resolve_targets
+from ..adapters import _layer_size, layer_params, resolve_targets
 from ..config import ConfigError
 from ..config.patterns import PatternTimeout
 
@@ -96,13 +96,22 @@ class PlannedAdapter:
     layers: int  # adapted layers
 
 
-def lora_params(module: torch.nn.Module, targets: list[str], rank: int, dora: bool = False) -> int:
-    """Parameters of a LoRA of ``rank`` on the layers ``targets`` of ``module`` (see the module doc)."""
+def lora_params(module: torch.nn.Module, targets: list[str], rank: int, dora: bool = False, kind: str = "lora",
+                factor: int = -1, decompose_both: bool = False) -> int:
+    """Parameters of an adapter of ``rank`` on the layers ``targets`` of ``module`` (see the module doc):
+    a LoRA (``kind``), DoRA's magnitude with ``dora``, or a LoKr / LoHa as peft makes them
+    (``adapters.layer_params``, with LoKr's ``factor`` and ``decompose_both``)."""
     layers = dict(module.named_modules())
     total = 0
     for name in targets:
-        n_in, n_out = _layer_size(layers[name])
-        total += rank * (n_in + n_out) + (n_out if dora else 0)
+        layer = layers[name]
+        _, n_out = _layer_size(layer)
+        if isinstance(layer, torch.nn.Conv2d):
+            kh, kw = layer.kernel_size
+            n_in, kernel = layer.in_channels // layer.groups, kh * kw
+        else:
+            n_in, kernel = layer.in_features, 1
+        total += layer_params(n_in, n_out, rank, kind, factor, decompose_both, kernel) + (n_out if dora else 0)
     return total
 
 
@@ -123,7 +132,8 @@ def plan_adapter(cfg, conf: dict, class_name: str, presets: dict[str, str], net_
         return None
     total = sum(p.numel() for p in net.parameters())
     half = cfg.model.mixed_precision in ("bf16", "fp16") and cfg.distributed.strategy != "fsdp"
-    return PlannedAdapter(lora_params(net, targets, a.rank, a.use_dora), total, 2 if half else 4, len(targets))
+    trained = lora_params(net, targets, a.rank, a.use_dora, a.type, a.lokr_factor, a.decompose_both)
+    return PlannedAdapter(trained, total, 2 if half else 4, len(targets))
 
 
 def adapter_state_bytes(planned: PlannedAdapter, per_trained: int, strategy: str, world_size: int) -> float:

@@ -57,6 +57,9 @@ class ComfyLoraNames:
     style: str  # key style its diffusers converter reads: lora_A (lora_A / lora_B) or dot (lora.down / lora.up)
     alpha: bool  # the converter reads ``.alpha``; False: the scale is folded into the up matrix
     reader: str  # the diffusers converter that reads the file back (for messages and docs)
+    # LoKr / LoHa files (outputs.lycoris_file): True: diffusers' own layer names under diffusion_model., which
+    # ComfyUI maps for this model (its per-model diffusers map); False: the original's, unfused layers only
+    lycoris_diffusers_names: bool = False
 
     def original(self, layer: str) -> tuple[str, int, int] | None:
         """(original name, part, parts) of a diffusers layer; None: the original has no such layer ComfyUI and
@@ -68,12 +71,15 @@ class ComfyLoraNames:
         return None
 
 
-def check_layers(names: ComfyLoraNames, module: torch.nn.Module, targets: list[str], key: str, what: str) -> None:
+def check_layers(names: ComfyLoraNames, module: torch.nn.Module, targets: list[str], key: str, what: str,
+                 kind: str = "lora") -> None:
     """The adapted ``targets`` of ``module`` all have an original name, and the parts of every fused layer they
     touch have the same outputs (the converters split the up matrix in equal chunks); else a ``ConfigError``
-    naming ``key`` and the layer."""
+    naming ``key`` and the layer. For a LoKr / LoHa (``kind``) see :func:`check_lycoris_layers`."""
     from ..config import ConfigError
 
+    if kind != "lora":
+        return check_lycoris_layers(names, targets, key, what, kind)
     layers = dict(module.named_modules())
     groups: dict[str, dict[int, int]] = {}
     for name, layer in layers.items():
@@ -91,6 +97,26 @@ def check_layers(names: ComfyLoraNames, module: torch.nn.Module, targets: list[s
         if found[2] > 1 and (len(outs) != found[2] or len(set(outs.values())) != 1):
             raise ConfigError(f"'{key}': the {what}'s {found[0]} fuses {found[2]} layers of unequal or missing sizes "
                               f"({outs}); ComfyUI's fused layer needs equal parts: set {key}=false")
+
+
+def check_lycoris_layers(names: ComfyLoraNames, targets: list[str], key: str, what: str, kind: str) -> None:
+    """A LoKr / LoHa file by the original's names holds a target only where the original has that layer alone:
+    the Kronecker (LoKr) or Hadamard (LoHa) updates of q, k and v are not one such update of the fused qkv, so a
+    target the original fuses is refused, naming ``key`` (none where the file has diffusers' names)."""
+    from ..config import ConfigError
+
+    if names.lycoris_diffusers_names:
+        return
+    for target in targets:
+        found = names.original(target)
+        if found is None or found[2] > 1:
+            where = ("has no name in the original checkpoint" if found is None else
+                     f"is one of the {found[2]} layers the original fuses in {found[0]}")
+            raise ConfigError(
+                f"'{key}': the {what}'s layer {target} {where}; ComfyUI and diffusers read a {kind} by the original's "
+                f"layers and its update of separate layers is not one {kind} of the fused layer, so the file cannot "
+                f"hold it: leave such layers out of the targets (model.adapter.target_regex / target_modules, e.g. "
+                f"the projections after attention and the MLPs), or set {key}=false")
 
 
 def comfy_state(names: ComfyLoraNames, lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> dict:

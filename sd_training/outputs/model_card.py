@@ -198,7 +198,7 @@ def data_facts(cfg: TrainConfig, row: dict) -> dict:
 def adapter_text(cfg: TrainConfig) -> str:
     """``LoRA rank 16, alpha 16 on attention (+ text encoder: rank 8, alpha 8, attention)``."""
     a = cfg.model.adapter
-    kind = "DoRA" if a.use_dora else "LoRA"
+    kind = "DoRA" if a.use_dora else {"lokr": "LoKr", "loha": "LoHa"}.get(a.type, "LoRA")
     # The module names and the regex are the user's text: escaped for the card's Markdown table.
     targets = (markdown(", ".join(a.target_modules)) if a.target_modules else
                f"layers matching {markdown(a.target_regex)}" if a.target_regex else f"the {a.targets} preset")
@@ -249,7 +249,7 @@ def training_rows(run: RunInfo, export: ExportInfo, row: dict) -> list[tuple[str
 def kohya_line(folder: Path) -> str:
     """The export's ``model.adapter.export_kohya`` file: the ComfyUI-named copy where the export holds one."""
     if (Path(folder) / COMFY_WEIGHTS).is_file():
-        return f"{COMFY_WEIGHTS}: the original checkpoint's layer names (ComfyUI's LoRA loader)"
+        return f"{COMFY_WEIGHTS}: the layer names ComfyUI's LoRA loader maps for this model"
     return f"{KOHYA_WEIGHTS}: kohya key names (ComfyUI, A1111)"
 
 
@@ -263,7 +263,7 @@ def snippet(run: RunInfo, export: ExportInfo, base: dict) -> str:
                                        else "")
         rev = f", revision={_quoted(base['revision'])}" if base.get("revision") else ""
         lines += [f"pipe = DiffusionPipeline.from_pretrained({_quoted(base.get('load', ''))}{rev})  # {where}",
-                  f"pipe.load_lora_weights({here})  # this folder, or its Hub repo id once pushed"]
+                  *adapter_lines(run, Path(export.folder).resolve())]
     else:
         lines += [f"pipe = DiffusionPipeline.from_pretrained({here})  # this folder, or its Hub repo id once pushed"]
     prompt = (list(e.sample_prompts or []) or ["a photo of a cat"])[0]
@@ -273,6 +273,30 @@ def snippet(run: RunInfo, export: ExportInfo, base: dict) -> str:
               f"guidance_scale={e.sample_guidance_scale:g}).images[0]",
               'image.save("sample.png")']
     return "\n".join(lines)
+
+
+def adapter_lines(run: RunInfo, folder: Path) -> list[str]:
+    """The snippet's lines that put the export's adapter on ``pipe``: a LoRA with the pipeline's
+    ``load_lora_weights``; a LoKr with the net's ``load_lora_adapter`` (diffusers reads LoKr files on every model;
+    of the pipelines only Z-Image's and FLUX.2's ``load_lora_weights`` take them); a LoHa, which no diffusers
+    loader reads, with peft from the file's adapter config."""
+    kind, net, here = run.cfg.model.adapter.type, run.net_name, _quoted(folder)
+    if kind == "lora":
+        return [f"pipe.load_lora_weights({here})  # this folder, or its Hub repo id once pushed"]
+    if kind == "lokr":
+        return [f"pipe.{net}.load_lora_adapter({here}, weight_name={_quoted(LORA_WEIGHTS)}, prefix={_quoted(net)})"
+                "  # this folder, or its Hub repo id once pushed"]
+    file = _quoted(folder / LORA_WEIGHTS)
+    return ["import json",
+            "from peft import LoHaConfig, set_peft_model_state_dict",
+            "from safetensors import safe_open",
+            "from safetensors.torch import load_file",
+            f"file = {file}  # in this folder: a LoHa has no diffusers loader",
+            "with safe_open(file, 'pt') as f:",
+            "    config = json.loads(f.metadata()['lora_adapter_metadata'])",
+            f"head = {_quoted(net + '.')}",
+            f"pipe.{net}.add_adapter(LoHaConfig(**{{k[len(head):]: v for k, v in config.items() if k.startswith(head)}}))",
+            f"set_peft_model_state_dict(pipe.{net}, {{k[len(head):]: v for k, v in load_file(file).items()}})"]
 
 
 def _quoted(text) -> str:

@@ -90,6 +90,11 @@ class RunDir:
         return self.root / "memory_plan.json"
 
     @property
+    def quantized_base(self) -> Path:
+        """model.adapter.base_quantization: the quantised base layers, reloaded by a requeued job."""
+        return self.root / "quantized_base"
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 

@@ -123,6 +123,15 @@ class BlockSwap:
         nbytes = sum(h.numel() * h.element_size() for h in hosts)
         return _Slot(index, block, owners, hosts, trained, nbytes=nbytes)
 
+    def move_rest(self, net: torch.nn.Module) -> None:
+        """Every tensor of ``net`` the swap does not own onto the device (the families build the net in host
+        memory when it swaps: the whole net never sits on the device at load)."""
+        owned = {id(t) for s in self.slots for t in s.owners}
+        with torch.no_grad():
+            for t in [*net.parameters(), *net.buffers()]:
+                if id(t) not in owned and t.device != self.device:
+                    t.data = t.data.to(self.device)
+
     def follow_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose state of the swapped trained parameters must sit on the device when they
         update (a loaded state is put where each parameter is: the host, for a swapped one)."""
@@ -381,4 +390,6 @@ def install(cfg, family, net: torch.nn.Module, device: torch.device, world_size:
         raise ConfigError(f"'model.block_swap' is {n}, but the {family.net_name} has {len(units)} blocks that can "
                           f"swap: set it to at most {len(units)}")
     adapter = bool(getattr(getattr(cfg.model, "adapter", None), "enabled", False))
-    return BlockSwap(units, n, device, swap_trained=not adapter)
+    swap = BlockSwap(units, n, device, swap_trained=not adapter)
+    swap.move_rest(net)
+    return swap

@@ -18,6 +18,7 @@ from ...config.schema import ModelConfig, ObjectiveConfig, TrainConfig, UNetConf
 from ...loading import check_constructor_params, load_component
 from ...speed.precision import frozen_vae_dtype
 from ..options import TransformerConfig
+from . import quantized_base
 from .unet import frozen, load_weights
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,10 @@ def build_transformer(cfg: ModelConfig, cls, device: torch.device, seed: int = 0
     fp32, train mode, with gradient checkpointing when asked; from ``model.transformer.params`` (seeded) or
     from ``model.transformer.pretrained`` / ``model.pretrained``'s ``transformer/``."""
     t: TransformerConfig = cfg.transformer
-    if t.params:
+    gguf = quantized_base.gguf_net(cfg, cls, source(cfg, "transformer")[0], "transformer", bool(t.params))
+    if gguf is not None:  # model.adapter.base_gguf: the file is the net (quantised), on the CPU
+        net = gguf
+    elif t.params:
         check_transformer_params(cls, t.params)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -99,10 +103,14 @@ def build_transformer(cfg: ModelConfig, cls, device: torch.device, seed: int = 0
         if src is None:
             raise ConfigError("the transformer has no source: set model.pretrained, model.transformer.pretrained or "
                               "model.transformer.params (from scratch)")
+        if quantized_base.enabled(cfg):  # read in the training precision: half the host memory of fp32
+            kw["torch_dtype"] = quantized_base.build_dtype(cfg)
         net = load_weights(cls.from_pretrained, src, "transformer", "model.transformer.pretrained", **kw)
-    net.to(device=device, dtype=torch.float32)
+    # A quantised base (model.adapter.base_quantization) stays on the CPU: it moves layer by layer as it is quantised.
+    if gguf is None:
+        net.to(device=quantized_base.build_device(cfg, device), dtype=quantized_base.build_dtype(cfg))
+        net.requires_grad_(True)
     net.train()
-    net.requires_grad_(True)
     if cfg.gradient_checkpointing:
         net.enable_gradient_checkpointing()
     return net

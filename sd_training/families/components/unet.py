@@ -26,6 +26,7 @@ from ...config.schema import ModelConfig
 from ...loading import check_constructor_params
 from ...loading import load_component as _load
 from ...speed.precision import frozen_vae_dtype
+from . import quantized_base
 from .clip import build_text_encoder
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,10 @@ def _source(cfg: ModelConfig, component: str) -> str | None:
 
 
 def build_unet(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    gguf = quantized_base.gguf_net(cfg, resolve_unet_class(cfg.unet.target), _source(cfg, "unet"), "unet",
+                                   bool(cfg.unet.params))
+    if gguf is not None:  # model.adapter.base_gguf: the file is the net (quantised), on the CPU
+        return gguf
     if cfg.unet.params:
         cls = resolve_unet_class(cfg.unet.target)
         # Seeded so every rank (and every restart) starts from the same weights before any broadcast.
@@ -156,6 +161,8 @@ def build_unet(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
     src = _source(cfg, "unet")
     cls = resolve_unet_class(cfg.unet.target)
     kwargs = dict(revision=cfg.revision) if cfg.revision and src == cfg.pretrained else {}
+    if quantized_base.enabled(cfg):  # read in the training precision: half the host memory of fp32
+        kwargs["torch_dtype"] = quantized_base.build_dtype(cfg)
     return load_weights(cls.from_pretrained, src, "unet", "model.unet.pretrained", **kwargs)
 
 
@@ -245,7 +252,8 @@ def to_channels_last(module: torch.nn.Module) -> torch.nn.Module:
     return module.to(memory_format=torch.channels_last)
 
 
-def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_context_dim: int = 0) -> Models:
+def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_context_dim: int = 0,
+                 net_device: torch.device | None = None) -> Models:
     """The components of a UNet pipeline. ``extra_context_dim``: cross-attention width the UNet expects
     beyond the text encoder's hidden size (a family that concatenates a second encoder's states)."""
     import diffusers
@@ -276,7 +284,9 @@ def build_models(cfg: ModelConfig, device: torch.device, seed: int = 0, extra_co
         raise ConfigError(f"'model.noise_scheduler_inference': unknown scheduler class {sched_cfg.get('_class_name')}")
     inference_scheduler = sched_cls.from_config(sched_cfg)
 
-    unet = build_unet(cfg, seed).to(device)
+    # A quantised base (model.adapter.base_quantization) stays on the CPU: it moves layer by layer as it is
+    # quantised; with model.block_swap the net is built on the host too (the swap moves what it does not own).
+    unet = build_unet(cfg, seed).to(quantized_base.build_device(cfg, net_device or device))
     unet.train()
     channels_last = uses_channels_last(cfg, device)
     if channels_last:
