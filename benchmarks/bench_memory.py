@@ -8,9 +8,18 @@ The model (``--model``, from benchmarks/memory_models.yaml) is built with random
 downloaded: the family's tiny pipeline with its components replaced by full-size random ones (on a GPU:
 SDXL's CLIP ViT-L and OpenCLIP bigG text encoders and its VAE, saved once to a temporary folder), and the
 trained net built from scratch by the trainer from its config (``model.<net>.params``: SDXL's UNet, 2.57B
-parameters). The text conditioning is the real encoders' (frozen, in the training precision) on captions
+parameters). SDXL's text conditioning is the real encoders' (frozen, in the training precision) on captions
 of synthetic shape images written at the resolution, encoded by the frozen VAE every step: the template's
 path (a folder of images), not precomputed latents.
+
+The big transformer families (``flux``: Flux.1-dev, ``qwen_image``, ``zimage``, ``flux2_klein``,
+``flux2_dev``) take their shapes from their family's ``reference_models()`` and read latent shards with
+stored text (``data: latents``), written once per model by scripts/precompute_latents.py through the work
+folder's pipeline, so the text encoders and the VAE stay in host memory during the steps, as the issue's
+goals assume. Their encoders are width-true stand-ins (benchmarks/bench_memory_models.py says why).
+
+    python benchmarks/bench_memory.py --device cuda --model flux --mode lora,lora_nf4,lora_fp8
+    python benchmarks/bench_memory.py --device cpu --model zimage-tiny --mode lora --resolution 32
 
 Each mode runs in its own process (a fresh CUDA context and a clean peak RSS), through the product:
 ``sd_training.loop.Trainer`` after ``setup()`` (the config checks, the memory plan at start-up, the
@@ -18,19 +27,25 @@ family, ``model.adapter``, the optimizer), one batch from its own loader, then `
 ``micro_step`` + ``optimizer_step`` (the first untimed: it allocates the optimizer state). Gradient
 checkpointing on, bf16 mixed precision, AdamW, no EMA (``--ema`` to add it), batch ``--batch``.
 
-Modes (``MODES``; each a set of config overrides): ``full`` (every weight of the net trains: fp32 master
-weights, gradients and AdamW state) and ``lora`` (``model.adapter``: a LoRA of the model's rank on its
-preset; the base frozen in bf16), and the full fine-tunes for one GPU: ``offload`` (FSDP2 on one rank with
-``distributed.fsdp_cpu_offload``: the weights, gradients and AdamW state in CPU memory, the optimizer
-stepping there), ``opt_in_backward`` (``optimizer.in_backward``: no full set of gradients), ``adam8bit``
-(``optimizer.name=adamw8bit``, bitsandbytes) and ``adam8bit+opt_in_backward``. ``--mode all`` runs every one.
+Modes (``MODES``, benchmarks/bench_memory_modes.py: each a list of levers, each lever one set of config
+overrides): ``full`` (every weight of the net trains: fp32 master weights, gradients and AdamW state) and
+``lora`` (``model.adapter``: a LoRA of the model's rank on its preset; the base frozen in bf16), the full
+fine-tunes for one GPU: ``offload`` (FSDP2 on one rank with ``distributed.fsdp_cpu_offload``),
+``opt_in_backward`` (``optimizer.in_backward``: no full set of gradients), ``adam8bit`` and
+``adam8bit+opt_in_backward``; and issue 36's: ``lora_nf4``, ``lora_int8``, ``lora_int8_weight``,
+``lora_fp8`` (a quantised frozen base, ``model.adapter.base_quantization``), ``lora_swap``,
+``full_swap``, ``full_swap_8bit`` (``model.block_swap``: the spec's count),
+``lokr``, ``loha``. A mode whose config key this build lacks is reported as skipped, naming the key.
+``--mode all`` runs every one.
 
 Measured per mode: on CUDA ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the steps
 (peak stats reset after set-up, synchronised before reading), on the CPU the process's peak RSS; images/s
-(median step); and the bytes the trainer actually holds (trained and frozen parameters by dtype, the
-gradients of the last step, the optimizer state, the frozen components), beside the start-up memory
+and steps/s (median step); where the frozen text encoders and VAE were (``off_device``); and the bytes
+the trainer actually holds (trained and frozen parameters by dtype, the gradients of the last step, the
+optimizer state, the frozen components), beside the start-up memory
 plan's rows for the run's strategy (``memory_plan.json``). Writes benchmarks/results/bench_memory.json
-(``--out``); prints a table.
+(``--out``) with each goal's pass/fail (the spec's ``goals``: peak GiB allocated, ``speed_goals``:
+steps/s; on a GPU with the full-size model); prints a table.
 """
 
 from __future__ import annotations
@@ -51,36 +66,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODELS = HERE / "memory_models.yaml"
 GIB = 2**30
-TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def lora_overrides(spec: dict) -> dict:
-    lora = spec.get("lora") or {}
-    return {"model.adapter.type": "lora", "model.adapter.rank": lora.get("rank", 16),
-            "model.adapter.targets": lora.get("targets", "attention")}
-
-
-OFFLOAD = {"distributed.strategy": "fsdp", "distributed.fsdp_cpu_offload": True}
-IN_BACKWARD = {"optimizer.in_backward": True, "optimizer.params.max_grad_norm": "null"}  # (no clipping: refused)
-ADAM8BIT = {"optimizer.name": "adamw8bit"}
-
-# name -> (what it is, config overrides for a model spec). The full fine-tunes on one GPU (issue 24): offload,
-# opt_in_backward, adam8bit and adam8bit+opt_in_backward.
-MODES = {
-    "full": ("full fine-tune: every weight of the net trains (fp32 master weights, gradients, AdamW state)",
-             lambda spec: {}),
-    "lora": ("LoRA (model.adapter): the adapter trains in fp32, the base is frozen in the training precision",
-             lora_overrides),
-    "offload": ("full fine-tune, FSDP2 on one rank with CPU offload: fp32 weights, gradients and AdamW state in "
-                "pinned CPU memory, each unit copied in for its compute, the optimizer steps on the CPU",
-                lambda spec: dict(OFFLOAD)),
-    "opt_in_backward": ("full fine-tune, optimizer.in_backward: each parameter updated as its gradient completes, "
-                        "then the gradient freed (no clipping)", lambda spec: dict(IN_BACKWARD)),
-    "adam8bit": ("full fine-tune with 8-bit AdamW (bitsandbytes): 2 bytes of optimizer state per parameter",
-                 lambda spec: dict(ADAM8BIT)),
-    "adam8bit+opt_in_backward": ("full fine-tune, 8-bit AdamW updated in the backward: fp32 weights, 8-bit state, "
-                                 "no full set of gradients", lambda spec: {**ADAM8BIT, **IN_BACKWARD}),
-}
+sys.path.insert(0, str(HERE))  # its sibling modules, also when imported from elsewhere
+from bench_memory_models import (  # noqa: E402
+    batches, host_memory_available, host_memory_needed, make_pipeline, net_params,
+)
+from bench_memory_models import load_spec as load_model_spec  # noqa: E402
+from bench_memory_modes import MODES, missing_keys  # noqa: E402
+from bench_memory_modes import overrides as mode_overrides  # noqa: E402
 
 
 def parse(argv):
@@ -122,13 +114,7 @@ def modes_of(args) -> list[str]:
 
 
 def load_spec(args) -> tuple[str, dict]:
-    import yaml
-
-    models = yaml.safe_load(Path(args.models).read_text())
-    name = args.model or models["defaults"]["cuda" if args.device == "cuda" else "cpu"]
-    if name not in models or name == "defaults":
-        raise SystemExit(f"bench_memory: no model {name!r} in {args.models}")
-    return name, models[name]
+    return load_model_spec(args.models, args.model, args.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,42 +122,17 @@ def load_spec(args) -> tuple[str, dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def build_component(cls_name: str, config: dict):
-    """A random-weight diffusers or transformers module of class ``cls_name`` from ``config``."""
-    import diffusers
-    import transformers
-
-    cls = getattr(diffusers, cls_name, None) or getattr(transformers, cls_name)
-    if hasattr(cls, "config_class") and not hasattr(cls, "from_config"):  # transformers: a Config object
-        return cls(cls.config_class(**config))
-    return cls(**config)
-
-
-def make_pipeline(spec: dict, out: Path) -> Path:
-    """The family's tiny pipeline with the spec's components replaced by full-size random ones."""
-    import shutil
-
-    import torch
-
-    from sd_training.families.registry import make_tiny_pipeline
-
-    if (out / "model_index.json").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_tiny_pipeline(tmp, family=spec["family"])
-    for component, entry in (spec.get("components") or {}).items():
-        # The tiny pipeline's tokenizers stay: their special token ids win over the spec's.
-        tiny = json.loads((tmp / component / "config.json").read_text())
-        config = {**entry["config"], **{k: tiny[k] for k in TOKEN_IDS if k in tiny}}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            module = build_component(entry["class"], config)
-        shutil.rmtree(tmp / component)
-        module.save_pretrained(tmp / component)
-        del module
-    tmp.rename(out)
-    return out
+def skip_reason(mode: str, spec: dict) -> str | None:
+    """Why ``mode`` cannot run in this build (a config key its lever sets is missing, or the spec has no block
+    swap count for it), else None."""
+    try:
+        missing = missing_keys(mode_overrides(mode, spec))
+    except SystemExit as exn:  # e.g. --mode all on a spec without a swap count for every swapping mode
+        return f"skipped: {str(exn).removeprefix('bench_memory: ')}"
+    if missing:
+        return (f"skipped: this build's config has no {', '.join(missing)} (the lever of mode {mode} has not "
+                "landed; the mode turns on when it does)")
+    return None
 
 
 def run_mode(mode: str, args, work: Path, pipeline: Path, shards: str) -> dict:
@@ -213,26 +174,38 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        from sd_training.data.synthetic import write_shapes_shards
-
-        pipeline = make_pipeline(spec, work / f"pipeline_{args.model}")
-        shard_dir = work / f"shapes_{args.resolution}"
-        if not shard_dir.exists():
-            write_shapes_shards(str(shard_dir), n_samples=max(4, args.batch), n_shards=1, size=args.resolution)
-        shards = str(sorted(shard_dir.glob("*.tar"))[0])
+        machine = host_memory_shortfall(args.model, spec)
+        skips = {m: machine or skip_reason(m, spec) for m in modes}
+        if not all(skips.values()):
+            pipeline = make_pipeline(spec, work / f"pipeline_{args.model}")
+            shards = batches(spec, args.model, pipeline, work, args.resolution, args.batch, args.device)
         prepare_s = time.perf_counter() - t0
         print(f"bench_memory: {args.model} pipeline and shards ready in {prepare_s:.0f} s", file=sys.stderr)
         results = {}
         for mode in modes:
-            results[mode] = run_mode(mode, args, work, pipeline, shards)
+            if skips[mode]:  # reported, not run: a lever not in this build, or a net this machine cannot build
+                results[mode] = {"mode": mode, "error": skips[mode], "skipped": True, "wall_s": 0.0}
+            else:
+                results[mode] = run_mode(mode, args, work, pipeline, shards)
             print(json.dumps({mode: summary_row(results[mode])}), file=sys.stderr)
             # Written after every mode: a command cut short by its own timeout keeps the modes it finished.
             result = write_result(args, spec, modes, results, prepare_s, load_start, t0)
     print(table(result))
     print(args.out)
-    if any("error" in r for r in results.values()) and argv is None:
+    if any("error" in r and not r.get("skipped") for r in results.values()) and argv is None:
         sys.exit(1)  # a mode that failed (out of memory, a timeout) fails the command; its log tail is in the JSON
     return result
+
+
+def host_memory_shortfall(model: str, spec: dict) -> str | None:
+    """Why this machine cannot build the model's net (None: it can): ``model.<net>.params`` builds it in fp32 in
+    host memory (FLUX.2 dev's 32B: ~132 GiB), and a process killed for memory tells nothing."""
+    need, have = host_memory_needed(spec), host_memory_available()
+    if need and have is not None and need > have:
+        return (f"skipped: building {model}'s net ({net_params(spec) / 1e9:.1f}B parameters) from "
+                f"model.<net>.params takes ~{need:.0f} GiB of host memory in fp32 and {have:.0f} GiB is available "
+                "(a machine with more, or a trainer that builds from-scratch nets in the training precision)")
+    return None
 
 
 def write_result(args, spec: dict, modes: list[str], results: dict, prepare_s: float, load_start, t0: float) -> dict:
@@ -244,6 +217,8 @@ def write_result(args, spec: dict, modes: list[str], results: dict, prepare_s: f
         "precision": args.precision, "gradient_checkpointing": True, "ema": args.ema,
         "levers": {"compile": args.compile, "compile_mode": args.compile_mode, "channels_last": args.channels_last},
         "modes": {m: MODES[m][0] for m in modes}, "goals_gib_allocated": spec.get("goals") or {},
+        "goals_steps_per_sec": spec.get("speed_goals") or {}, "data": spec.get("data", "images"),
+        "net_params": net_params(spec),
         "prepare_s": prepare_s, "results": results, "summary": {m: summary_row(r) for m, r in results.items()},
         "load_average": {"start": load_start, "end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                          "cpus": os.cpu_count()},
@@ -254,6 +229,11 @@ def write_result(args, spec: dict, modes: list[str], results: dict, prepare_s: f
         if peak is not None and args.device == "cuda" and spec.get("net"):
             result["summary"][mode]["goal_gib"] = goal
             result["summary"][mode]["within_goal"] = peak <= goal
+    for mode, goal in result["goals_steps_per_sec"].items():
+        rate = (results.get(mode) or {}).get("steps_per_sec")
+        if rate is not None and args.device == "cuda" and spec.get("net"):
+            result["summary"][mode]["goal_steps_per_sec"] = goal
+            result["summary"][mode]["within_speed_goal"] = rate >= goal
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -262,12 +242,13 @@ def write_result(args, spec: dict, modes: list[str], results: dict, prepare_s: f
 
 def summary_row(r: dict) -> dict:
     if "error" in r:
-        return {"error": r["error"]}
+        return {"error": r["error"], **({"skipped": True} if r.get("skipped") else {})}
     m, plan = r["measured"], r["plan"]["row"]
     peak = m.get("peak_allocated_gib", m.get("peak_rss_gib"))
     return {"peak_gib": peak, "peak_what": "allocated" if "peak_allocated_gib" in m else "process RSS",
             "reserved_gib": m.get("peak_reserved_gib"), "plan_total_gib": plan["total"],
             "plan_over_peak": plan["total"] / peak if peak else None, "images_per_sec": r["images_per_sec"],
+            "steps_per_sec": r.get("steps_per_sec"), "off_device": r.get("off_device", {}),
             "trained_params": m["trained_params"],
             **({"checkpoint_stall_s": r["checkpoint"]["stall_s"]} if "checkpoint" in r else {})}
 
@@ -276,15 +257,20 @@ def table(result: dict) -> str:
     lines = [f"bench_memory: {result['model']} on {result['device']}, {result['resolution']} px, batch {result['batch']}, "
              f"{result['precision']}, gradient checkpointing",
              f"  {'mode':<26}{'peak GiB':>10}{'reserved':>10}{'plan GiB':>10}{'plan/peak':>10}{'img/s':>8}"
-             f"{'trained':>14}  goal"]
+             f"{'steps/s':>8}{'trained':>14}  goal"]
     for mode, s in result["summary"].items():
+        if s.get("skipped"):
+            lines.append(f"  {mode:<26}{s['error']}")
+            continue
         if "error" in s:
             lines.append(f"  {mode:<26}FAILED: {s['error']} (see results.{mode}.log_tail)")
             continue
         goal = "" if "goal_gib" not in s else f"<= {s['goal_gib']:g}: {'yes' if s['within_goal'] else 'NO'}"
+        if "goal_steps_per_sec" in s:
+            goal += f"; >= {s['goal_steps_per_sec']:g} steps/s: {'yes' if s['within_speed_goal'] else 'NO'}"
         reserved = f"{s['reserved_gib']:10.2f}" if s["reserved_gib"] is not None else f"{'-':>10}"
         lines.append(f"  {mode:<26}{s['peak_gib']:10.2f}{reserved}{s['plan_total_gib']:10.2f}{s['plan_over_peak']:10.2f}"
-                     f"{s['images_per_sec']:8.2f}{s['trained_params']:14,}  {goal}")
+                     f"{s['images_per_sec']:8.2f}{s['steps_per_sec'] or 0:8.2f}{s['trained_params']:14,}  {goal}")
         if "checkpoint_stall_s" in s:
             lines.append(f"  {'':<26}checkpoint: training waited {s['checkpoint_stall_s']:.2f} s per save (goal < 3 s)")
     lines.append("  (peak: CUDA max_memory_allocated over the steps; on the CPU the process's peak RSS, libraries included)")
@@ -307,12 +293,10 @@ def rss_gib() -> dict:
     return {"rss_gib": now, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def make_trainer(args, spec: dict, mode: str):
-    """A real Trainer after ``setup()``: the mode's overrides on a config like the templates'."""
-    from sd_training import distributed
+def trainer_config(args, spec: dict, mode: str, pipeline: str, shards: str):
+    """The checked config (``configure.load``) of ``mode``: its overrides on a config like the templates'."""
     from sd_training.configure import load
     from sd_training.families.registry import FAMILIES
-    from sd_training.loop import Trainer
 
     work = Path(args.work)
     overrides = {
@@ -320,20 +304,31 @@ def make_trainer(args, spec: dict, mode: str):
         "experiment.num_examples_to_see": 10**6, "experiment.sample_per_prompt": 0, "experiment.resume": False,
         "experiment.start_fresh": True, "experiment.progress_bar": "off",
         "system.batch_size": args.batch, "system.workers": 0, "system.device": args.device,
-        "model.pretrained": os.environ["BENCH_PIPELINE"], "model.family": spec["family"],
+        "model.pretrained": pipeline, "model.family": spec["family"],
         "model.mixed_precision": f"'{args.precision}'", "model.gradient_checkpointing": True,
         "model.use_ema": bool(args.ema),
-        "dataset.params.path": os.environ["BENCH_SHARDS"], "dataset.params.resolution": args.resolution,
+        "dataset.params.path": shards, "dataset.params.resolution": args.resolution,
         "dataset.params.resampled": True, "wandb.mode": "disabled", "lr_scheduler.params.warmup_length": 0,
+        # the steps reuse one batch: no buffer of 1000 samples (FLUX.2 dev's stored text is 31 MB a sample)
+        "dataset.params.shuffle_buffer": max(4, args.batch),
         "model.channels_last": args.channels_last, "model.compile": args.compile != "none",
-        **MODES[mode][1](spec),
+        **mode_overrides(mode, spec),
     }
     if args.compile != "none":
         overrides.update({"model.compile_scope": args.compile, "model.compile_mode": args.compile_mode})
     yaml_text = None
     if spec.get("net"):  # the trainer builds the net from scratch (random weights) from its config
         yaml_text = json.dumps({"model": {FAMILIES[spec["family"]].net_name: {"params": spec["net"]}}})
-    cfg = load([f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()], yaml_text=yaml_text)
+    argv = [f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()]
+    return load(argv, yaml_text=yaml_text)
+
+
+def make_trainer(args, spec: dict, mode: str):
+    """A real Trainer after ``setup()`` on the mode's config (:func:`trainer_config`)."""
+    from sd_training import distributed
+    from sd_training.loop import Trainer
+
+    cfg = trainer_config(args, spec, mode, os.environ["BENCH_PIPELINE"], os.environ["BENCH_SHARDS"])
     # distributed.strategy=fsdp in one process: FSDP2 in a process group of one (as train.py starts it).
     trainer = Trainer(cfg, distributed.setup(args.device, one_rank_group=cfg.distributed.strategy == "fsdp"))
     trainer.setup()
@@ -363,8 +358,35 @@ def checkpoint_stall(trainer, step_s: float | None, saves: int = 2) -> dict:
     return out
 
 
+def stored(t) -> list:
+    """The plain tensors that hold ``t``'s data: itself, or a tensor subclass's inner tensors (torchao's
+    quantised weights report their original dtype and size, not what they store)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(t, DTensor) or not is_traceable_wrapper_subclass(t):  # FSDP2's: counted whole, as one rank holds
+        return [t]
+    inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+    return [x for tensor in inner if torch.is_tensor(tensor) for x in stored(tensor)]
+
+
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(x.numel() * x.element_size() for t in tensors for x in stored(t))
+
+
+def off_device(trainer) -> dict:
+    """The frozen text encoders and VAE: how each is placed (``components.placement``: device, cpu or offload)
+    and the devices its weights are on after the steps (cpu: host memory; the steps did not bring it in)."""
+    from sd_training.families.components.placement import placement_of
+
+    family = trainer.family
+    frozen = dict(family.frozen_text_encoders()) if hasattr(family, "frozen_text_encoders") else {}
+    vae = getattr(getattr(family, "models", None), "vae", None)
+    if vae is not None:
+        frozen["vae"] = vae
+    return {name: {"placement": placement_of(m), "weights_on": sorted({p.device.type for p in m.parameters()})}
+            for name, m in frozen.items()}
 
 
 def held(trainer) -> dict:
@@ -380,8 +402,8 @@ def held(trainer) -> dict:
     encoders = {id(m): m for m in trainer.encoders.values()}.values()
     enc_params = [p for m in encoders for p in m.parameters()]
     by_dtype: dict[str, int] = {}
-    for p in frozen:
-        by_dtype[str(p.dtype).replace("torch.", "")] = by_dtype.get(str(p.dtype).replace("torch.", ""), 0) + p.numel()
+    for x in (x for p in frozen for x in stored(p)):  # elements by the dtype they are stored in
+        by_dtype[str(x.dtype).replace("torch.", "")] = by_dtype.get(str(x.dtype).replace("torch.", ""), 0) + x.numel()
     return {
         "trained_params": sum(p.numel() for p in trained), "trained_bytes": tensor_bytes(trained),
         "trained_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in trained}),
@@ -450,6 +472,8 @@ def child(args) -> dict:
         else platform.processor() or platform.machine(), "torch": torch.__version__, "diffusers": diffusers.__version__,
         "torch_threads": torch.get_num_threads(), "net_params": net_params, "net_params_expected": spec.get("net_params"),
         "setup_s": setup_s, "median_step_s": step_s, "images_per_sec": args.batch / step_s if step_s else None,
+        "steps_per_sec": 1 / step_s if step_s else None, "off_device": off_device(trainer),
+        "batch_keys": sorted(batch),  # latent shards with stored text: latents and encoder_hidden_states
         "losses": losses, "nonfinite_skipped": int(trainer.guards.nonfinite_total), "measured": measured, "process_memory": mem,
         "plan": {"strategy": plan["strategy"], "row": row, "rows": plan["rows"]},
         "plan_vs_measured_gib": {  # the plan's rows beside the tensors the trainer holds
