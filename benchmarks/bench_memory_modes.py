@@ -52,6 +52,7 @@ def block_swap(spec: dict, mode: str) -> dict:
 OFFLOAD = {"distributed.strategy": "fsdp", "distributed.fsdp_cpu_offload": True}
 IN_BACKWARD = {"optimizer.in_backward": True, "optimizer.params.max_grad_norm": "null"}  # (no clipping: refused)
 ADAM8BIT = {"optimizer.name": "adamw8bit"}
+ADAFACTOR = {"optimizer.name": "adafactor"}  # factored second moments: a row and a column per matrix
 
 # lever -> (what it does, its overrides)
 LEVERS: dict[str, tuple[str, Overrides]] = {
@@ -69,6 +70,8 @@ LEVERS: dict[str, tuple[str, Overrides]] = {
     "opt_in_backward": ("optimizer.in_backward: each parameter updated as its gradient completes, then the "
                         "gradient freed (no clipping)", fixed(IN_BACKWARD)),
     "adam8bit": ("8-bit AdamW (bitsandbytes): 2 bytes of optimizer state per parameter", fixed(ADAM8BIT)),
+    "adafactor": ("Adafactor: factored second moments, no first moment (almost no optimizer state)",
+                  fixed(ADAFACTOR)),
 }
 
 # mode -> (what it is, its levers). No adapter lever: a full fine-tune (fp32 master weights, gradients, AdamW).
@@ -91,6 +94,9 @@ MODE_LEVERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "full_swap": ("full fine-tune with block swap, the optimizer in the backward", ("swap", "opt_in_backward")),
     "full_swap_8bit": ("full fine-tune with block swap and 8-bit AdamW in the backward",
                        ("swap", "adam8bit", "opt_in_backward")),
+    # the swapped blocks' optimizer state stays on the device: Adafactor's is rows and columns, not weights
+    "full_swap_adafactor": ("full fine-tune with block swap and Adafactor in the backward",
+                            ("swap", "adafactor", "opt_in_backward")),
     "lokr": ("LoKr (peft): the Kronecker-product adapter trains, the base is frozen", ("lokr",)),
     "loha": ("LoHa (peft): the Hadamard-product adapter trains, the base is frozen", ("loha",)),
 }

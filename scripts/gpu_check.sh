@@ -119,7 +119,7 @@ check mem36_flux_lora_nf4 "$PY" benchmarks/bench_memory.py "${M36[@]}" --model f
 check mem36_flux_lora_fp8 "$PY" benchmarks/bench_memory.py "${M36[@]}" --model flux --mode lora_fp8,lora_int8_weight \
   --timeout 270 --out "$OUT/mem36_flux_lora_fp8.json"
 check mem36_flux_full_swap "$PY" benchmarks/bench_memory.py "${M36[@]}" --model flux \
-  --mode adam8bit+opt_in_backward,full_swap_8bit --timeout 280 --out "$OUT/mem36_flux_full_swap.json"
+  --mode adam8bit+opt_in_backward,full_swap_8bit,full_swap_adafactor --timeout 280 --out "$OUT/mem36_flux_full_swap.json"
 check mem36_qwen_image_lora "$PY" benchmarks/bench_memory.py "${M36[@]}" --model qwen_image --mode lora,lora_nf4 \
   --timeout 280 --out "$OUT/mem36_qwen_image_lora.json"
 check mem36_qwen_image_swap "$PY" benchmarks/bench_memory.py "${M36[@]}" --model qwen_image --mode lora_swap \

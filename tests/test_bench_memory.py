@@ -198,7 +198,7 @@ def test_the_big_families_take_their_shapes_from_the_reference_models():
         if spec["family"] == "flux":
             assert net["pooled_projection_dim"] == text  # CLIP-L's pooled output
     goals = {m: models[m]["goals"] for m in ("flux", "qwen_image", "zimage", "flux2_dev", "sdxl")}
-    assert goals["flux"]["lora_nf4"] == goals["flux"]["lora_fp8"] == 10 and goals["flux"]["full_swap_8bit"] == 16
+    assert goals["flux"]["lora_nf4"] == goals["flux"]["lora_fp8"] == 10 and goals["flux"]["full_swap_adafactor"] == 16
     assert models["flux"]["speed_goals"]["lora_nf4"] == 0.5 and goals["sdxl"]["full_swap_8bit"] == 12
     assert goals["qwen_image"]["lora_nf4"] == 16 and goals["flux2_dev"]["lora_nf4"] == 24
     assert goals["zimage"]["lora_fp8"] == 8
