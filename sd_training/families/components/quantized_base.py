@@ -48,7 +48,8 @@ BYTES_PER_PARAM = {"nf4": 0.516, "int8": 1.0013, "int8_weight": 1.0013, "fp8_wei
 def enabled(cfg) -> bool:
     """``cfg``: the whole TrainConfig or its ``model`` section."""
     model = getattr(cfg, "model", cfg)
-    return model.adapter.enabled and model.adapter.base_quantization != "none"
+    adapter = getattr(model, "adapter", None)  # (a bare ModelConfig, as scripts and tests build one, has none)
+    return adapter is not None and adapter.enabled and adapter.base_quantization != "none"
 
 
 def build_device(cfg, device: torch.device) -> torch.device:
