@@ -35,7 +35,7 @@ from ..config.rules import text_encoder_placement
 from ..families import registry
 from .activations import SampleShape
 from ..speed import block_swap
-from .load import (adapter_state_bytes, json_file, meta_module, meta_params, plan_adapter, quantized_base_bytes,
+from .load import (adapter_state_bytes, family_units, json_file, meta_module, meta_params, plan_adapter, quantized_base_bytes,
                    safetensors_params)
 from .plan import GIB, MemoryRow, per_trained_param
 
@@ -219,9 +219,7 @@ def swap_unit_params(fam, conf: dict, class_name: str) -> tuple[int, ...]:
     net = meta_module(conf, class_name)
     if net is None:
         return ()
-    # The family's units are read from the net alone (no built components): an instance without its __init__.
-    units = object.__new__(fam).swap_units(net) or []
-    return tuple(sum(p.numel() for p in u.parameters()) for u in units)
+    return tuple(sum(p.numel() for p in u.parameters()) for u in family_units(fam, net, "swap_units"))
 
 
 def frozen_text_encoders(cfg, fam) -> tuple[float, str]:

@@ -116,6 +116,12 @@ def lora_params(module: torch.nn.Module, targets: list[str], rank: int, dora: bo
     return total
 
 
+def family_units(family: type, net: torch.nn.Module, kind: str = "compile_units") -> list[torch.nn.Module]:
+    """A family's ``compile_units`` / ``swap_units`` of ``net`` before anything is built (the plans read nets on
+    the meta device): called on an instance made without its ``__init__``, as the units depend on the net alone."""
+    return getattr(object.__new__(family), kind)(net) or []
+
+
 def quantized_base_bytes(backend: str, total: int, quantizable: int, gguf: str | None = None) -> float | None:
     """Bytes per base parameter with ``backend`` (``model.adapter.base_quantization``): its ``quantizable``
     weights at the backend's measured size, the rest of the ``total`` in bf16; a GGUF file's size over the net's
@@ -148,10 +154,9 @@ def plan_adapter(cfg, conf: dict, class_name: str, presets: dict[str, str], net_
     total = sum(p.numel() for p in net.parameters())
     half = cfg.model.mixed_precision in ("bf16", "fp16") and cfg.distributed.strategy != "fsdp"
     trained = lora_params(net, targets, a.rank, a.use_dora, a.type, a.lokr_factor, a.decompose_both)
-    quantizable = 0
-    if family is not None:  # the Linear layers of the blocks (components.quantized_base.targets' choice)
-        units = object.__new__(family).compile_units(net) or []  # read from the net alone, no built components
-        quantizable = sum(m.weight.numel() for u in units for m in u.modules() if type(m) is torch.nn.Linear)
+    from ..families.components.quantized_base import quantizable_weights
+
+    quantizable = quantizable_weights(family_units(family, net)) if family is not None else 0
     base = quantized_base_bytes(a.base_quantization, total, quantizable, a.base_gguf) or (2 if half else 4)
     return PlannedAdapter(trained, total, base, len(targets), quantizable)
 

@@ -19,11 +19,10 @@ what a run measures.
 
 from __future__ import annotations
 
-import torch
-
 from ..adapters import resolve_targets
+from ..families.components.quantized_base import quantizable_weights
 from ..speed import block_swap
-from .load import lora_params, quantized_base_bytes
+from .load import family_units, lora_params, quantized_base_bytes
 from .plan import GIB, OPTIMIZER_BYTES, reference_activations, reference_models, reference_parts
 
 RANK, PRESET = 16, "attention"
@@ -37,22 +36,17 @@ COLUMNS = {  # key -> the header
 }
 
 
-def _linear_weights(units: list[torch.nn.Module]) -> int:
-    return sum(m.weight.numel() for u in units for m in u.modules() if type(m) is torch.nn.Linear)
-
-
 def model_row(name: str, resolution: int = 1024) -> dict[str, float]:
     """GiB on the device of reference model ``name`` under each column of :data:`COLUMNS`."""
     fam, _model = reference_models()[name]
     parts = reference_parts(name)
     net, params = parts.net, parts.params
-    unit_family = object.__new__(fam)  # the units are read from the net alone (no built components)
-    units = unit_family.swap_units(net) or []
-    sizes = [sum(p.numel() for p in u.parameters()) for u in units]
-    resident = params - sum(sizes) + sum(sorted(sizes)[-block_swap.WINDOW:])  # all swapped, two in flight
+    units = family_units(fam, net, "swap_units")
+    swap = block_swap.plan(units, len(units))
+    resident = params - swap.swapped + swap.in_flight  # every block swapped, two in flight
     targets = resolve_targets(net, fam.adapter_presets, PRESET, [], None, "model.adapter", fam.net_name)
     adapter = lora_params(net, targets, RANK) * (4 + 4 + OPTIMIZER_BYTES["adamw"])
-    nf4 = quantized_base_bytes("nf4", params, _linear_weights(unit_family.compile_units(net) or []))
+    nf4 = quantized_base_bytes("nf4", params, quantizable_weights(family_units(fam, net)))
     acts = reference_activations(name, resolution, 1, True)
     gib = {
         "lora": adapter + params * 2 + acts,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+
 import torch
 
 log = logging.getLogger(__name__)

@@ -82,6 +82,11 @@ def targets(units: list[torch.nn.Module], net: torch.nn.Module) -> list[str]:
     return [n for n, m in net.named_modules() if id(m) in inside]
 
 
+def quantizable_weights(units: list[torch.nn.Module]) -> int:
+    """The weights :func:`targets` would quantise in ``units`` (the Linear layers inside them): the plans' count."""
+    return sum(m.weight.numel() for u in units for m in u.modules() if type(m) is torch.nn.Linear)
+
+
 def quantize_layer(layer: torch.nn.Linear, backend: str, compute_dtype: torch.dtype,
                    device: torch.device) -> torch.nn.Module:
     """The backend's layer for ``layer`` on ``device``, its weight quantised there, frozen."""
