@@ -154,6 +154,7 @@ def check_family_limits(cfg: TrainConfig) -> None:
         if value is not None and value > limit:
             raise ConfigError(f"'{key}'={value:,} is more than the {what} family takes: at most {limit} tokens "
                               f"({why}); set {key}={limit} or less (each token costs memory in every attention layer)")
+    check_references(cfg, fam, what)
     _folder, conf = trained_config(cfg)
     takes = fam.takes_guidance_embed(conf)
     default = FamilyModelFields().guidance_embed
@@ -165,6 +166,24 @@ def check_family_limits(cfg: TrainConfig) -> None:
         grid = fam.pixel_grid(conf, vae_factor(cfg))
         if grid is not None:
             check_resolutions(cfg, grid, what)
+
+
+def check_references(cfg: TrainConfig, fam, what: str) -> None:
+    """``dataset.params.references`` within the family's ``reference_images`` (an edit family needs its
+    references, a text-to-image family takes none)."""
+    fewest, most = fam.reference_images
+    n = int(cfg.dataset.params.references)
+    if fewest <= n <= most:
+        return
+    if most == 0:
+        raise ConfigError(f"'dataset.params.references'={n}: the {what} family trains text-to-image and takes no "
+                          "reference images. Remove the key, or choose an edit family (model.family: flux_kontext, "
+                          "qwen_image_edit, or flux2 with references)")
+    takes = f"exactly {fewest}" if fewest == most else f"{fewest} to {most}"
+    raise ConfigError(f"'dataset.params.references'={n}: the {what} family takes {takes} reference image(s) per "
+                      f"sample; set dataset.params.references={max(fewest, min(n, most))} and give each sample that "
+                      "many (WebDataset members KEY.ref.<ext>, parquet/CSV column 'reference', folder sidecars "
+                      "NAME.ref.<ext>)")
 
 
 def _value(cfg, path: str):

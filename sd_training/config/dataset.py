@@ -97,6 +97,11 @@ class DatasetParams:
     mask_from_alpha: bool = f(False, "masked_loss: the image's own alpha channel is its mask (opaque trains) instead of a member/column/sidecar; images without alpha train everywhere")
     unmasked_weight: float = f(0.0, "masked_loss: the least loss weight, weight = clamp(mask, unmasked_weight, 1) as OneTrainer (whose default is 0.1); 0: masked-out pixels train nothing (kohya)", le=1)
     mask_normalize: bool = f(False, "masked_loss: divide each sample's weights by their mean, so a small mask trains as strongly as a whole image (OneTrainer's normalize_masked_area_loss); false: the mean over all latent elements (kohya)")
+    # --- reference images of edit training (sd_training/data/references.py) ------------------------
+    references: int = f(0, "reference images per sample (edit training: Flux Kontext, Qwen-Image-Edit, FLUX.2 references): WebDataset members KEY.<reference_key>.<ext> then KEY.<reference_key>2.<ext> ...; parquet/CSV columns reference_column, reference_column2 ... (or one column holding a list); folder sidecars NAME.<reference_key>.<ext> beside NAME.jpg. A sample with fewer is skipped (missing_reference). 0: text-to-image data", ge=0, le=8)
+    reference_key: str = f("ref", "references, WebDataset: the first reference is the member KEY.ref.<ext> (any image extension), the k-th KEY.ref<k>.<ext>; folder: the sidecars NAME.ref.<ext>, NAME.ref<k>.<ext>")
+    reference_column: str = f("reference", "references, parquet/CSV: the column of the first reference (image bytes, HF's {bytes, path} struct, or a path resolved as image paths are), the k-th is <column><k>; or one column holding a list of them")
+    reference_crop: str = f("aligned", "references: aligned: each reference goes through its target's crop, resize and flip (pixel-aligned pairs: Kontext, Qwen-Image-Edit; a reference of another aspect ratio is skipped, reference_aspect_mismatch); center: each reference is resized to cover the target's size on its own and center-cropped, flipped with the target (FLUX.2's subject/style references)", choices=("aligned", "center"))
     # --- order and distribution --------------------------------------------------------------------
     shuffle_buffer: int = f(1000, "samples held for shuffling per canonical reader (by default one per worker; 1: no shuffling)", ge=1)
     canonical_readers: int = f(0, "independent sample streams the run's batches are drawn from, fixed for the run: resuming on any rank count that divides them continues the same batches (0: ranks x workers of the first start)")
@@ -154,6 +159,9 @@ ONLY_FOR = {
     "text_embeddings": {"latents"},
     "mask_key": {"WebDataset", "folder"},
     "mask_column": {"parquet", "CSV"},
+    "reference_key": {"WebDataset", "folder"},
+    "reference_column": {"parquet", "CSV"},
+    "reference_crop": _IMAGE_TYPES,
 }
 # The masked-loss keys that mean something only with masked_loss on (latent shards refuse masked_loss itself).
 MASK_KEYS = ("mask_key", "mask_column", "mask_from_alpha", "unmasked_weight", "mask_normalize")

@@ -85,6 +85,9 @@ class Family(abc.ABC):
     # from the net's diffusers layer names to them (sd_training.outputs.comfy_lora.ComfyLoraNames; None: none)
     comfy_lora_names = None
     # the same for the text encoders of :meth:`adapter_text_encoders` (CLIP's layer names)
+    # Reference images per sample the family conditions on (edit training, ``dataset.params.references``): the
+    # fewest and the most; (0, 0): a text-to-image family. Checked at load (``configure.check_family_limits``).
+    reference_images: tuple[int, int] = (0, 0)
     text_adapter_presets = {
         "attention": r".*self_attn\.(q_proj|k_proj|v_proj|out_proj)",
         "all_linear": r".*(self_attn\.(q_proj|k_proj|v_proj|out_proj)|mlp\.fc[12])",

@@ -27,6 +27,7 @@ from ..evaluation.generate import generate_images
 from ..outputs.export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
 from .base import Family, SampleSettings
 from .components.clip import text_encoder_param_groups
+from .components.ddpm import reference_seeds
 from .components.placement import brought_in, park, place_text_encoders
 
 
@@ -155,6 +156,24 @@ class PipelineFamily(Family):
         pixels = unit_range(batch["pixel_values"].to(self.device, non_blocking=True))
         return self.encode(pixels, sample_seeds=batch.get("sample_seeds"))
 
+    def reference_latents(self, batch: dict) -> list[torch.Tensor]:
+        """The batch's reference images as latents on the device (float32), one [B, C, h, w] tensor per
+        reference (edit training, ``dataset.params.references``; [] without references): stored in latent
+        shards (``reference_latents`` [B, R, C, h, w]), else VAE-encoded from ``reference_values`` (uint8
+        [B, R, 3, H, W]) as the targets are, each reference's posterior sample from its own seeds."""
+        if "reference_latents" in batch:
+            stored = batch["reference_latents"].to(self.device, non_blocking=True).float()
+            return list(stored.unbind(1))
+        if "reference_values" not in batch:
+            return []
+        pixels = unit_range(batch["reference_values"].to(self.device, non_blocking=True))
+        seeds = batch.get("sample_seeds")
+        out = []
+        for k in range(pixels.shape[1]):
+            ref_seeds = None if seeds is None else reference_seeds(seeds, k)
+            out.append(self.encode(pixels[:, k], sample_seeds=ref_seeds))
+        return out
+
     @abc.abstractmethod
     def validation_timesteps(self, n: int) -> torch.Tensor:
         """The fixed timesteps of a held-out batch of ``n`` samples, spread over the training range."""
@@ -165,6 +184,11 @@ class PipelineFamily(Family):
         if "latents" not in b:
             with brought_in(self.frozen_modules(), self.device):  # a parked VAE (model.vae.placement)
                 b["latents"] = self.encode(unit_range(b.pop("pixel_values").to(self.device)), mean=True).cpu()
+        if "reference_values" in b:  # edit training: the references' posterior means, fixed like the targets'
+            refs = unit_range(b.pop("reference_values").to(self.device))
+            with brought_in(self.frozen_modules(), self.device):
+                b["reference_latents"] = torch.stack(
+                    [self.encode(refs[:, k], mean=True).cpu() for k in range(refs.shape[1])], dim=1)
         b["timesteps"] = self.validation_timesteps(len(b["latents"]))
         b["noise"] = torch.randn(b["latents"].shape, generator=generator)
         return b

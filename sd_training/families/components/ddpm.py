@@ -159,6 +159,7 @@ def configure_schedulers(noise_scheduler, inference_scheduler, cfg: ObjectiveCon
 STREAMS = {
     "noise": 1, "timesteps": 2, "offset": 3, "pyramid": 4, "pyramid_ratios": 5, "perturbation": 6, "posterior": 7,
     "t5_dropout": 8,  # SD3: whether a sample's T5 states are dropped (model.t5.dropout)
+    "reference": 9,  # edit training: the seeds of each reference image's own posterior sample
 }
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -173,6 +174,12 @@ def stream_seed(sample_seed: int, stream: str) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
+
+
+def reference_seeds(sample_seeds: SampleSeeds, k: int) -> list[int]:
+    """The sample seeds of the ``k``-th reference image (0: the first) of each sample: apart from the target's
+    streams and from every other reference's, so each posterior sample is drawn from its own generator."""
+    return [(stream_seed(s, "reference") + k) & ((1 << 63) - 1) for s in host_seeds(sample_seeds)]
 
 
 def host_seeds(sample_seeds: SampleSeeds) -> list[int]:
