@@ -234,10 +234,12 @@ class Family(abc.ABC):
         for ``scripts/generate_examples.py --checkpoint``; None: this family makes no text-to-image pipeline."""
         return None
 
-    def reference_call(self, images: list[Image.Image]) -> dict:
+    @classmethod
+    def reference_call(cls, images: list[Image.Image]) -> dict:
         """The pipeline's keyword arguments for one prompt's reference images (edit families, already at the
-        sample size: ``outputs.sample_references``); a text-to-image family takes none."""
-        raise NotImplementedError(f"the {self.name} family takes no reference images")
+        sample size: ``outputs.sample_references``); a text-to-image family takes none. A classmethod: scripts
+        and tests call a loaded pipeline with it, without a run."""
+        raise NotImplementedError(f"the {cls.name} family takes no reference images")
 
     def eval_images(self, net: torch.nn.Module, settings: SampleSettings, n: int, out: Path, rank: int,
                     world_size: int) -> list[Path]:

@@ -208,6 +208,10 @@ class FlowFamily(PipelineFamily):
         ref_tokens = None
         if refs:
             ref_tokens, inputs = self.join_references(latents, refs, inputs)
+        elif self.reference_images[0] > 0:  # an edit family would train as text-to-image, silently
+            raise ValueError(f"{self.display_name} edits reference images, and this batch has none (no "
+                             "reference_values or reference_latents): the data was read without "
+                             "dataset.params.references")
 
         def predict(noisy, timesteps):
             with autocast:

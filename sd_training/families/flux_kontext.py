@@ -52,7 +52,8 @@ class FluxKontext(Flux):
         ids[..., 0] = 1
         return pack(ref), dict(inputs, img_ids=torch.cat([inputs["img_ids"], ids], dim=0))
 
-    def reference_call(self, images: list[Image.Image]) -> dict:
+    @classmethod
+    def reference_call(cls, images: list[Image.Image]) -> dict:
         """``image=`` the reference at the sample's size, not resized to ~1 Mpx (the module); ``max_area`` its
         area, because the pipeline scales the requested height and width to ``max_area`` (1024^2 by default)
         whatever size is asked: the images come out at the sample's size, the reference's."""
