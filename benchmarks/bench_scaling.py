@@ -51,7 +51,9 @@ GB = 1e9
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu | cuda (cuda: also time each model's reduced copy)")
-    p.add_argument("--ranks", type=int, default=4, help="processes of the counted run (hsdp: ranks/2 per group)")
+    p.add_argument("--ranks", type=int, default=4, help="processes of the counted ddp and fsdp runs")
+    p.add_argument("--hsdp-ranks", type=int, default=None, help="processes of the counted hsdp run (default: --ranks), "
+                   "2 shard groups of half of them")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--net", default="flux", choices=("flux", "sdxl"), help="the tiny net counted and timed")
     p.add_argument("--fsdp-unit", default="block", choices=("layer", "block"))
@@ -208,13 +210,13 @@ def preload(a) -> None:
         tiny_net(a.net)
 
 
-def count_strategy(strategy: str, a) -> dict:
-    """Fork ``a.ranks`` ranks, wait for them, return rank 0's counts (and whether every rank counted the same)."""
+def count_strategy(strategy: str, a, world: int) -> dict:
+    """Fork ``world`` ranks, wait for them, return rank 0's counts (and whether every rank counted the same)."""
     preload(a)
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=counted_rank, args=(r, a.ranks, store, strategy, a, tmp)) for r in range(a.ranks)]
+        procs = [ctx.Process(target=counted_rank, args=(r, world, store, strategy, a, tmp)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
@@ -222,14 +224,14 @@ def count_strategy(strategy: str, a) -> dict:
             if p.is_alive():
                 p.kill()
         results = []
-        for r in range(a.ranks):
+        for r in range(world):
             f = Path(tmp, f"{strategy}_rank{r}.json")
             results.append(json.loads(f.read_text()) if f.exists() else dict(rank=r, error="no result (killed?)"))
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"the counted {strategy} run failed:\n{errors[0]}")
     same = all(r["counted"] == results[0]["counted"] for r in results)
-    return dict(results[0], ranks=a.ranks, same_on_every_rank=same, shard_size=max(1, a.ranks // 2))
+    return dict(results[0], ranks=world, same_on_every_rank=same, shard_size=world // 2 if strategy == "hsdp" else world)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,9 +425,12 @@ def markdown(result: dict, cfg: dict) -> str:
 def main(argv=None) -> dict:
     a = parse(argv if argv is not None else sys.argv[1:])
     cfg = yaml.safe_load(Path(a.config).read_text())
-    if a.ranks < 2 or a.ranks % 2:
-        raise SystemExit(f"--ranks {a.ranks}: an even count of at least 2 (hsdp: ranks/2 per shard group)")
-    counted = {s: count_strategy(s, a) for s in a.strategies.split(",")}  # forked first: no thread, no CUDA yet
+    a.hsdp_ranks = a.hsdp_ranks or a.ranks
+    if a.ranks < 2 or a.hsdp_ranks < 4 or a.hsdp_ranks % 2:
+        raise SystemExit(f"--ranks {a.ranks} --hsdp-ranks {a.hsdp_ranks}: at least 2 ranks, and an even hsdp count "
+                         "of at least 4 (2 shard groups of half of them)")
+    # Forked first, before this process starts a thread or CUDA.
+    counted = {s: count_strategy(s, a, a.hsdp_ranks if s == "hsdp" else a.ranks) for s in a.strategies.split(",")}
     measured = measure_tiny(a)
     names = a.models.split(",") if a.models else list(cfg["models"])
     device = torch.device(a.device)
