@@ -323,11 +323,13 @@ def measure_reduced(spec: dict, steps: int, device) -> dict:
         t = time_steps(net.train(), spec["family"], spec["resolution"], spec["batch"], tokens, steps, device, True)
     finally:
         del net
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     flops = 3 * forward_flops(spec, config) * spec["batch"]
-    peak = peak_flops(device, torch.bfloat16)
+    peak = peak_flops(device, torch.bfloat16) if device.type == "cuda" else None
     return dict(params=meta_params(cls_name, config), step_s=t, model_flops=flops, peak_flops=peak,
-                mfu=flops / t / peak if peak else None, gpu=torch.cuda.get_device_name(device),
+                mfu=flops / t / peak if peak else None,
+                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                 note="reduced copy, bf16 autocast, fp32 AdamW, gradient checkpointing")
 
 
