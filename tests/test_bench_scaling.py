@@ -83,6 +83,7 @@ def bench(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_the_model_equals_what_the_process_groups_moved(bench):
     """Each strategy's second optimizer step, counted per process group on every rank, equals the model's
     bytes (and calls: FSDP's per unit; DDP's buckets are not modelled) from the net's parameters and units,
@@ -111,6 +112,7 @@ def test_the_model_equals_what_the_process_groups_moved(bench):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_the_script_writes_its_json_and_table(bench):
     result, table = bench
     assert result["measured"]["step_s"] > 0 and result["measured"]["device"] == "cpu"
