@@ -128,15 +128,19 @@ class TrafficCounter:
             raise RuntimeError("a TrafficCounter is already counting (one at a time)")
         TrafficCounter._active += 1
         c10d = dist.distributed_c10d
-        for name in COLLECTIVES:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrapped = self._wrap(name, original)
-            for module in (dist, c10d):  # FSDP calls dist.X; c10d's functions call each other through c10d
-                if getattr(module, name, None) is original:
-                    self._saved.append((module, name, original))
-                    setattr(module, name, wrapped)
+        try:
+            for name in COLLECTIVES:
+                original = getattr(c10d, name, None)
+                if original is None:
+                    continue
+                wrapped = self._wrap(name, original)
+                for module in (dist, c10d):  # FSDP calls dist.X; c10d's functions call each other through c10d
+                    if getattr(module, name, None) is original:
+                        self._saved.append((module, name, original))
+                        setattr(module, name, wrapped)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
