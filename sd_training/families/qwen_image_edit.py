@@ -1,0 +1,265 @@
+"""Qwen-Image-Edit: ``QwenImageEditPipeline``, Qwen-Image's transformer, VAE and Qwen2.5-VL trained to edit: the
+target is denoised beside the reference image's latents, conditioned on the instruction read with the reference.
+
+As ``QwenImageEditPipeline`` conditions and predicts (``qwen_image_edit_parts``):
+
+* the text: each instruction in the edit template (64 system-prompt tokens dropped), the reference through
+  Qwen2.5-VL's processor and vision tower (its image tokens are conditioning), ``hidden_states[-1]``, the real
+  tokens first with the mask, as ``encode_prompt(prompt, image=...)`` returns them;
+* the image: the reference's normalised posterior (``_encode_vae_image``) packed 2x2 after the noisy target's
+  tokens, ``img_shapes`` [target, reference], the loss on the target's tokens only (``noise_pred[:, :n]``);
+  the timestep is sigma and the dynamic shift reads the target's token count, as the pipeline's.
+
+What training does where the pipeline resizes: the pipeline brings the reference to ~1 Mpx of its aspect ratio
+(``calculate_dimensions(1024 * 1024, ratio)``) and feeds that one image to the VAE and to the VL encoder, with the
+output at the same size. Training keeps that invariant at the run's resolution: the reference as the data
+loader aligns it to the target (``dataset.params.reference_crop``), at the target's size, for both the VAE and the
+VL encoder (whose processor puts it on its 28 px grid within its min / max pixels). At 1024 px this is the
+pipeline's own sizing; at smaller sizes the model learns the pairs it is given instead of an upscaled reference.
+Samples do the same (:class:`EditSampling`: the reference at the sample's size, which also keeps CPU grids small).
+
+Text in latent shards: the text states depend on the reference image, and latent shards hold its latents, not
+its pixels, so an online encode cannot run either: latent-shard runs and ``--text-embeddings`` are refused for
+this family with a message saying so (train from the image shards). ``model.llm.max_length`` counts the tokens
+after the system prompt before the image's expansion (the vision markers, the instruction and the template's
+end); the pipeline itself does not cut, so instructions longer than it are cut in training only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+from ..config.dataset import is_latent_type
+from ..config.schema import TrainConfig
+from ..data.latents import TEXT_STATES_KEY
+from ..outputs.export import unwrap
+from . import qwen_image_edit_parts as eparts
+from . import qwen_image_parts as parts
+from . import reference_models as references
+from .base import LossOut
+from .components import flow_matching, llm_text
+from .components.text import TextEncoding
+from .qwen_image import QWEN_IMAGE_SCHEDULER, GuidedByTrueCFG, QwenImage, QwenImageModels
+from .tiny import save, tokenizer_folder
+
+# QwenImageEditPipeline._get_qwen_prompt_embeds: the edit template, the last layer, 64 prefix tokens dropped, the
+# real tokens with a mask; 512 tokens by default (its __call__'s max_sequence_length), 1024 at most (check_inputs).
+EDIT_TEXT = llm_text.LLMTextSettings(layers=(-1,), max_length=512, limit=1024, template=eparts.EDIT_TEMPLATE,
+                                     drop_prefix=eparts.EDIT_PREFIX_TOKENS, masked=True)
+NO_STORED_TEXT = ("Qwen-Image-Edit reads the instruction together with the reference image (Qwen2.5-VL's vision "
+                  "tower): its text states depend on the image, and latent shards hold the reference's latents, not "
+                  "its pixels")
+
+
+@dataclass
+class QwenImageEditModels(QwenImageModels):
+    processor: Any = None  # the pipeline's Qwen2VLProcessor: the reference's pixels and image tokens for Qwen2.5-VL
+
+
+def load_processor(cfg) -> Any:
+    """The pipeline's ``processor/`` (``Qwen2VLProcessor``), read from ``model.pretrained``."""
+    from transformers import AutoProcessor
+
+    from ..loading import load_component
+
+    if cfg.pretrained is None:
+        raise ConfigError("Qwen-Image-Edit reads its processor (processor/: the reference image's preprocessing for "
+                          "Qwen2.5-VL) from model.pretrained: set it to a QwenImageEditPipeline folder or hub id")
+    kw = dict(revision=cfg.revision) if cfg.revision else {}
+    return load_component(AutoProcessor.from_pretrained, cfg.pretrained, "processor", "model.pretrained", **kw)
+
+
+@contextlib.contextmanager
+def reference_size(width: int, height: int):
+    """``QwenImageEditPipeline`` sizes its reference as ``calculate_dimensions(1024 * 1024, ratio)`` (~1 Mpx): within
+    this block, a reference of the output's aspect ratio is brought to the output's size (training's aligned pair)
+    and any other to the output's area at its own ratio. The module function is what ``__call__`` looks up."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+
+    original = module.calculate_dimensions
+
+    def at_output_size(_area, ratio):
+        if abs(ratio - width / height) < 1e-6:
+            return width, height, None
+        return original(width * height, ratio)
+
+    module.calculate_dimensions = at_output_size
+    try:
+        yield
+    finally:
+        module.calculate_dimensions = original
+
+
+class EditSampling(GuidedByTrueCFG):
+    """The edit pipeline as sample grids and eval images call it: :class:`GuidedByTrueCFG` (guidance as
+    ``true_cfg_scale``, the trained text length), and with ``height`` and ``width`` given, the reference sized as in
+    training (:func:`reference_size`) instead of ~1 Mpx: what the model learned, and CPU grids stay small."""
+
+    def __call__(self, *args, **kwargs):
+        height, width = kwargs.get("height"), kwargs.get("width")
+        if not (height and width):
+            return super().__call__(*args, **kwargs)
+        with reference_size(int(width), int(height)):
+            return super().__call__(*args, **kwargs)
+
+
+class QwenImageEdit(QwenImage):
+    name = text_tag = "qwen_image_edit"
+    display_name = "Qwen-Image-Edit"
+    pipeline_classes = ("QwenImageEditPipeline",)
+    card_tags = ("qwen-image-edit", "qwen-image-diffusers", "image-editing")
+    text_settings = EDIT_TEXT
+    reference_images = (1, 1)
+
+    def build_models(self) -> QwenImageEditModels:
+        m = super().build_models()
+        fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.init}
+        return QwenImageEditModels(**fields, processor=load_processor(self.cfg.model))
+
+    @classmethod
+    def refusals(cls, cfg: TrainConfig) -> list[tuple[bool, str]]:
+        return [*super().refusals(cfg),
+                (is_latent_type(cfg.dataset.type),
+                 f"dataset.type={cfg.dataset.type}: {NO_STORED_TEXT}, so a step from latent shards can neither read "
+                 "stored text nor encode it. Train Qwen-Image-Edit from image shards (webdataset, parquet, csv, "
+                 "folder) with dataset.params.references: 1")]
+
+    @classmethod
+    def sample_activation_elements(cls, conf: dict, sample, checkpointing: bool) -> float:
+        from ..memory import activations
+
+        # the reference's tokens go through the blocks beside the target's (joint attention, as many again), and
+        # its VL image tokens lengthen the text (28 px per token: 14 px patches merged 2x2)
+        refs = activations.image_tokens({**conf, "patch_size": 1}, sample.latent, sample.latent, sample.latent_channels or 16)
+        text = sample.text_tokens + int(sample.resolution // 28) ** 2
+        return super().sample_activation_elements(conf, dataclasses.replace(sample, text_tokens=text + refs),
+                                                  checkpointing)
+
+    # -- the text, read with the reference image ----------------------------------------------------
+    def condition(self, batch: dict, validation: bool = False):
+        """(the real tokens first [B, n, D] float32, their mask [B, n] or None): the instruction and the
+        reference image (``reference_values``) through Qwen2.5-VL, as ``encode_prompt(prompt, image=...)``."""
+        if TEXT_STATES_KEY in batch:
+            raise ValueError(f"the batch holds stored text states: {NO_STORED_TEXT} (train from image shards)")
+        refs = batch.get("reference_values")
+        if refs is None:
+            raise ValueError("Qwen-Image-Edit reads each instruction with its reference image, and the batch has no "
+                             "reference_values: set dataset.params.references: 1 and give each sample a reference")
+        m = self.models
+        pixel_values, grid = eparts.vision_inputs(m.processor.image_processor, refs[:, 0])
+        counts = eparts.image_token_count(grid, m.processor.image_processor.merge_size)
+        ids = eparts.expand_image_tokens(batch["input_ids"], m.processor.image_token_id, counts, llm_text.PAD)
+        states, mask = eparts.encode_with_image(m.text_encoder, ids, pixel_values, grid, m.tokenizer.pad_token_id,
+                                                self.text_settings.drop_prefix)
+        states, mask = parts.front_padded(states.to(self.device), mask.to(self.device))
+        return states, mask
+
+    def encode_condition(self, batch: dict, validation: bool):
+        return self.condition(batch, validation)
+
+    @classmethod
+    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
+                      max_length: int | None = None) -> TextEncoding:
+        raise ValueError(f"--text-embeddings: {NO_STORED_TEXT}; Qwen-Image-Edit trains from image shards, which "
+                         "encode the instruction with its reference in the step")
+
+    # -- the step: the reference's tokens after the target's ---------------------------------------
+    # (h-kontext adds shared reference hooks to FlowFamily; until they land this family writes its own loss)
+    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
+        """Flow matching on the target, the transformer seeing the noisy target's tokens then the reference's."""
+        latents = self.latents(batch)
+        refs = self.reference_latents(batch)
+        if len(refs) != 1:
+            raise ValueError(f"Qwen-Image-Edit takes one reference image per sample, the batch has {len(refs)}")
+        fixed = dict(fixed or {})
+        sigmas = fixed["timesteps"].float() / float(self.num_timesteps) if "timesteps" in fixed else None
+        with autocast:
+            states, mask = self.condition(batch, validation)
+        inputs = dict(encoder_hidden_states=states, encoder_hidden_states_mask=mask,
+                      img_shapes=eparts.joint_img_shapes(latents, refs))
+
+        def predict(noisy, timesteps):
+            with autocast:
+                out = model(hidden_states=eparts.joint_tokens(noisy, refs),
+                            timestep=self.transformer_timestep(timesteps), return_dict=False, **inputs)[0]
+            return eparts.target_tokens(out, latents.shape)
+
+        loss, per_sample, timesteps = flow_matching.flow_loss(
+            predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
+            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
+            image_seq_len=self.image_seq_len(latents), loss_weight=batch.get("loss_weight"))
+        return LossOut(loss, per_sample, timesteps, None)
+
+    def validation_batch(self, batch, generator, index) -> dict:
+        """The base's fixed latents (the reference's posterior mean too), keeping the reference's pixels for the
+        VL encoder."""
+        b = super().validation_batch(batch, generator, index)
+        if "reference_values" in batch:
+            b["reference_values"] = batch["reference_values"]
+        return b
+
+    def flops_inputs(self, config, h: int, w: int) -> dict:
+        """One image's forward: the target's and the reference's tokens, the text with the VL image's tokens."""
+        n, factor = (h // 2) * (w // 2), parts.vae_factor(self.models.vae.vae)
+        length = self.max_sequence_length + (h * factor // 28) * (w * factor // 28)  # + the VL image's tokens
+        return dict(hidden_states=torch.empty(1, 2 * n, config.in_channels, device="meta"),
+                    encoder_hidden_states=torch.empty(1, length, config.joint_attention_dim, device="meta"),
+                    timestep=torch.ones(1, device="meta"), img_shapes=[[(1, h // 2, w // 2)] * 2])
+
+    # -- artifacts ---------------------------------------------------------------------------------
+    def pipeline(self, transformer: torch.nn.Module, for_export: bool = False):
+        """A QwenImageEditPipeline of the run's components with ``transformer``; ``for_export``: the frozen parts in
+        fp32 as loaded."""
+        import copy
+
+        from diffusers import QwenImageEditPipeline
+
+        m = self.models
+        vae, encoder = (m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder"))
+        return QwenImageEditPipeline(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer.tokenizer,
+                                     processor=m.processor, transformer=unwrap(transformer), vae=vae.vae,
+                                     text_encoder=encoder)
+
+    def inference_pipeline(self, net: torch.nn.Module):
+        return EditSampling(self.pipeline(net), self.max_sequence_length)
+
+    def reference_call(self, images: list) -> dict:
+        """The pipeline's keyword arguments for one prompt's reference (it takes one image)."""
+        if len(images) != 1:
+            raise ValueError(f"Qwen-Image-Edit takes one reference image per prompt, got {len(images)}")
+        return {"image": images[0]}
+
+    @classmethod
+    def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
+        """A ``QwenImageEditPipeline``: Qwen-Image's tiny VAE and transformer, a tiny Qwen2.5-VL whose vision tower
+        reads the reference, the offline ``Qwen2VLProcessor`` (the edit template's system prompt in 64 tokens)."""
+        from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
+                               QwenImageTransformer2DModel)
+
+        if scaling_factor is not None:
+            raise ValueError("Qwen-Image-Edit's VAE normalises latents per channel (latents_mean / latents_std): it has "
+                             "no scaling factor")
+        scratch = tokenizer_folder(out, "processor")
+        processor = eparts.build_edit_processor(scratch)
+        pipe = QwenImageEditPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+                                     vae=AutoencoderKLQwenImage(**parts.TINY_QWEN_VAE),
+                                     text_encoder=eparts.tiny_edit_qwen25_vl(processor.tokenizer),
+                                     tokenizer=processor.tokenizer, processor=processor,
+                                     transformer=QwenImageTransformer2DModel(**parts.TINY_QWEN_TRANSFORMER))
+        return save(pipe, out, scratch)
+
+    @classmethod
+    def reference_models(cls) -> dict[str, references.ReferenceModel]:
+        """Qwen-Image-Edit: Qwen-Image's 20B transformer, Qwen2.5-VL-7B, its 3-D VAE."""
+        (model,) = QwenImage.reference_models().values()
+        return {"Qwen-Image-Edit": model}
+
+
+__all__ = ["EDIT_TEXT", "QwenImageEdit", "QwenImageEditModels", "EditSampling"]
