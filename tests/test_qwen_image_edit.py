@@ -139,3 +139,179 @@ def test_reference_latents_tokens_and_img_shapes_are_the_pipelines(family, pipe)
     h = RES // pipe.vae_scale_factor // 2
     assert eparts.joint_img_shapes(noisy, [mean_latents]) == [[(1, h, h), (1, h, h)]] * 2
     assert torch.equal(eparts.target_tokens(joint, noisy.shape), noisy)
+
+
+def reference_step(pipe, transformer, target, refs, prompts, u, noise, weighting_scheme):
+    """One step as QwenImageEditPipeline's forward and examples/dreambooth/train_dreambooth_lora_qwen_image.py
+    compute it, given u and the noise (in the [B, C, 1, h, w] layout): each prompt's ``encode_prompt(prompt,
+    image=...)``, padded to the longest with the masks materialised (the example's ``concat_prompt_embedding_batches``),
+    the target's posterior mode normalised per channel, the reference's ``_encode_vae_image`` packed after the noisy
+    target's tokens (``prepare_latents`` and the denoising loop), ``img_shapes`` [target, reference], the prediction's
+    target tokens (``noise_pred[:, : latents.size(1)]``), the scheduler's unshifted table, the example's loss."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    cls, vae = type(pipe), pipe.vae
+    z, vsf = vae.config.z_dim, 2 ** len(vae.temperal_downsample)
+    latents_mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
+    latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+    images = pil(refs)
+    with torch.no_grad():
+        pairs = [pipe.encode_prompt(p, image=[im], device="cpu") for p, im in zip(prompts, images)]
+        model_input = vae.encode(target.unsqueeze(2)).latent_dist.mode()
+        image_latents = pipe._encode_vae_image(refs[:, 0].float().div(127.5).sub(1).unsqueeze(2), generator=None)
+    n = max(e.shape[1] for e, _ in pairs)
+    masks = [torch.ones(e.shape[:2], dtype=torch.long) if m is None else m for e, m in pairs]
+    prompt_embeds = torch.cat([torch.cat([e, e.new_zeros(1, n - e.shape[1], e.shape[2])], 1) for e, _ in pairs])
+    prompt_embeds_mask = torch.cat([torch.cat([m, m.new_zeros(1, n - m.shape[1])], 1) for m in masks])
+    model_input = (model_input - latents_mean) * latents_std
+    bsz = model_input.shape[0]
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    indices = (u * scheduler.config.num_train_timesteps).long()
+    timesteps = scheduler.timesteps[indices]
+    step_indices = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
+    sigmas = scheduler.sigmas[step_indices].flatten().view(bsz, 1, 1, 1, 1)
+    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+    h, w = model_input.shape[3], model_input.shape[4]
+    rh, rw = image_latents.shape[3], image_latents.shape[4]
+    img_shapes = [[(1, h // 2, w // 2), (1, rh // 2, rw // 2)]] * bsz
+    packed = cls._pack_latents(noisy_model_input.permute(0, 2, 1, 3, 4), bsz, z, h, w)
+    packed_image = cls._pack_latents(image_latents, bsz, z, rh, rw)
+    model_pred = transformer(hidden_states=torch.cat([packed, packed_image], dim=1),
+                             encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_embeds_mask,
+                             timestep=timesteps / 1000, img_shapes=img_shapes, return_dict=False)[0]
+    model_pred = cls._unpack_latents(model_pred[:, : packed.size(1)], h * vsf, w * vsf, vsf)
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
+    target = noise - model_input
+    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(bsz, -1), 1).mean()
+    return loss, timesteps
+
+
+def test_one_step_equals_the_edit_pipelines_forward_in_diffusers_training_step(family, pipe):
+    """Loss and gradients of one step equal the reference step's for the same batch (targets, references,
+    instructions), u and noise (drawn from the sample seeds' streams as the family draws them), with the unshifted
+    sigma table and cosmap weighting: within 1e-5 relative (float32; padded lengths and summation order differ).
+    The reference tokens condition the step: other references, another loss."""
+    fm = family.cfg.flow_matching
+    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
+    seeds = torch.arange(10, 14)
+    target = torch.rand(4, 3, RES, RES, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    refs = references(4, 2)
+    batch = {"pixel_values": target, "reference_values": refs, "input_ids": family.tokenizers[0](CAPTIONS).input_ids,
+             "sample_seeds": seeds}
+    z = pipe.vae.config.z_dim
+    side = RES // pipe.vae_scale_factor
+    net = family.net
+    try:
+        u = example_timesteps(fm, seeds)
+        noise = torch.cat([torch.randn(1, z, side, side, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
+        net.zero_grad(set_to_none=True)
+        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
+        ours.loss.backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        net.zero_grad(set_to_none=True)
+        last = net.transformer_blocks[-1]
+        hooks = dict(last._forward_hooks)  # the reference's transformer: without the family's tie (qwen_image.py)
+        last._forward_hooks.clear()
+        try:
+            want, timesteps = reference_step(pipe, net, target, refs, CAPTIONS, u, noise.unsqueeze(2), "cosmap")
+            want.backward()
+        finally:
+            last._forward_hooks.update(hooks)
+        with torch.no_grad():
+            other = family.loss(net, {**batch, "reference_values": references(4, 5)}, torch.autocast("cpu", enabled=False))
+    finally:
+        fm.shift, fm.resolution_shift = None, None
+    assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
+    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
+    assert abs(float(other.loss) - float(ours.loss)) > 1e-4
+    unused = {n for n, p in net.named_parameters() if p.grad is None}
+    assert all(n.startswith(f"transformer_blocks.{len(net.transformer_blocks) - 1}.") for n in unused)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(grads[n], torch.zeros_like(grads[n]) if n in unused else p.grad, rtol=1e-5,
+                                   atol=1e-7, msg=n)
+    assert net.txt_in.weight.grad.abs().sum() > 0 and net.img_in.weight.grad.abs().sum() > 0
+    net.zero_grad(set_to_none=True)
+
+
+def test_validation_batches_keep_the_reference_pixels_and_fix_its_latents(family):
+    """A validation batch holds the reference's posterior mean (fixed like the target's) and its pixels (the VL
+    encoder's input); its loss is the same at every call."""
+    batch = {"pixel_values": references(2, 6)[:, 0], "reference_values": references(2, 7),
+             "input_ids": family.tokenizers[0](CAPTIONS[:2]).input_ids}
+    b = family.validation_batch(batch, torch.Generator().manual_seed(0), 0)
+    assert torch.equal(b["reference_values"], batch["reference_values"]) and b["reference_latents"].shape[1] == 1
+    fixed = {k: b[k] for k in ("noise", "timesteps")}
+    with torch.no_grad():
+        first = family.loss(family.net, b, torch.autocast("cpu", enabled=False), fixed=fixed, validation=True)
+        again = family.loss(family.net, b, torch.autocast("cpu", enabled=False), fixed=fixed, validation=True)
+    assert torch.equal(first.per_sample, again.per_sample)
+
+
+def edit(call, refs, **kw):
+    """One 32 px image of ``call`` (a pipeline) editing ``refs`` (PIL images, one per prompt)."""
+    with torch.no_grad():
+        return call(prompt=["make the background blue"] * len(refs), image=refs, height=RES, width=RES,
+                    num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(3), **kw).images
+
+
+def test_samples_size_the_reference_as_training_and_guide_with_true_cfg(family):
+    """Sample grids call the edit pipeline with ``reference_call``'s image; the reference is brought to the
+    sample's size (as training pairs it) instead of ~1 Mpx, and the guidance scale is ``true_cfg_scale`` against
+    the empty instruction (read with the same image); the pipeline's sizing is restored after the call."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+
+    original = module.calculate_dimensions
+    pipe = family.inference_pipeline(family.net)
+    pipe.set_progress_bar_config(disable=True)
+    image = pil(references(1, 8))[0]
+    kw = family.reference_call([image])
+    assert kw == {"image": image}
+    with pytest.raises(ValueError, match="one reference"):
+        family.reference_call([image, image])
+    guided = edit(pipe, [kw["image"]], guidance_scale=4.0)
+    assert module.calculate_dimensions is original and original(1024 * 1024, 1.0)[:2] == (1024, 1024)
+    raw = pipe._pipe
+    with reference_size(RES, RES):
+        assert module.calculate_dimensions(1024 * 1024, 1.0)[:2] == (RES, RES)
+        assert module.calculate_dimensions(1024 * 1024, 2.0)[:2] == original(RES * RES, 2.0)[:2]
+        want = edit(raw, [image], true_cfg_scale=4.0, negative_prompt=[""], max_sequence_length=LLM_LEN)
+        unguided = edit(raw, [image], true_cfg_scale=1.0)
+    assert guided.shape == (1, RES, RES, 3) and (guided == want).all() and not (guided == unguided).all()
+
+
+def test_a_lora_export_loads_with_load_lora_weights_on_the_edit_pipeline(pipeline, shapes_shards, tmp_path):
+    """A LoRA on the family's transformer (its B moved off zero, as training moves it) exports a diffusers LoRA file
+    (and the merged pipeline); plain ``QwenImageEditPipeline.load_lora_weights`` makes the image the run's own
+    pipeline makes for the same reference and seed, unlike the base pipeline; the merged export is an edit
+    pipeline making it too."""
+    from diffusers import DiffusionPipeline, QwenImageEditPipeline
+
+    from sd_training import adapters
+
+    cfg = load(edit_args(tmp_path, pipeline, shapes_shards, model__adapter__type="lora", model__adapter__rank=4,
+                         model__adapter__alpha=8))
+    family = families.create(cfg, torch.device("cpu"), 0, True)
+    ad = adapters.apply(cfg, family, None)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in family.net.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    out = tmp_path / "export"
+    adapters.export(ad, family, family.net, out, merged=True)
+    image = [pil(references(1, 9))[0]]
+    ours_pipe = family.inference_pipeline(family.net)._pipe
+    base = QwenImageEditPipeline.from_pretrained(pipeline)
+    merged = DiffusionPipeline.from_pretrained(out / adapters.MERGED)
+    assert type(merged) is QwenImageEditPipeline
+    for p in (ours_pipe, base, merged):
+        p.set_progress_bar_config(disable=True)
+    with reference_size(RES, RES):
+        ours, before = edit(ours_pipe, image, true_cfg_scale=1.0), edit(base, image, true_cfg_scale=1.0)
+        base.load_lora_weights(str(out))
+        loaded = edit(base, image, true_cfg_scale=1.0)
+        from_merged = edit(merged, image, true_cfg_scale=1.0)
+    np.testing.assert_allclose(loaded, ours, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(from_merged, ours, atol=1e-4, rtol=0)
+    assert np.abs(loaded - before).max() > 1e-3, "the LoRA changed nothing"
