@@ -53,6 +53,7 @@ from .tiny import save, tokenizer_folder
 # real tokens with a mask; 512 tokens by default (its __call__'s max_sequence_length), 1024 at most (check_inputs).
 EDIT_TEXT = llm_text.LLMTextSettings(layers=(-1,), max_length=512, limit=1024, template=eparts.EDIT_TEMPLATE,
                                      drop_prefix=eparts.EDIT_PREFIX_TOKENS, masked=True)
+PLUS_TEXT = dataclasses.replace(EDIT_TEXT, template=eparts.plus_template(1))  # QwenImageEditPlusPipeline's, one picture
 NO_STORED_TEXT = ("Qwen-Image-Edit reads the instruction together with the reference image (Qwen2.5-VL's vision "
                   "tower): its text states depend on the image, and latent shards hold the reference's latents, not "
                   "its pixels")
@@ -76,38 +77,54 @@ def load_processor(cfg) -> Any:
     return load_component(AutoProcessor.from_pretrained, cfg.pretrained, "processor", "model.pretrained", **kw)
 
 
+EDIT_MODULE, PLUS_MODULE = "pipeline_qwenimage_edit", "pipeline_qwenimage_edit_plus"
+
+
 @contextlib.contextmanager
-def reference_size(width: int, height: int):
-    """``QwenImageEditPipeline`` sizes its reference as ``calculate_dimensions(1024 * 1024, ratio)`` (~1 Mpx): within
-    this block, a reference of the output's aspect ratio is brought to the output's size (training's aligned pair)
-    and any other to the output's area at its own ratio. The module function is what ``__call__`` looks up."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as module
+def reference_size(width: int, height: int, module: str = EDIT_MODULE):
+    """The edit pipelines size the references for the VAE (and Edit's VL encoder) as ``calculate_dimensions(1024 *
+    1024, ratio)`` (~1 Mpx): within this block, a reference of the output's aspect ratio is brought to the output's
+    size (training's aligned pair) and any other to the output's area at its own ratio; Plus's VL images keep their
+    ``CONDITION_IMAGE_SIZE``. ``module``: the pipeline's module in ``diffusers.pipelines.qwenimage``, whose
+    ``calculate_dimensions`` its ``__call__`` looks up."""
+    import importlib
 
-    original = module.calculate_dimensions
+    mod = importlib.import_module(f"diffusers.pipelines.qwenimage.{module}")
+    original = mod.calculate_dimensions
+    n = len(original(1024, 1.0))  # Edit's returns (w, h, None), Plus's (w, h)
+    vl_area = getattr(mod, "CONDITION_IMAGE_SIZE", None)
 
-    def at_output_size(_area, ratio):
+    def at_output_size(area, ratio):
+        if area == vl_area:
+            return original(area, ratio)
         if abs(ratio - width / height) < 1e-6:
-            return width, height, None
+            return (width, height, None)[:n]
         return original(width * height, ratio)
 
-    module.calculate_dimensions = at_output_size
+    mod.calculate_dimensions = at_output_size
     try:
         yield
     finally:
-        module.calculate_dimensions = original
+        mod.calculate_dimensions = original
 
 
 class EditSampling(GuidedByTrueCFG):
     """The edit pipeline as sample grids and eval images call it: :class:`GuidedByTrueCFG` (guidance as
-    ``true_cfg_scale``, the trained text length), and with ``height`` and ``width`` given, the reference sized as in
-    training (:func:`reference_size`) instead of ~1 Mpx: what the model learned, and CPU grids stay small."""
+    ``true_cfg_scale``, the trained text length), and with ``height`` and ``width`` given, the references sized as
+    in training (:func:`reference_size`) instead of ~1 Mpx: what the model learned, and CPU grids stay small."""
+
+    module = EDIT_MODULE
 
     def __call__(self, *args, **kwargs):
         height, width = kwargs.get("height"), kwargs.get("width")
         if not (height and width):
             return super().__call__(*args, **kwargs)
-        with reference_size(int(width), int(height)):
+        with reference_size(int(width), int(height), self.module):
             return super().__call__(*args, **kwargs)
+
+
+class PlusSampling(EditSampling):
+    module = PLUS_MODULE
 
 
 class QwenImageEdit(QwenImage):
@@ -135,10 +152,12 @@ class QwenImageEdit(QwenImage):
     def sample_activation_elements(cls, conf: dict, sample, checkpointing: bool) -> float:
         from ..memory import activations
 
-        # the reference's tokens go through the blocks beside the target's (joint attention, as many again), and
-        # its VL image tokens lengthen the text (28 px per token: 14 px patches merged 2x2)
-        refs = activations.image_tokens({**conf, "patch_size": 1}, sample.latent, sample.latent, sample.latent_channels or 16)
-        text = sample.text_tokens + int(sample.resolution // 28) ** 2
+        # the references' tokens go through the blocks beside the target's (joint attention, as many again each),
+        # and their VL image tokens lengthen the text (the most references the family takes)
+        k = cls.reference_images[1]
+        refs = k * activations.image_tokens({**conf, "patch_size": 1}, sample.latent, sample.latent,
+                                            sample.latent_channels or 16)
+        text = sample.text_tokens + k * cls.vl_tokens(int(sample.resolution), int(sample.resolution))
         return super().sample_activation_elements(conf, dataclasses.replace(sample, text_tokens=text + refs),
                                                   checkpointing)
 
@@ -152,14 +171,20 @@ class QwenImageEdit(QwenImage):
         if refs is None:
             raise ValueError("Qwen-Image-Edit reads each instruction with its reference image, and the batch has no "
                              "reference_values: set dataset.params.references: 1 and give each sample a reference")
-        m = self.models
-        pixel_values, grid = eparts.vision_inputs(m.processor.image_processor, refs[:, 0])
+        m, (b, k) = self.models, refs.shape[:2]
+        pixel_values, grid = eparts.vision_inputs(m.processor.image_processor, self.vl_images(refs))
         counts = eparts.image_token_count(grid, m.processor.image_processor.merge_size)
-        ids = eparts.expand_image_tokens(batch["input_ids"], m.processor.image_token_id, counts, llm_text.PAD)
+        ids = eparts.expand_image_tokens(batch["input_ids"], m.processor.image_token_id,
+                                         [counts[i * k:(i + 1) * k] for i in range(b)], llm_text.PAD)
         states, mask = eparts.encode_with_image(m.text_encoder, ids, pixel_values, grid, m.tokenizer.pad_token_id,
                                                 self.text_settings.drop_prefix)
         states, mask = parts.front_padded(states.to(self.device), mask.to(self.device))
         return states, mask
+
+    def vl_images(self, refs: torch.Tensor) -> list:
+        """The images the VL encoder reads, prompt by prompt: each reference as the loader made it, at the target's
+        size (the one image the pipeline gives its VAE and its VL encoder alike)."""
+        return [r for sample in refs for r in sample]
 
     def encode_condition(self, batch: dict, validation: bool):
         return self.condition(batch, validation)
@@ -176,8 +201,10 @@ class QwenImageEdit(QwenImage):
         """Flow matching on the target, the transformer seeing the noisy target's tokens then the reference's."""
         latents = self.latents(batch)
         refs = self.reference_latents(batch)
-        if len(refs) != 1:
-            raise ValueError(f"Qwen-Image-Edit takes one reference image per sample, the batch has {len(refs)}")
+        fewest, most = self.reference_images
+        if not fewest <= len(refs) <= most:
+            raise ValueError(f"{self.display_name} takes {fewest} to {most} reference images per sample, the batch has "
+                             f"{len(refs)} (dataset.params.references)")
         fixed = dict(fixed or {})
         sigmas = fixed["timesteps"].float() / float(self.num_timesteps) if "timesteps" in fixed else None
         with autocast:
@@ -207,28 +234,44 @@ class QwenImageEdit(QwenImage):
 
     def flops_inputs(self, config, h: int, w: int) -> dict:
         """One image's forward: the target's and the reference's tokens, the text with the VL image's tokens."""
-        n, factor = (h // 2) * (w // 2), parts.vae_factor(self.models.vae.vae)
-        length = self.max_sequence_length + (h * factor // 28) * (w * factor // 28)  # + the VL image's tokens
-        return dict(hidden_states=torch.empty(1, 2 * n, config.in_channels, device="meta"),
+        n, factor, k = (h // 2) * (w // 2), parts.vae_factor(self.models.vae.vae), self.references
+        length = self.max_sequence_length + k * self.vl_tokens(h * factor, w * factor)  # + the VL images' tokens
+        return dict(hidden_states=torch.empty(1, (1 + k) * n, config.in_channels, device="meta"),
                     encoder_hidden_states=torch.empty(1, length, config.joint_attention_dim, device="meta"),
-                    timestep=torch.ones(1, device="meta"), img_shapes=[[(1, h // 2, w // 2)] * 2])
+                    timestep=torch.ones(1, device="meta"), img_shapes=[[(1, h // 2, w // 2)] * (1 + k)])
+
+    @property
+    def references(self) -> int:
+        return int(self.cfg.dataset.params.references)
+
+    @classmethod
+    def vl_tokens(cls, height: int, width: int) -> int:
+        """About the VL tokens of a reference at the target's size (28 px per token: 14 px patches merged 2x2)."""
+        return max(height // 28, 2) * max(width // 28, 2)
+
+    def step_flops(self):
+        """Qwen-Image's, with the VAE encoding the references too."""
+        flops = super().step_flops()
+        return dataclasses.replace(flops, vae_encode=flops.vae_encode * (1 + self.references))
 
     # -- artifacts ---------------------------------------------------------------------------------
     def pipeline(self, transformer: torch.nn.Module, for_export: bool = False):
-        """A QwenImageEditPipeline of the run's components with ``transformer``; ``for_export``: the frozen parts in
-        fp32 as loaded."""
+        """The family's edit pipeline of the run's components with ``transformer``; ``for_export``: the frozen parts
+        in fp32 as loaded."""
         import copy
 
-        from diffusers import QwenImageEditPipeline
+        import diffusers
 
         m = self.models
         vae, encoder = (m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder"))
-        return QwenImageEditPipeline(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer.tokenizer,
+        return getattr(diffusers, self.pipeline_classes[0])(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer.tokenizer,
                                      processor=m.processor, transformer=unwrap(transformer), vae=vae.vae,
                                      text_encoder=encoder)
 
     def inference_pipeline(self, net: torch.nn.Module):
-        return EditSampling(self.pipeline(net), self.max_sequence_length)
+        return self.sampling_class(self.pipeline(net), self.max_sequence_length)
+
+    sampling_class = EditSampling
 
     def reference_call(self, images: list) -> dict:
         """The pipeline's keyword arguments for one prompt's reference (it takes one image)."""
@@ -238,21 +281,22 @@ class QwenImageEdit(QwenImage):
 
     @classmethod
     def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
-        """A ``QwenImageEditPipeline``: Qwen-Image's tiny VAE and transformer, a tiny Qwen2.5-VL whose vision tower
+        """The family's edit pipeline: Qwen-Image's tiny VAE and transformer, a tiny Qwen2.5-VL whose vision tower
         reads the reference, the offline ``Qwen2VLProcessor`` (the edit template's system prompt in 64 tokens)."""
-        from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
-                               QwenImageTransformer2DModel)
+        import diffusers
+        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
         if scaling_factor is not None:
             raise ValueError("Qwen-Image-Edit's VAE normalises latents per channel (latents_mean / latents_std): it has "
                              "no scaling factor")
         scratch = tokenizer_folder(out, "processor")
         processor = eparts.build_edit_processor(scratch)
-        pipe = QwenImageEditPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
-                                     vae=AutoencoderKLQwenImage(**parts.TINY_QWEN_VAE),
-                                     text_encoder=eparts.tiny_edit_qwen25_vl(processor.tokenizer),
-                                     tokenizer=processor.tokenizer, processor=processor,
-                                     transformer=QwenImageTransformer2DModel(**parts.TINY_QWEN_TRANSFORMER))
+        pipeline_class = getattr(diffusers, cls.pipeline_classes[0])
+        pipe = pipeline_class(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+                              vae=AutoencoderKLQwenImage(**parts.TINY_QWEN_VAE),
+                              text_encoder=eparts.tiny_edit_qwen25_vl(processor.tokenizer),
+                              tokenizer=processor.tokenizer, processor=processor,
+                              transformer=QwenImageTransformer2DModel(**parts.TINY_QWEN_TRANSFORMER))
         return save(pipe, out, scratch)
 
     @classmethod
@@ -262,4 +306,56 @@ class QwenImageEdit(QwenImage):
         return {"Qwen-Image-Edit": model}
 
 
-__all__ = ["EDIT_TEXT", "QwenImageEdit", "QwenImageEditModels", "EditSampling"]
+class QwenImageEditPlus(QwenImageEdit):
+    """Qwen-Image-Edit-2509 / 2511 (``QwenImageEditPlusPipeline``): one to three references per sample, named in the
+    text ("Picture i: <image>" before the instruction, the same 64-token system prompt), each given to the VL
+    encoder at ~384^2 of its aspect ratio (the pipeline's ``CONDITION_IMAGE_SIZE``, whatever the output's size) and
+    to the VAE at the target's size (as Qwen-Image-Edit's), their tokens after the target's in order, ``img_shapes``
+    the target's then each reference's."""
+
+    name = text_tag = "qwen_image_edit_plus"
+    display_name = "Qwen-Image-Edit-Plus"
+    pipeline_classes = ("QwenImageEditPlusPipeline",)
+    card_tags = ("qwen-image-edit-plus", "qwen-image-diffusers", "image-editing")
+    reference_images = (1, 3)
+    sampling_class = PlusSampling
+    text_settings = PLUS_TEXT
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, seed: int, is_main: bool):
+        # the text names each reference: the template holds as many pictures as the run's samples have references
+        pictures = eparts.plus_template(int(cfg.dataset.params.references))
+        self.text_settings = dataclasses.replace(PLUS_TEXT, template=pictures)
+        super().__init__(cfg, device, seed, is_main)
+
+    def vl_images(self, refs: torch.Tensor) -> list:
+        """Each reference brought to ~384^2 of its aspect ratio as the pipeline does it (``calculate_dimensions(
+        CONDITION_IMAGE_SIZE, ratio)``, its ``VaeImageProcessor.resize``: PIL, Lanczos), prompt by prompt."""
+        from diffusers.image_processor import VaeImageProcessor
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+        from PIL import Image
+
+        resizer = VaeImageProcessor(vae_scale_factor=parts.vae_factor(self.models.vae.vae) * 2)
+        out = []
+        for r in (r for sample in refs for r in sample):
+            image = Image.fromarray(r.permute(1, 2, 0).cpu().numpy())
+            width, height = plus.calculate_dimensions(plus.CONDITION_IMAGE_SIZE, image.width / image.height)
+            out.append(resizer.resize(image, height, width))
+        return out
+
+    @classmethod
+    def vl_tokens(cls, height: int, width: int) -> int:
+        return (384 // 28) ** 2  # every VL image is ~384^2, whatever the target's size
+
+    def reference_call(self, images: list) -> dict:
+        """The pipeline's keyword arguments for one prompt's references (a list of one to three images)."""
+        if not 1 <= len(images) <= 3:
+            raise ValueError(f"Qwen-Image-Edit-Plus takes one to three reference images per prompt, got {len(images)}")
+        return {"image": list(images)}
+
+    @classmethod
+    def reference_models(cls) -> dict[str, references.ReferenceModel]:
+        (model,) = QwenImage.reference_models().values()
+        return {"Qwen-Image-Edit-2509": model}
+
+
+__all__ = ["EDIT_TEXT", "PLUS_TEXT", "QwenImageEdit", "QwenImageEditPlus", "QwenImageEditModels", "EditSampling"]

@@ -32,15 +32,25 @@ EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input ima
                  "the original input where appropriate.<|im_end|>\n<|im_start|>user\n"
                  "<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
 EDIT_PREFIX_TOKENS = 64
+# QwenImageEditPlusPipeline's: the same system prompt, the pictures' markers written before the instruction
+PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>{}", "{}")
 IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
 VISION_SPECIAL = (VISION_START, VISION_END, IMAGE_TOKEN, VIDEO_TOKEN)
 
 
-# -- the reference image through the text encoder ------------------------------------------------------------
-def vision_inputs(image_processor, references: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 references [B, 3, H, W] -> (pixel_values [patches, D], image_grid_thw [B, 3]) as the processor makes
-    them for one image per prompt (resized to its 28-pixel grid within min/max pixels, rescaled, normalised)."""
-    out = image_processor(images=list(references.cpu()), return_tensors="pt")
+# -- the reference images through the text encoder ------------------------------------------------------------
+def plus_template(references: int) -> str:
+    """``QwenImageEditPlusPipeline``'s text for ``references`` images: "Picture i: <image>" for each, then the
+    instruction, in the same system prompt (``_get_qwen_prompt_embeds``' ``img_prompt_template``)."""
+    pictures = "".join(f"Picture {i + 1}: {VISION_START}{IMAGE_TOKEN}{VISION_END}" for i in range(references))
+    return PLUS_TEMPLATE.replace("{}", pictures + "{}")
+
+
+def vision_inputs(image_processor, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VL encoder's images (uint8 [3, H, W] tensors or PIL images, prompt by prompt) -> (pixel_values [patches,
+    D], image_grid_thw [n, 3]) as the processor makes them (each on its 28-pixel grid within min/max pixels,
+    rescaled, normalised)."""
+    out = image_processor(images=[i.cpu() if isinstance(i, torch.Tensor) else i for i in images], return_tensors="pt")
     return out["pixel_values"], out["image_grid_thw"]
 
 
@@ -49,16 +59,20 @@ def image_token_count(grid_thw: torch.Tensor, merge_size: int) -> list[int]:
     return [int(g.prod()) // (merge_size ** 2) for g in grid_thw]
 
 
-def expand_image_tokens(ids: torch.Tensor, image_token_id: int, counts: list[int], pad: int) -> torch.Tensor:
-    """Ids [B, T] holding one ``<|image_pad|>`` each -> [B, T + n - 1] with it repeated ``counts[i]`` times (what
-    the processor does to the text), rows padded on the right with ``pad`` to the longest."""
+def expand_image_tokens(ids: torch.Tensor, image_token_id: int, counts: list[list[int]], pad: int) -> torch.Tensor:
+    """Ids [B, T] holding ``len(counts[i])`` ``<|image_pad|>`` each -> each repeated ``counts[i][j]`` times (what the
+    processor does to the text), rows padded on the right with ``pad`` to the longest."""
     rows = []
-    for row, n in zip(ids, counts):
-        at = (row == image_token_id).nonzero().flatten()
-        if len(at) != 1:
-            raise ValueError(f"an edit prompt's ids hold {len(at)} image tokens, expected 1 (the template's)")
-        i = int(at[0])
-        rows.append(torch.cat([row[:i], row.new_full((n,), image_token_id), row[i + 1:]]))
+    for row, row_counts in zip(ids, counts):
+        at = (row == image_token_id).nonzero().flatten().tolist()
+        if len(at) != len(row_counts):
+            raise ValueError(f"an edit prompt's ids hold {len(at)} image tokens, expected {len(row_counts)} (the "
+                             "template's, one per reference)")
+        pieces, start = [], 0
+        for i, n in zip(at, row_counts):
+            pieces += [row[start:i], row.new_full((n,), image_token_id)]
+            start = i + 1
+        rows.append(torch.cat([*pieces, row[start:]]))
     width = max(len(r) for r in rows)
     return torch.stack([torch.cat([r, r.new_full((width - len(r),), pad)]) for r in rows])
 
