@@ -30,13 +30,14 @@ edit_args = args_with({"dataset.params.resolution": RES, "model.llm.max_length":
                        "dataset.params.references": 1})
 
 
-def references(n: int, seed: int, size: int = RES) -> torch.Tensor:
-    """uint8 reference images [n, 1, 3, size, size], as the loader's ``reference_values``."""
+def references(n: int, seed: int, size: int = RES, k: int = 1) -> torch.Tensor:
+    """uint8 reference images [n, k, 3, size, size], as the loader's ``reference_values``."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n, 1, 3, size, size), generator=g, dtype=torch.uint8)
+    return torch.randint(0, 256, (n, k, 3, size, size), generator=g, dtype=torch.uint8)
 
 
 def pil(refs: torch.Tensor) -> list[Image.Image]:
+    """Each sample's first reference as a PIL image."""
     return [Image.fromarray(r[0].permute(1, 2, 0).numpy()) for r in refs]
 
 
@@ -141,13 +142,14 @@ def test_reference_latents_tokens_and_img_shapes_are_the_pipelines(family, pipe)
     assert torch.equal(eparts.target_tokens(joint, noisy.shape), noisy)
 
 
-def reference_step(pipe, transformer, target, refs, prompts, u, noise, weighting_scheme):
-    """One step as QwenImageEditPipeline's forward and examples/dreambooth/train_dreambooth_lora_qwen_image.py
-    compute it, given u and the noise (in the [B, C, 1, h, w] layout): each prompt's ``encode_prompt(prompt,
-    image=...)``, padded to the longest with the masks materialised (the example's ``concat_prompt_embedding_batches``),
-    the target's posterior mode normalised per channel, the reference's ``_encode_vae_image`` packed after the noisy
-    target's tokens (``prepare_latents`` and the denoising loop), ``img_shapes`` [target, reference], the prediction's
-    target tokens (``noise_pred[:, : latents.size(1)]``), the scheduler's unshifted table, the example's loss."""
+def reference_step(pipe, transformer, target, refs, prompts, u, noise, weighting_scheme, vl_images=None):
+    """One step as the edit pipelines' forward and examples/dreambooth/train_dreambooth_lora_qwen_image.py compute
+    it, given u and the noise (in the [B, C, 1, h, w] layout): each prompt's ``encode_prompt(prompt, image=...)``
+    (``vl_images(refs of the prompt)``, None: the references themselves), padded to the longest with the masks
+    materialised (the example's ``concat_prompt_embedding_batches``), the target's posterior mode normalised per
+    channel, each reference's ``_encode_vae_image`` packed after the noisy target's tokens in order (``prepare_latents``
+    and the denoising loop), ``img_shapes`` [target, each reference], the prediction's target tokens
+    (``noise_pred[:, : latents.size(1)]``), the scheduler's unshifted table, the example's loss."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
@@ -155,11 +157,13 @@ def reference_step(pipe, transformer, target, refs, prompts, u, noise, weighting
     z, vsf = vae.config.z_dim, 2 ** len(vae.temperal_downsample)
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
     latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
-    images = pil(refs)
+    per_prompt = [[pil(refs[i:i + 1, k:k + 1])[0] for k in range(refs.shape[1])] for i in range(len(prompts))]
     with torch.no_grad():
-        pairs = [pipe.encode_prompt(p, image=[im], device="cpu") for p, im in zip(prompts, images)]
+        pairs = [pipe.encode_prompt(p, image=(vl_images or (lambda x: x))(ims), device="cpu")
+                 for p, ims in zip(prompts, per_prompt)]
         model_input = vae.encode(target.unsqueeze(2)).latent_dist.mode()
-        image_latents = pipe._encode_vae_image(refs[:, 0].float().div(127.5).sub(1).unsqueeze(2), generator=None)
+        image_latents = [pipe._encode_vae_image(refs[:, k].float().div(127.5).sub(1).unsqueeze(2), generator=None)
+                         for k in range(refs.shape[1])]
     n = max(e.shape[1] for e, _ in pairs)
     masks = [torch.ones(e.shape[:2], dtype=torch.long) if m is None else m for e, m in pairs]
     prompt_embeds = torch.cat([torch.cat([e, e.new_zeros(1, n - e.shape[1], e.shape[2])], 1) for e, _ in pairs])
@@ -173,11 +177,10 @@ def reference_step(pipe, transformer, target, refs, prompts, u, noise, weighting
     sigmas = scheduler.sigmas[step_indices].flatten().view(bsz, 1, 1, 1, 1)
     noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
     h, w = model_input.shape[3], model_input.shape[4]
-    rh, rw = image_latents.shape[3], image_latents.shape[4]
-    img_shapes = [[(1, h // 2, w // 2), (1, rh // 2, rw // 2)]] * bsz
+    img_shapes = [[(1, h // 2, w // 2), *[(1, x.shape[3] // 2, x.shape[4] // 2) for x in image_latents]]] * bsz
     packed = cls._pack_latents(noisy_model_input.permute(0, 2, 1, 3, 4), bsz, z, h, w)
-    packed_image = cls._pack_latents(image_latents, bsz, z, rh, rw)
-    model_pred = transformer(hidden_states=torch.cat([packed, packed_image], dim=1),
+    packed_images = [cls._pack_latents(x, bsz, z, x.shape[3], x.shape[4]) for x in image_latents]
+    model_pred = transformer(hidden_states=torch.cat([packed, *packed_images], dim=1),
                              encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_embeds_mask,
                              timestep=timesteps / 1000, img_shapes=img_shapes, return_dict=False)[0]
     model_pred = cls._unpack_latents(model_pred[:, : packed.size(1)], h * vsf, w * vsf, vsf)
@@ -187,20 +190,18 @@ def reference_step(pipe, transformer, target, refs, prompts, u, noise, weighting
     return loss, timesteps
 
 
-def test_one_step_equals_the_edit_pipelines_forward_in_diffusers_training_step(family, pipe):
-    """Loss and gradients of one step equal the reference step's for the same batch (targets, references,
-    instructions), u and noise (drawn from the sample seeds' streams as the family draws them), with the unshifted
-    sigma table and cosmap weighting: within 1e-5 relative (float32; padded lengths and summation order differ).
-    The reference tokens condition the step: other references, another loss."""
+def check_step(family, pipe, refs, vl_images=None):
+    """The family's step against :func:`reference_step` on one batch (4 targets, ``refs``, the instructions), the
+    same u and noise (the sample seeds' streams, as the family draws them), the unshifted sigma table, cosmap
+    weighting: loss and gradients within 1e-5 relative (float32; padded lengths and summation order differ). The
+    references condition the step: other references, another loss."""
     fm = family.cfg.flow_matching
     fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
     seeds = torch.arange(10, 14)
     target = torch.rand(4, 3, RES, RES, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    refs = references(4, 2)
     batch = {"pixel_values": target, "reference_values": refs, "input_ids": family.tokenizers[0](CAPTIONS).input_ids,
              "sample_seeds": seeds}
-    z = pipe.vae.config.z_dim
-    side = RES // pipe.vae_scale_factor
+    z, side = pipe.vae.config.z_dim, RES // pipe.vae_scale_factor
     net = family.net
     try:
         u = example_timesteps(fm, seeds)
@@ -214,17 +215,19 @@ def test_one_step_equals_the_edit_pipelines_forward_in_diffusers_training_step(f
         hooks = dict(last._forward_hooks)  # the reference's transformer: without the family's tie (qwen_image.py)
         last._forward_hooks.clear()
         try:
-            want, timesteps = reference_step(pipe, net, target, refs, CAPTIONS, u, noise.unsqueeze(2), "cosmap")
+            want, timesteps = reference_step(pipe, net, target, refs, CAPTIONS, u, noise.unsqueeze(2), "cosmap",
+                                             vl_images)
             want.backward()
         finally:
             last._forward_hooks.update(hooks)
         with torch.no_grad():
-            other = family.loss(net, {**batch, "reference_values": references(4, 5)}, torch.autocast("cpu", enabled=False))
+            other = family.loss(net, {**batch, "reference_values": references(4, 5, k=refs.shape[1])},
+                                torch.autocast("cpu", enabled=False))
     finally:
         fm.shift, fm.resolution_shift = None, None
     assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
     torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
-    assert abs(float(other.loss) - float(ours.loss)) > 1e-4
+    assert abs(float(other.loss) - float(ours.loss.detach())) > 1e-4
     unused = {n for n, p in net.named_parameters() if p.grad is None}
     assert all(n.startswith(f"transformer_blocks.{len(net.transformer_blocks) - 1}.") for n in unused)
     for n, p in net.named_parameters():
@@ -232,6 +235,10 @@ def test_one_step_equals_the_edit_pipelines_forward_in_diffusers_training_step(f
                                    atol=1e-7, msg=n)
     assert net.txt_in.weight.grad.abs().sum() > 0 and net.img_in.weight.grad.abs().sum() > 0
     net.zero_grad(set_to_none=True)
+
+
+def test_one_step_equals_the_edit_pipelines_forward_in_diffusers_training_step(family, pipe):
+    check_step(family, pipe, references(4, 2))
 
 
 def test_validation_batches_keep_the_reference_pixels_and_fix_its_latents(family):
@@ -315,3 +322,93 @@ def test_a_lora_export_loads_with_load_lora_weights_on_the_edit_pipeline(pipelin
     np.testing.assert_allclose(loaded, ours, atol=1e-5, rtol=0)
     np.testing.assert_allclose(from_merged, ours, atol=1e-4, rtol=0)
     assert np.abs(loaded - before).max() > 1e-3, "the LoRA changed nothing"
+
+
+# -- Qwen-Image-Edit-Plus (2509 / 2511): several references, named in the text -----------------------------------
+plus_args = args_with({"dataset.params.resolution": RES, "model.llm.max_length": LLM_LEN + 16,
+                       "dataset.params.references": 2})
+
+
+@pytest.fixture(scope="module")
+def plus_pipeline(family_pipeline):
+    return family_pipeline("qwen_image_edit_plus")
+
+
+@pytest.fixture(scope="module")
+def plus_pipe(plus_pipeline):
+    from diffusers import QwenImageEditPlusPipeline
+
+    return QwenImageEditPlusPipeline.from_pretrained(plus_pipeline)
+
+
+@pytest.fixture(scope="module")
+def plus(plus_pipeline, shapes_shards, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qwen_image_edit_plus_family")
+    cfg = load(plus_args(tmp, plus_pipeline, shapes_shards, model__vae__latent_sampling="mean",
+                         flow_matching__weighting="cosmap"))
+    return families.create(cfg, torch.device("cpu"), 0, True)
+
+
+def condition_images(images: list[Image.Image]) -> list[Image.Image]:
+    """What QwenImageEditPlusPipeline.__call__ gives encode_prompt: each image at ~384^2 of its ratio."""
+    from diffusers.image_processor import VaeImageProcessor
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
+
+    resizer = VaeImageProcessor(vae_scale_factor=16)
+    sizes = [module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, im.width / im.height) for im in images]
+    return [resizer.resize(im, h, w) for im, (w, h) in zip(images, sizes)]
+
+
+def test_plus_takes_one_to_three_references_named_in_its_template(plus_pipeline, plus_pipe, shapes_shards, tmp_path):
+    assert families.detect(load(plus_args(tmp_path, plus_pipeline, shapes_shards)).model) == "qwen_image_edit_plus"
+    with pytest.raises(ConfigError, match="dataset.params.references"):
+        load(plus_args(tmp_path, plus_pipeline, shapes_shards, dataset__params__references=4))
+    pictures = "".join(f"Picture {i + 1}: <|vision_start|><|image_pad|><|vision_end|>" for i in range(2))
+    assert eparts.plus_template(2).format("x") == plus_pipe.prompt_template_encode.format(pictures + "x")
+    assert plus_pipe.prompt_template_encode_start_idx == eparts.EDIT_PREFIX_TOKENS
+
+
+def test_plus_conditioning_equals_encode_prompt_with_its_images(plus, plus_pipe):
+    """Each sample's states equal ``encode_prompt(prompt, image=[its references at ~384^2])`` (the pipeline encodes
+    one prompt at a time); the VL images are 384^2-sized whatever the target's size."""
+    refs = references(len(CAPTIONS), 0, k=2)
+    states, mask = plus.condition({"input_ids": plus.tokenizers[0](CAPTIONS).input_ids, "reference_values": refs})
+    for i, caption in enumerate(CAPTIONS):
+        images = [Image.fromarray(r.permute(1, 2, 0).numpy()) for r in refs[i]]
+        assert condition_images(images)[0].size == (384, 384)
+        with torch.no_grad():
+            want, want_mask = plus_pipe.encode_prompt(caption, image=condition_images(images), device="cpu")
+        n = want.shape[1]
+        assert want_mask is None and int(mask[i].sum() if mask is not None else states.shape[1]) == n
+        torch.testing.assert_close(states[i, :n], want[0].float(), rtol=1e-5, atol=1e-6)
+
+
+def test_plus_step_equals_its_pipelines_forward_in_diffusers_training_step(plus, plus_pipe):
+    check_step(plus, plus_pipe, references(4, 2, k=2), vl_images=condition_images)
+
+
+def test_plus_samples_size_the_references_as_training(plus):
+    """Plus's sample call takes the prompt's references as a list; their VAE images at the sample's size, the VL
+    images at 384^2, as in training; the pipeline's sizing restored after the call."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as module
+
+    from sd_training.families.qwen_image_edit import PLUS_MODULE
+
+    original = module.calculate_dimensions
+    pipe = plus.inference_pipeline(plus.net)
+    pipe.set_progress_bar_config(disable=True)
+    images = [Image.fromarray(r.permute(1, 2, 0).numpy()) for r in references(1, 8, k=2)[0]]
+    kw = plus.reference_call(images)
+    assert kw == {"image": images}
+    with torch.no_grad():
+        ours = pipe(prompt="make the background blue", height=RES, width=RES, num_inference_steps=2, output_type="np",
+                    generator=torch.Generator().manual_seed(3), guidance_scale=1.0, **kw).images
+    assert module.calculate_dimensions is original
+    with reference_size(RES, RES, PLUS_MODULE):
+        assert module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, 1.0) == original(module.CONDITION_IMAGE_SIZE, 1.0)
+        assert module.calculate_dimensions(module.VAE_IMAGE_SIZE, 1.0) == (RES, RES)
+        with torch.no_grad():
+            want = pipe._pipe(prompt="make the background blue", height=RES, width=RES, num_inference_steps=2,
+                              output_type="np", generator=torch.Generator().manual_seed(3), true_cfg_scale=1.0,
+                              max_sequence_length=LLM_LEN + 16, **kw).images
+    assert ours.shape == (1, RES, RES, 3) and (ours == want).all()

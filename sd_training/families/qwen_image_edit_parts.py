@@ -9,6 +9,8 @@ latents after the target's tokens, and the tiny offline tokenizer / processor / 
   dropped: the image's tokens are conditioning. The family tokenizes the template in the data loader
   (``llm_text.PromptTokenizer``: one ``<|image_pad|>``) and :func:`expand_image_tokens` does the processor's
   expansion on the ids (a special token: expanding the text or the ids is the same).
+* Plus (``QwenImageEditPlusPipeline``): :func:`plus_template`, the same system prompt with "Picture i: <image>"
+  for each reference before the instruction; one ``<|image_pad|>`` per reference, each expanded by its own count.
 * The reference latents: ``_encode_vae_image``'s normalised posterior mode, packed 2x2 (``_pack_latents``) and
   concatenated after the noisy target's tokens (``prepare_latents`` / the denoising loop); ``img_shapes`` lists
   the target's and the reference's patch grids; the prediction is the target's tokens (``noise_pred[:, :n]``).
