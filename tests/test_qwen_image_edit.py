@@ -5,7 +5,6 @@ pipeline's, one training step equals a step written as the pipeline's forward an
 train_dreambooth_lora_qwen_image.py compute it, a LoRA export loads with load_lora_weights on the edit pipeline,
 and the refusals. What every family does: test_family_conformance.py."""
 
-import re
 
 import numpy as np
 import pytest
@@ -94,7 +93,8 @@ def test_the_template_is_the_pipelines_and_its_system_prompt_is_64_tokens(pipe):
     assert eparts.EDIT_PREFIX_TOKENS == pipe.prompt_template_encode_start_idx
     system = pipe.prompt_template_encode.split(eparts.VISION_START)[0]
     ids = pipe.tokenizer(system + eparts.VISION_START).input_ids
-    assert len(ids) == eparts.EDIT_PREFIX_TOKENS + 1 and ids[-1] == pipe.tokenizer.convert_tokens_to_ids(eparts.VISION_START)
+    start = pipe.tokenizer.convert_tokens_to_ids(eparts.VISION_START)
+    assert len(ids) == eparts.EDIT_PREFIX_TOKENS + 1 and ids[-1] == start
     assert pipe.text_encoder.config.image_token_id == pipe.processor.image_token_id
 
 
@@ -205,7 +205,8 @@ def check_step(family, pipe, refs, vl_images=None):
     net = family.net
     try:
         u = example_timesteps(fm, seeds)
-        noise = torch.cat([torch.randn(1, z, side, side, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
+        noise = torch.cat([torch.randn(1, z, side, side, generator=g)
+                           for g in sample_generators(seeds, "noise", "cpu")])
         net.zero_grad(set_to_none=True)
         ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
         ours.loss.backward()
@@ -405,7 +406,8 @@ def test_plus_samples_size_the_references_as_training(plus):
                     generator=torch.Generator().manual_seed(3), guidance_scale=1.0, **kw).images
     assert module.calculate_dimensions is original
     with reference_size(RES, RES, PLUS_MODULE):
-        assert module.calculate_dimensions(module.CONDITION_IMAGE_SIZE, 1.0) == original(module.CONDITION_IMAGE_SIZE, 1.0)
+        vl_area = module.CONDITION_IMAGE_SIZE
+        assert module.calculate_dimensions(vl_area, 1.0) == original(vl_area, 1.0)
         assert module.calculate_dimensions(module.VAE_IMAGE_SIZE, 1.0) == (RES, RES)
         with torch.no_grad():
             want = pipe._pipe(prompt="make the background blue", height=RES, width=RES, num_inference_steps=2,

@@ -234,14 +234,14 @@ class QwenImageEdit(QwenImage):
 
     def flops_inputs(self, config, h: int, w: int) -> dict:
         """One image's forward: the target's and the reference's tokens, the text with the VL image's tokens."""
-        n, factor, k = (h // 2) * (w // 2), parts.vae_factor(self.models.vae.vae), self.references
+        n, factor, k = (h // 2) * (w // 2), parts.vae_factor(self.models.vae.vae), self.reference_count
         length = self.max_sequence_length + k * self.vl_tokens(h * factor, w * factor)  # + the VL images' tokens
         return dict(hidden_states=torch.empty(1, (1 + k) * n, config.in_channels, device="meta"),
                     encoder_hidden_states=torch.empty(1, length, config.joint_attention_dim, device="meta"),
                     timestep=torch.ones(1, device="meta"), img_shapes=[[(1, h // 2, w // 2)] * (1 + k)])
 
     @property
-    def references(self) -> int:
+    def reference_count(self) -> int:
         return int(self.cfg.dataset.params.references)
 
     @classmethod
@@ -252,7 +252,7 @@ class QwenImageEdit(QwenImage):
     def step_flops(self):
         """Qwen-Image's, with the VAE encoding the references too."""
         flops = super().step_flops()
-        return dataclasses.replace(flops, vae_encode=flops.vae_encode * (1 + self.references))
+        return dataclasses.replace(flops, vae_encode=flops.vae_encode * (1 + self.reference_count))
 
     # -- artifacts ---------------------------------------------------------------------------------
     def pipeline(self, transformer: torch.nn.Module, for_export: bool = False):
@@ -264,9 +264,9 @@ class QwenImageEdit(QwenImage):
 
         m = self.models
         vae, encoder = (m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder"))
-        return getattr(diffusers, self.pipeline_classes[0])(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer.tokenizer,
-                                     processor=m.processor, transformer=unwrap(transformer), vae=vae.vae,
-                                     text_encoder=encoder)
+        pipeline_class = getattr(diffusers, self.pipeline_classes[0])
+        return pipeline_class(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer.tokenizer,
+                              processor=m.processor, transformer=unwrap(transformer), vae=vae.vae, text_encoder=encoder)
 
     def inference_pipeline(self, net: torch.nn.Module):
         return self.sampling_class(self.pipeline(net), self.max_sequence_length)
@@ -287,8 +287,8 @@ class QwenImageEdit(QwenImage):
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
         if scaling_factor is not None:
-            raise ValueError("Qwen-Image-Edit's VAE normalises latents per channel (latents_mean / latents_std): it has "
-                             "no scaling factor")
+            raise ValueError(f"{cls.display_name}'s VAE normalises latents per channel (latents_mean / latents_std): "
+                             "it has no scaling factor")
         scratch = tokenizer_folder(out, "processor")
         processor = eparts.build_edit_processor(scratch)
         pipeline_class = getattr(diffusers, cls.pipeline_classes[0])
@@ -301,9 +301,9 @@ class QwenImageEdit(QwenImage):
 
     @classmethod
     def reference_models(cls) -> dict[str, references.ReferenceModel]:
-        """Qwen-Image-Edit: Qwen-Image's 20B transformer, Qwen2.5-VL-7B, its 3-D VAE."""
-        (model,) = QwenImage.reference_models().values()
-        return {"Qwen-Image-Edit": model}
+        """None of its own: Qwen-Image-Edit's weights are shaped as Qwen-Image's 20B (the memory table's Qwen-Image
+        row), its step carrying the references' tokens too."""
+        return {}
 
 
 class QwenImageEditPlus(QwenImageEdit):
@@ -351,11 +351,6 @@ class QwenImageEditPlus(QwenImageEdit):
         if not 1 <= len(images) <= 3:
             raise ValueError(f"Qwen-Image-Edit-Plus takes one to three reference images per prompt, got {len(images)}")
         return {"image": list(images)}
-
-    @classmethod
-    def reference_models(cls) -> dict[str, references.ReferenceModel]:
-        (model,) = QwenImage.reference_models().values()
-        return {"Qwen-Image-Edit-2509": model}
 
 
 __all__ = ["EDIT_TEXT", "PLUS_TEXT", "QwenImageEdit", "QwenImageEditPlus", "QwenImageEditModels", "EditSampling"]

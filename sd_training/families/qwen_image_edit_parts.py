@@ -36,7 +36,8 @@ EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input ima
 EDIT_PREFIX_TOKENS = 64
 # QwenImageEditPlusPipeline's: the same system prompt, the pictures' markers written before the instruction
 PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>{}", "{}")
-IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
+IMAGE_TOKEN, VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 VISION_SPECIAL = (VISION_START, VISION_END, IMAGE_TOKEN, VIDEO_TOKEN)
 
 
@@ -124,8 +125,8 @@ def template_words() -> list[str]:
 
 def build_edit_processor(folder: str | os.PathLike):
     """The tiny ``Qwen2VLProcessor`` (the class Qwen-Image-Edit's processor/ names): the tiny Qwen tokenizer with the
-    template's words and the vision special tokens, and Qwen2-VL's image (and video) processor at its defaults (14 px patches,
-    2x2 merge, 56^2 .. 28^2 x 1280 pixels). Written to ``folder`` if not there yet, loaded from it."""
+    template's words and the vision special tokens, and Qwen2-VL's image (and video) processor at its defaults
+    (14 px patches, 2x2 merge, 56^2 .. 28^2 x 1280 pixels). Written to ``folder`` if not there yet, loaded from it."""
     from tokenizers import AddedToken
     from transformers import (AutoProcessor, AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor,
                               Qwen2VLVideoProcessor)
@@ -138,7 +139,8 @@ def build_edit_processor(folder: str | os.PathLike):
         tok = AutoTokenizer.from_pretrained(str(folder))
         tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_SPECIAL], special_tokens=True)
         tok.padding_side = "right"
-        Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
+        Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tok,
+                         video_processor=Qwen2VLVideoProcessor(),
                          chat_template=qparts.QWEN25_VL_CHAT_TEMPLATE).save_pretrained(str(folder))
     return AutoProcessor.from_pretrained(str(folder))
 
