@@ -43,8 +43,7 @@ from ..outputs.export import unwrap
 from . import qwen_image_edit_parts as eparts
 from . import qwen_image_parts as parts
 from . import reference_models as references
-from .base import LossOut
-from .components import flow_matching, llm_text
+from .components import llm_text
 from .components.text import TextEncoding
 from .qwen_image import QWEN_IMAGE_SCHEDULER, GuidedByTrueCFG, QwenImage, QwenImageModels
 from .tiny import save, tokenizer_folder
@@ -116,6 +115,12 @@ class EditSampling(GuidedByTrueCFG):
     module = EDIT_MODULE
 
     def __call__(self, *args, **kwargs):
+        prompt, image = kwargs.get("prompt"), kwargs.get("image")
+        if isinstance(prompt, list) and image is not None and not isinstance(image, list):
+            kwargs["image"] = [image] * len(prompt)  # encode_prompt pairs prompt i with image i: one each
+        return self.sized(*args, **kwargs)
+
+    def sized(self, *args, **kwargs):
         height, width = kwargs.get("height"), kwargs.get("width")
         if not (height and width):
             return super().__call__(*args, **kwargs)
@@ -124,7 +129,24 @@ class EditSampling(GuidedByTrueCFG):
 
 
 class PlusSampling(EditSampling):
+    """:class:`EditSampling` for ``QwenImageEditPlusPipeline``, which takes one prompt per call (its ``image`` list
+    is that prompt's references): a list of prompts is generated prompt by prompt, each with its generator."""
+
     module = PLUS_MODULE
+
+    def __call__(self, *args, **kwargs):
+        prompt = kwargs.get("prompt")
+        if not isinstance(prompt, list) or len(prompt) == 1:
+            return self.sized(*args, **{**kwargs, "prompt": prompt[0] if isinstance(prompt, list) else prompt})
+        gens = kwargs.get("generator")
+        outs = [self.sized(*args, **{**kwargs, "prompt": p, "generator": gens[i] if isinstance(gens, list) else gens})
+                for i, p in enumerate(prompt)]
+        images = [im for out in outs for im in out.images]
+        if kwargs.get("output_type") == "np":
+            import numpy as np
+
+            images = np.stack(images)
+        return type(outs[0])(images=images)
 
 
 class QwenImageEdit(QwenImage):
@@ -195,34 +217,16 @@ class QwenImageEdit(QwenImage):
         raise ValueError(f"--text-embeddings: {NO_STORED_TEXT}; Qwen-Image-Edit trains from image shards, which "
                          "encode the instruction with its reference in the step")
 
-    # -- the step: the reference's tokens after the target's ---------------------------------------
-    # (h-kontext adds shared reference hooks to FlowFamily; until they land this family writes its own loss)
-    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
-        """Flow matching on the target, the transformer seeing the noisy target's tokens then the reference's."""
-        latents = self.latents(batch)
-        refs = self.reference_latents(batch)
+    # -- the step: the reference's tokens after the target's (FlowFamily.loss calls the hook) ---------------
+    def join_references(self, latents: torch.Tensor, refs: list[torch.Tensor],
+                        inputs: dict) -> tuple[torch.Tensor, dict]:
+        """Each reference packed 2x2 as the target, in order; ``img_shapes`` the target's grid then each
+        reference's (``prepare_latents`` and ``__call__``)."""
         fewest, most = self.reference_images
         if not fewest <= len(refs) <= most:
             raise ValueError(f"{self.display_name} takes {fewest} to {most} reference images per sample, the batch has "
                              f"{len(refs)} (dataset.params.references)")
-        fixed = dict(fixed or {})
-        sigmas = fixed["timesteps"].float() / float(self.num_timesteps) if "timesteps" in fixed else None
-        with autocast:
-            states, mask = self.condition(batch, validation)
-        inputs = dict(encoder_hidden_states=states, encoder_hidden_states_mask=mask,
-                      img_shapes=eparts.joint_img_shapes(latents, refs))
-
-        def predict(noisy, timesteps):
-            with autocast:
-                out = model(hidden_states=eparts.joint_tokens(noisy, refs),
-                            timestep=self.transformer_timestep(timesteps), return_dict=False, **inputs)[0]
-            return eparts.target_tokens(out, latents.shape)
-
-        loss, per_sample, timesteps = flow_matching.flow_loss(
-            predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
-            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
-            image_seq_len=self.image_seq_len(latents), loss_weight=batch.get("loss_weight"))
-        return LossOut(loss, per_sample, timesteps, None)
+        return eparts.reference_tokens(refs), dict(inputs, img_shapes=eparts.joint_img_shapes(latents, refs))
 
     def validation_batch(self, batch, generator, index) -> dict:
         """The base's fixed latents (the reference's posterior mean too), keeping the reference's pixels for the
@@ -273,7 +277,14 @@ class QwenImageEdit(QwenImage):
 
     sampling_class = EditSampling
 
-    def reference_call(self, images: list) -> dict:
+    @classmethod
+    def reference_sizing(cls, width: int, height: int):
+        """A block within which a plain edit pipeline sizes references as this family's samples do (tests and
+        scripts that compare a loaded pipeline with the run's): :func:`reference_size`."""
+        return reference_size(width, height, cls.sampling_class.module)
+
+    @classmethod
+    def reference_call(cls, images: list) -> dict:
         """The pipeline's keyword arguments for one prompt's reference (it takes one image)."""
         if len(images) != 1:
             raise ValueError(f"Qwen-Image-Edit takes one reference image per prompt, got {len(images)}")
@@ -346,7 +357,8 @@ class QwenImageEditPlus(QwenImageEdit):
     def vl_tokens(cls, height: int, width: int) -> int:
         return (384 // 28) ** 2  # every VL image is ~384^2, whatever the target's size
 
-    def reference_call(self, images: list) -> dict:
+    @classmethod
+    def reference_call(cls, images: list) -> dict:
         """The pipeline's keyword arguments for one prompt's references (a list of one to three images)."""
         if not 1 <= len(images) <= 3:
             raise ValueError(f"Qwen-Image-Edit-Plus takes one to three reference images per prompt, got {len(images)}")

@@ -97,10 +97,15 @@ def encode_with_image(encoder, ids: torch.Tensor, pixel_values: torch.Tensor, gr
 
 
 # -- the reference latents beside the target's ------------------------------------------------------------------
+def reference_tokens(references: list[torch.Tensor]) -> torch.Tensor:
+    """The references' 2x2 tokens in order (``prepare_latents``' ``image_latents``), what follows the target's."""
+    return torch.cat([qparts.tokens(r) for r in references], dim=1)
+
+
 def joint_tokens(noisy: torch.Tensor, references: list[torch.Tensor]) -> torch.Tensor:
     """The transformer's image input: the noisy target's 2x2 tokens, then each reference's (``torch.cat(
     [latents, image_latents], dim=1)``)."""
-    return torch.cat([qparts.tokens(noisy), *(qparts.tokens(r) for r in references)], dim=1)
+    return torch.cat([qparts.tokens(noisy), reference_tokens(references)], dim=1)
 
 
 def joint_img_shapes(latents: torch.Tensor, references: list[torch.Tensor]) -> list:
