@@ -290,3 +290,24 @@ def test_a_paired_stream_resumes_exactly_and_on_another_rank_count(edit_shards):
     finally:
         for it in its:
             it.close()
+
+
+def test_latent_pairs_missing_or_bad_reference_latents_are_skipped(tmp_path):
+    from sd_training.data.latents import npy_bytes
+
+    def sample(key, *refs):
+        s = {"__key__": key, "latents.npy": npy_bytes(np.ones((8, 4, 4), np.float16)), "txt": "c",
+             "json": {"latent_store": "mean_std"}}
+        s.update({name: npy_bytes(arr) for name, arr in zip(("ref.latents.npy", "ref2.latents.npy"), refs)})
+        return s
+
+    good = np.full((8, 4, 4), 2, np.float16)
+    shard = write_tar(str(tmp_path / "lat.tar"), [
+        sample("no_ref"), sample("one_ref", good), sample("wrong_shape", good, np.ones((8, 2, 2), np.float16)),
+        *(sample(f"g{i}", good, good) for i in range(4))])
+    ld = loader(shard, type="latents", references=2, batch_size=4, shuffle_buffer=1, latent_sampling="mean")
+    batch = take(ld, 1)[0]
+    assert sorted(batch["keys"]) == ["g0", "g1", "g2", "g3"]
+    assert batch["reference_latents"].shape == (4, 2, 4, 4, 4) and (batch["reference_latents"] == 2).all()
+    stats = ld.stats()
+    assert stats["skipped/missing_reference"] == 2 and stats["skipped/bad_reference_latents"] == 1
