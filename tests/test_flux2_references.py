@@ -1,0 +1,209 @@
+"""FLUX.2's reference images (klein and dev: the pipelines' ``image=[...]``) as the families train with them:
+the references' tokens and position ids equal the pipeline's ``prepare_image_latents`` on the same images,
+one step with references equals a step written as diffusers' ``train_dreambooth_lora_flux2_klein_img2img.py``
+computes it (several references joined as the pipeline joins them), the limits of
+``dataset.params.references``, the sample references' bounds, and a short klein LoRA run on paired shards whose
+export loads with ``load_lora_weights`` and generates with ``image=``. FLUX.2 without references:
+test_flux2.py (unchanged)."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import args_with, example_timesteps, run_trainer
+from PIL import Image
+
+from sd_training.config import ConfigError
+from sd_training.configure import load
+from sd_training.families import flux2_latents as flux2
+from sd_training.families import registry as families
+from sd_training.families.components.ddpm import reference_seeds, sample_generators
+from sd_training.families.flux2 import sample_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NAMES = [n for n in ("flux2_klein", "flux2_dev") if n in families.FAMILIES]
+LLM_LEN = {"flux2_klein": 48, "flux2_dev": 160}  # as test_flux2.py: the template and a short caption fit
+MOST = {"flux2_klein": 4, "flux2_dev": 6}  # BFL's documented limits (docs.bfl.ml, "Image Editing")
+
+args = args_with({"dataset.params.resolution": 32})
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def pipeline(name, family_pipeline):
+    return family_pipeline(name)
+
+
+@pytest.fixture(scope="module")
+def pipe(pipeline):
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(pipeline)
+
+
+@pytest.fixture(scope="module")
+def family(name, pipeline, shapes_shards, tmp_path_factory):
+    """The run's family with two references per sample (fp32, posterior mean: the pipeline's mode)."""
+    tmp = tmp_path_factory.mktemp("flux2_refs")
+    cfg = load(args(tmp, pipeline, shapes_shards, model__vae__latent_sampling="mean", model__llm__max_length=LLM_LEN[name],
+                    dataset__params__references=2, dataset__params__reference_crop="center"))
+    return families.create(cfg, torch.device("cpu"), 0, True)
+
+
+def pixels(b, r, h, w, seed):
+    """uint8 reference_values [b, r, 3, h, w] of random pixels (the loader's layout)."""
+    return torch.randint(0, 256, (b, r, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def pil(values: torch.Tensor) -> Image.Image:
+    return Image.fromarray(values.permute(1, 2, 0).numpy())
+
+
+def test_references_are_optional_up_to_the_documented_limit(name, pipeline, shapes_shards, tmp_path):
+    """0 (text-to-image) to klein's 4 / dev's 6 references load; one more is refused naming the key."""
+    assert families.FAMILIES[name].reference_images == (0, MOST[name])
+    load(args(tmp_path, pipeline, shapes_shards, dataset__params__references=MOST[name]))
+    with pytest.raises(ConfigError, match="dataset.params.references"):
+        load(args(tmp_path, pipeline, shapes_shards, dataset__params__references=MOST[name] + 1))
+
+
+def test_reference_tokens_and_ids_are_the_pipelines(family, pipe):
+    """The batch's references (uint8, VAE-encoded as the targets, the posterior mode) as tokens and ids equal
+    ``prepare_image_latents`` on the same images through the pipeline's own preprocessing (PIL in, its
+    ``image_processor``), sample by sample: the k-th at time 10 + 10k, packed after the one before."""
+    values = pixels(2, 2, 32, 32, seed=0)
+    refs = family.reference_latents({"reference_values": values})
+    assert len(refs) == 2 and refs[0].shape == (2, pipe.vae.config.latent_channels, 4, 4)
+    ours, ids = flux2.reference_tokens(refs)
+    assert ours.shape == (2, 2 * 2 * 2, pipe.transformer.config.in_channels) and ids.shape == (2, 8, 4)
+    assert ids[0, :, 0].tolist() == [10] * 4 + [20] * 4 and torch.equal(ids[0], ids[1])
+    for i in range(2):
+        images = [pipe.image_processor.preprocess(pil(values[i, k]), height=32, width=32, resize_mode="crop")
+                  for k in range(2)]
+        with torch.no_grad():
+            want, want_ids = pipe.prepare_image_latents(images, 1, None, "cpu", torch.float32)
+        torch.testing.assert_close(ours[i:i + 1], want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(ids[i:i + 1], want_ids)
+
+
+def test_references_of_other_sizes_pack_as_the_pipeline(pipe, family):
+    """References of their own sizes (the pipeline resizes each on its own) pack and take ids as
+    ``prepare_image_latents``: each its own grid, in order."""
+    images = [torch.rand(1, 3, h, w, generator=torch.Generator().manual_seed(h + w)) * 2 - 1
+              for h, w in ((32, 48), (16, 32), (48, 16))]
+    ours, ids = flux2.reference_tokens([family.encode(x, mean=True) for x in images])
+    with torch.no_grad():
+        want, want_ids = pipe.prepare_image_latents(images, 1, None, "cpu", torch.float32)
+    assert torch.equal(ids, want_ids) and ours.shape == want.shape == (1, 6 + 2 + 3, ours.shape[-1])
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+
+
+def example_step(pipe, transformer, target, conds, prompts, u, noise, guidance_scale, length):
+    """One step as diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein_img2img.py computes it (and
+    train_dreambooth_lora_flux2_img2img.py for dev's guidance), given u and the noise (patchified): the posterior
+    mode of target and condition, batch-norm normalised; the condition's tokens packed after the target's with
+    ``_prepare_image_ids`` ids from the first sample, expanded over the batch; the prediction cut to the target's
+    tokens; the unshifted table, uniform weighting. Several conditions are joined as ``prepare_image_latents``
+    joins them (the script takes one: ``_prepare_image_ids([cond[0:1]])``, the list of one)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    cls, vae = type(pipe), pipe.vae
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    with torch.no_grad():
+        prompt_embeds, text_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=length)
+        model_input = vae.encode(target).latent_dist.mode()
+        cond_inputs = [vae.encode(c).latent_dist.mode() for c in conds]
+    model_input = (cls._patchify_latents(model_input) - mean) / std
+    cond_inputs = [(cls._patchify_latents(c) - mean) / std for c in cond_inputs]
+    model_input_ids = cls._prepare_latent_ids(model_input)
+    bsz = model_input.shape[0]
+    cond_ids = cls._prepare_image_ids([c[0:1] for c in cond_inputs]).expand(bsz, -1, -1)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
+    step_indices = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
+    sigmas = scheduler.sigmas[step_indices].flatten().view(bsz, 1, 1, 1)
+    noisy = (1.0 - sigmas) * model_input + sigmas * noise
+    packed = cls._pack_latents(noisy)
+    n = packed.shape[1]
+    packed = torch.cat([packed, *[cls._pack_latents(c) for c in cond_inputs]], dim=1)
+    ids = torch.cat([model_input_ids, cond_ids], dim=1)
+    guidance = torch.full([1], guidance_scale).expand(bsz) if transformer.config.guidance_embeds else None
+    model_pred = transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                             encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=ids, return_dict=False)[0]
+    model_pred = cls._unpack_latents_with_ids(model_pred[:, :n, :], ids[:, :n, :])
+    target_v = noise - model_input
+    loss = torch.mean(((model_pred.float() - target_v.float()) ** 2).reshape(bsz, -1), 1).mean()
+    return loss, timesteps
+
+
+def test_one_step_with_references_equals_diffusers_img2img_example(name, family, pipe):
+    """Loss and gradients of one step with two references equal the example's for the same batch, u and noise
+    (drawn from the sample seeds' streams as the family draws them): within 1e-5 relative (float32). The
+    references change the step (the transformer attends to them)."""
+    fm = family.cfg.flow_matching
+    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
+    captions = ["make the background blue", "", "a red circle", "make it green"]
+    seeds = torch.arange(20, 24)
+    target = pixels(4, 1, 32, 32, seed=1)[:, 0]
+    refs = pixels(4, 2, 32, 32, seed=2)
+    batch = {"pixel_values": target, "reference_values": refs, "sample_seeds": seeds,
+             "input_ids": family.tokenizers[0](captions).input_ids}
+    c = pipe.vae.config.latent_channels
+    net = family.net
+    try:
+        u = example_timesteps(fm, seeds)
+        noise = torch.cat([torch.randn(1, c, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
+        net.zero_grad(set_to_none=True)
+        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
+        ours.loss.backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        net.zero_grad(set_to_none=True)
+        unit = lambda x: x.float() / 127.5 - 1  # noqa: E731 -- the loader's uint8 -> [-1, 1]
+        want, timesteps = example_step(pipe, net, unit(target), [unit(refs[:, k]) for k in range(2)], captions, u,
+                                       flux2.patchify(noise), family.cfg.model.guidance_embed, LLM_LEN[name])
+        want.backward()
+        with torch.no_grad():
+            alone = family.loss(net, {k: v for k, v in batch.items() if k != "reference_values"},
+                                torch.autocast("cpu", enabled=False))
+    finally:
+        fm.shift, fm.resolution_shift = None, None
+    assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
+    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+    net.zero_grad(set_to_none=True)
+    assert abs(alone.loss.item() - ours.loss.item()) > 1e-6, "the references changed nothing"
+
+
+def test_sampled_references_are_posteriors_of_their_own(family):
+    """With ``latent_sampling: sample`` each reference is its own posterior sample (its seeds apart from the
+    target's and from the other reference's, ``ddpm.reference_seeds``), the same for the same seeds."""
+    values = pixels(2, 2, 32, 32, seed=3)
+    same = values.clone()
+    same[:, 1] = same[:, 0]  # two identical references: different draws
+    seeds = torch.tensor([5, 6])
+    vae = family.cfg.model.vae
+    vae.latent_sampling = "sample"
+    try:
+        a = family.reference_latents({"reference_values": same, "sample_seeds": seeds})
+        b = family.reference_latents({"reference_values": same, "sample_seeds": seeds})
+        mean = family.encode(same[:, 0].float() / 127.5 - 1, mean=True)
+        first = family.encode(same[:, 0].float() / 127.5 - 1, sample_seeds=reference_seeds(seeds, 0))
+    finally:
+        vae.latent_sampling = "mean"
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[0], first)
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], mean)
+
+
+def test_sample_references_are_bounded_to_the_trained_area():
+    """A large reference is scaled to the trained area (aspect kept), a small one up to the pipeline's 64 px a
+    side (its check_image_input refuses less)."""
+    big = sample_reference(Image.new("RGB", (2048, 1024)), 512)
+    assert big.size == (724, 362) and big.size[0] * big.size[1] <= 512 * 512
+    assert sample_reference(Image.new("RGB", (32, 32)), 32).size == (64, 64)
+    assert sample_reference(Image.new("RGB", (40, 80)), 32).size == (64, 128)
+    assert sample_reference(Image.new("L", (100, 100)), 128).mode == "RGB"
