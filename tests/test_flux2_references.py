@@ -166,17 +166,42 @@ def test_one_step_with_references_equals_diffusers_img2img_example(name, family,
         want, timesteps = example_step(pipe, net, unit(target), [unit(refs[:, k]) for k in range(2)], captions, u,
                                        flux2.patchify(noise), family.cfg.model.guidance_embed, LLM_LEN[name])
         want.backward()
+        family.cfg.dataset.params.references = 0
         with torch.no_grad():
             alone = family.loss(net, {k: v for k, v in batch.items() if k != "reference_values"},
                                 torch.autocast("cpu", enabled=False))
     finally:
         fm.shift, fm.resolution_shift = None, None
+        family.cfg.dataset.params.references = 2
     assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
     torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
     for n, p in net.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
     net.zero_grad(set_to_none=True)
     assert abs(alone.loss.item() - ours.loss.item()) > 1e-6, "the references changed nothing"
+
+
+def test_a_batch_without_its_references_is_refused(family):
+    """A run set for references whose batch has none (latent shards made without them) is refused naming the
+    key, not trained text-to-image."""
+    batch = {"pixel_values": pixels(2, 1, 32, 32, seed=4)[:, 0], "input_ids": family.tokenizers[0](["a", "b"]).input_ids}
+    with pytest.raises(ValueError, match="dataset.params.references=2"):
+        family.loss(family.net, batch, torch.autocast("cpu", enabled=False))
+    with pytest.raises(ValueError, match="has 1 reference"):
+        family.loss(family.net, {**batch, "reference_values": pixels(2, 1, 32, 32, seed=5)},
+                    torch.autocast("cpu", enabled=False))
+
+
+def test_step_flops_count_the_reference_tokens(family):
+    """MFU's FLOPs: each reference adds the target's patches to the transformer's sequence."""
+    d = family.cfg.dataset.params
+    with_refs = family.step_flops().unet_forward
+    d.references = 0
+    try:
+        without = family.step_flops().unet_forward
+    finally:
+        d.references = 2
+    assert with_refs > without > 0
 
 
 def test_sampled_references_are_posteriors_of_their_own(family):

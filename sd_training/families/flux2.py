@@ -347,6 +347,11 @@ class Flux2Family(FlowFamily):
     # tokens joined after the target's and the prediction cut back to the target's.
     def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
         refs = self.reference_latents(batch)
+        want = int(self.cfg.dataset.params.references)
+        if len(refs) != want:  # latent shards made without references would train text-to-image silently
+            raise ValueError(f"dataset.params.references={want} but the batch has {len(refs)} reference image(s) "
+                             "(reference_values, or reference_latents in latent shards): make the shards with the "
+                             "references, or set dataset.params.references to what they hold")
         if not refs:  # text-to-image: FlowFamily's step, unchanged
             return super().loss(model, batch, autocast, fixed, validation)
         latents = self.latents(batch)
