@@ -53,6 +53,15 @@ def shapes_shards(tmp_path_factory):
     return write_shapes_shards(tmp_path_factory.mktemp("shapes"), n_samples=128, n_shards=4, size=64, seed=0)
 
 
+@pytest.fixture(scope="session")
+def edit_shards(tmp_path_factory):
+    """4 shards x 8 paired 32 px samples (``KEY.jpg`` a shape on blue, ``KEY.ref.jpg`` the same shape on another
+    background, ``KEY.txt`` "make the background blue"); returns the brace pattern."""
+    from sd_training.data.synthetic import write_edit_shards
+
+    return write_edit_shards(tmp_path_factory.mktemp("edit"), n_samples=32, n_shards=4, size=32, seed=0)
+
+
 def train_args(tmp_path, pipeline, shards, name="run", **overrides):
     """Command-line style arguments of a tiny CPU run; ``overrides`` as key=value."""
     args = {
@@ -104,11 +113,13 @@ def run_precompute(argv: list[str]) -> int:
 
 
 def assert_shard_step_equals_online(online, from_shards, latents, shard, ids: dict, fixed: dict,
-                                    stored_tol: float = 2e-2, grad_tol: tuple[float, float] = (1e-5, 1e-7)) -> None:
+                                    stored_tol: float = 2e-2, grad_tol: tuple[float, float] = (1e-5, 1e-7),
+                                    refs: tuple[dict, dict] = ({}, {})) -> None:
     """One step of ``from_shards`` (a family reading latent shards) equals ``online``'s step on the same images
     (``latents``: their online encoding) with the same ``fixed`` noise and timesteps: exactly with the text
     encoded online (gradients within ``grad_tol``: rtol, atol), within ``stored_tol`` (2e-2: bf16 storage) with
-    the shard's stored text states and pooled embeddings (those the shard holds)."""
+    the shard's stored text states and pooled embeddings (those the shard holds). ``refs``: an edit family's
+    references, (the online step's ``reference_values``, the shard step's ``reference_latents``)."""
     import contextlib
 
     import torch
@@ -120,11 +131,11 @@ def assert_shard_step_equals_online(online, from_shards, latents, shard, ids: di
         out.loss.backward()
         return out.loss, {n: p.grad.clone() for n, p in family.net.named_parameters()}
 
-    want, want_grads = step(online, {"latents": latents, **ids})
+    want, want_grads = step(online, {"latents": latents, **ids, **refs[0]})
     stored = {k: shard[k] for k in ("encoder_hidden_states", "pooled_text_embeds") if k in shard}
     assert "encoder_hidden_states" in stored, sorted(shard)
     for extra, tol in (({}, 1e-5), (stored, stored_tol)):
-        loss, grads = step(from_shards, {"latents": shard["latents"], **ids, **extra})
+        loss, grads = step(from_shards, {"latents": shard["latents"], **ids, **refs[1], **extra})
         torch.testing.assert_close(loss, want, rtol=tol, atol=1e-6)
         rtol, atol = max(tol, grad_tol[0]), max(tol * 1e-2, grad_tol[1])
         for n in grads:

@@ -2,7 +2,8 @@
 
     python tests/dist_worker.py OUT.pt key=value ... [-- OUT2.pt key=value ...]   (the tiny-run overrides the tests use)
 
-Every rank builds the same global batch (latents, token ids, noise, timesteps) from a fixed seed and
+Every rank builds the same global batch (latents, token ids, noise, timesteps; an edit family's reference
+latents) from a fixed seed and
 takes its slice, so 1 rank x batch 2b and 2 ranks x batch b see exactly the same samples. Rank 0 saves
 the final UNet parameters to OUT.pt and the parameters before the first step to OUT.init.pt. Runs
 separated by ``--`` train one after the other in the same processes (one start-up of torch and the
@@ -43,6 +44,9 @@ def train(out: str, argv: list[str], info) -> None:
             "noise": torch.randn(GLOBAL_BATCH, channels, 8, 8, generator=g),
             "timesteps": torch.randint(0, 1000, (GLOBAL_BATCH,), generator=g),
         }
+        refs = t.family.reference_images[0]  # an edit family's reference latents, as latent shards give them
+        if refs:
+            full["reference_latents"] = torch.randn(GLOBAL_BATCH, refs, channels, 8, 8, generator=g)
         # Global index layout: micro-batch m of rank r holds rows [(m * W + r) * b, ... + b).
         for m in range(accum):
             lo = (m * info.world_size + info.rank) * b

@@ -11,6 +11,10 @@ code of its own: from its tiny pipeline (``registry.make_tiny_pipeline``)
 - keys of the other kind of family (the UNet families' or the transformer families') are refused with a
   ``ConfigError`` naming the key.
 
+An edit family (``reference_images[0] > 0``: Flux Kontext ...) runs all of them on paired shards
+(``conftest.edit_shards``, ``dataset.params.references``), its sample grids and eval images from reference
+files the tests write, its exports generating from a reference.
+
 Each family's runs are forked from one process (tests/forked.py) or run in this one, at 32 px for a few steps;
 the checks of one family share its runs (module fixtures per family). The settings a family takes among
 ``VARIATIONS`` (a short T5, its own loss weightings) are found by asking ``configure.load``, so a new family
@@ -29,6 +33,7 @@ import forked
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from conftest import assert_shard_step_equals_online, run_precompute
 from helpers import args_with, max_diff, run_trainer
 from test_resume import assert_same, finish, kill_after_checkpoint, launch, losses
@@ -57,7 +62,39 @@ TRANSFORMER_KEYS = [("flow_matching.shift", 2.0, "flow_matching"), ("model.t5.ma
 LORA = {"model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.alpha": 8}
 ATOL = 1e-5  # images in [0, 1]: plain diffusers + exported LoRA against the run's own pipeline (measured: 0)
 
-args = args_with({"dataset.params.resolution": RES})
+plain_args = args_with({"dataset.params.resolution": RES})
+
+
+def family_of(pipeline):
+    """The family class of a tiny pipeline folder (read from its model_index.json)."""
+    return registry.FAMILIES[registry.detect_source("auto", str(pipeline))]
+
+
+def reference_image(size: int = RES) -> Image.Image:
+    """A fixed reference image (seeded noise on a grey ramp) for an edit family's samples and generations."""
+    rng = np.random.default_rng(7)
+    ramp = np.linspace(40, 220, size)[None, :, None] + rng.normal(0, 20, (size, size, 3))
+    return Image.fromarray(np.clip(ramp, 0, 255).astype(np.uint8))
+
+
+def args(tmp_path, pipeline, shards, **over):
+    """``conftest.train_args`` at 32 px; for an edit family also its references per sample and each sample
+    prompt's reference files (written into ``tmp_path``)."""
+    fam = family_of(pipeline)
+    n = fam.reference_images[0]
+    if n:
+        ref = tmp_path / "reference.png"
+        if not ref.is_file():
+            reference_image().save(ref)
+        over = {"dataset.params.references": n, "experiment.sample_references": f"[[{', '.join([str(ref)] * n)}]]",
+                **over}
+    return plain_args(tmp_path, pipeline, shards, **over)
+
+
+def reference_kwargs(name) -> dict:
+    """An edit family's pipeline arguments for the fixed reference (its ``reference_call``); {} otherwise."""
+    fam = registry.FAMILIES[name]
+    return fam.reference_call([reference_image()] * fam.reference_images[0]) if fam.reference_images[0] else {}
 
 
 @pytest.fixture(scope="module", params=list(registry.FAMILIES))
@@ -70,6 +107,12 @@ def pipeline(name, family_pipeline):
     return family_pipeline(name)
 
 
+@pytest.fixture(scope="module")
+def shards(name, request):
+    """The family's training data: the shapes shards, or for an edit family the paired shards."""
+    return request.getfixturevalue("edit_shards" if registry.FAMILIES[name].reference_images[0] else "shapes_shards")
+
+
 def takes(pipeline, shards, tmp_path, key, value) -> bool:
     """Whether the family's config takes ``key=value``."""
     try:
@@ -80,11 +123,11 @@ def takes(pipeline, shards, tmp_path, key, value) -> bool:
 
 
 @pytest.fixture(scope="module")
-def keys(pipeline, shapes_shards, tmp_path_factory) -> dict:
+def keys(pipeline, shards, tmp_path_factory) -> dict:
     """The VARIATIONS this family takes (each alone, then all together)."""
     tmp = tmp_path_factory.mktemp("probe")
-    chosen = {k: v for k, v in VARIATIONS.items() if takes(pipeline, shapes_shards, tmp, k, v)}
-    load(args(tmp, pipeline, shapes_shards, **chosen))
+    chosen = {k: v for k, v in VARIATIONS.items() if takes(pipeline, shards, tmp, k, v)}
+    load(args(tmp, pipeline, shards, **chosen))
     return chosen
 
 
@@ -93,8 +136,10 @@ def short_text(keys: dict) -> dict:
     return {k: v for k, v in keys.items() if k == "model.t5.max_length"}
 
 
-def generate(pipe, keys, prompt="a red circle on a blue background", **kw):
-    """An image from a diffusers pipeline at the run's size: 2 steps, seed 3, in [0, 1]."""
+def generate(pipe, keys, name, prompt="a red circle on a blue background", **kw):
+    """An image from a diffusers pipeline of family ``name`` at the run's size: 2 steps, seed 3, in [0, 1] (an
+    edit family's from the fixed reference)."""
+    kw.update(reference_kwargs(name))
     if "max_sequence_length" in inspect.signature(type(pipe).__call__).parameters and keys.get("model.t5.max_length"):
         kw["max_sequence_length"] = keys["model.t5.max_length"]
     pipe.set_progress_bar_config(disable=True)
@@ -114,6 +159,12 @@ def bf16_args(tmp, pipeline, shards, keys, run_name, outputs=True):
     extra = {"experiment.save_every": CKPT, "validation.path": shards, "validation.num_batches": 1,
              "experiment.num_eval_images": 2, "experiment.eval_caption_file": str(prompts),
              "model.text_encoder_placement": "cpu"}
+    n = family_of(pipeline).reference_images[0]
+    if n:  # an edit family's eval images: each prompt's references, paths relative to the file's folder
+        reference_image().save(tmp / "eval_reference.png")
+        (tmp / "eval_references.txt").write_text("\t".join(["eval_reference.png"] * n) + "\n" +
+                                                 "\t".join(["eval_reference.png"] * n) + "\n")
+        extra["experiment.eval_reference_file"] = str(tmp / "eval_references.txt")
     if not outputs:
         extra = {"experiment.save_every": 1000, "experiment.sample_per_prompt": 0}
     return args(tmp, pipeline, shards, name=run_name, **keys, **extra, **{
@@ -125,12 +176,12 @@ def bf16_args(tmp, pipeline, shards, keys, run_name, outputs=True):
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(pipeline, shapes_shards, keys, tmp_path_factory):
+def bf16_runs(pipeline, shards, keys, tmp_path_factory):
     """The bf16 run straight through, and the same run (without validation and samples) killed after checkpoint
     2 and restarted: (runs folder, the killed run's complete checkpoints before the restart, the restart's output)."""
     tmp = tmp_path_factory.mktemp("bf16")
-    finish(launch(tmp, bf16_args(tmp, pipeline, shapes_shards, keys, "straight")))
-    resumed = bf16_args(tmp, pipeline, shapes_shards, keys, "resumed", outputs=False)
+    finish(launch(tmp, bf16_args(tmp, pipeline, shards, keys, "straight")))
+    resumed = bf16_args(tmp, pipeline, shards, keys, "resumed", outputs=False)
     run = tmp / "runs" / "resumed"
     kill_after_checkpoint(launch(tmp, resumed), run / "checkpoints", CKPT)
     first = complete_steps(run / "checkpoints")
@@ -166,7 +217,7 @@ def test_the_exports_load_in_plain_diffusers_and_generate(bf16_runs, name, pipel
         index = json.loads((run / folder / "model_index.json").read_text())
         assert index["_class_name"] in registry.FAMILIES[name].pipeline_classes
         pipe = DiffusionPipeline.from_pretrained(run / folder)  # plain diffusers, offline
-        image = generate(pipe, keys)
+        image = generate(pipe, keys, name)
         assert image.shape == (RES, RES, 3) and np.isfinite(image).all()
         # The objective's parameterisation reaches the exported scheduler: it samples as it trained.
         if "objective.prediction_type" in keys:
@@ -216,7 +267,7 @@ def test_kill_and_resume_is_bit_identical(bf16_runs, name):
 # ------------------------------------------------------------------------------------------- 2 ranks
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_ranks_equal_one_rank_with_the_batch_doubled(name, pipeline, shapes_shards, keys, tmp_path):
+def test_two_ranks_equal_one_rank_with_the_batch_doubled(name, pipeline, shards, keys, tmp_path):
     """tests/dist_worker.py: 3 AdamW steps on a fixed global batch of 8 (latents, token ids, noise, timesteps),
     1 rank x 8 against 2 ranks x 4 and 2 ranks x 2 micro-batches x 2 (DDP, fp32, gloo)."""
     common = {**short_text(keys), "optimizer.params.learning_rate": 1e-3, "lr_scheduler.params.warmup_length": 0,
@@ -225,7 +276,7 @@ def test_two_ranks_equal_one_rank_with_the_batch_doubled(name, pipeline, shapes_
     def workers(nproc, out, *more, **over):
         argv = []
         for o, kw in ((out, over), *more):
-            argv += ["--"] * bool(argv) + [str(o), *args(tmp_path, pipeline, shapes_shards, name=f"w{nproc}_{o.stem}",
+            argv += ["--"] * bool(argv) + [str(o), *args(tmp_path, pipeline, shards, name=f"w{nproc}_{o.stem}",
                                                          **common, **kw)]
         res = forked.run([sys.executable, str(HERE / "dist_worker.py"), *argv], nproc=nproc, capture_output=True,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, timeout=600)
@@ -245,7 +296,7 @@ def test_two_ranks_equal_one_rank_with_the_batch_doubled(name, pipeline, shapes_
 
 # ---------------------------------------------------------------------------------------------- LoRA
 @pytest.mark.slow
-def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shapes_shards, keys, tmp_path):
+def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shards, keys, tmp_path):
     """A LoRA trains (the base bit-identical, the optimizer holding adapter parameters only) and exports a
     diffusers LoRA folder; plain diffusers loads it with ``load_lora_weights`` and makes the image the run's
     own pipeline makes (same seed), unlike the base pipeline's."""
@@ -258,7 +309,7 @@ def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shapes_shard
     # adapters, which know its encoders); the kohya-named copy where the family names its modules.
     text = {**over, "model.adapter.text_encoders.train": "true"}
     try:
-        with_text = load(args(tmp_path, pipeline, shapes_shards, **text))
+        with_text = load(args(tmp_path, pipeline, shards, **text))
         adapters.apply(with_text, registry.create(with_text, torch.device("cpu"), 0, True), None)
         over = text
     except ConfigError:
@@ -267,7 +318,7 @@ def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shapes_shard
     comfy = registry.FAMILIES[name].comfy_lora_names is not None  # its copy with ComfyUI's names instead
     if kohya or comfy:
         over["model.adapter.export_kohya"] = "true"
-    cfg = load(args(tmp_path, pipeline, shapes_shards, **over))
+    cfg = load(args(tmp_path, pipeline, shards, **over))
     t = run_trainer(cfg)
     base = DiffusionPipeline.from_pretrained(pipeline)
     names = {id(p): n for m in [t.net, *t.family.adapters.encoders.values()] for n, p in m.named_parameters()}
@@ -286,10 +337,10 @@ def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shapes_shard
     # Both sampled with the same guidance: the run's for a net with a distilled guidance embedding, else none.
     distilled = getattr(getattr(ours_pipe, t.net_name).config, "guidance_embeds", False)
     kw = {"guidance_scale": float(cfg.model.guidance_embed) if distilled else 1.0}
-    ours = generate(ours_pipe, keys, **kw)
-    before = generate(base, keys, **kw)
+    ours = generate(ours_pipe, keys, name, **kw)
+    before = generate(base, keys, name, **kw)
     base.load_lora_weights(str(out))
-    loaded = generate(base, keys, **kw)
+    loaded = generate(base, keys, name, **kw)
     np.testing.assert_allclose(loaded, ours, atol=ATOL, rtol=0)
     assert np.abs(loaded - before).max() > 1e-3, "the LoRA changed nothing"
     if kohya:  # the kohya-named copy (alpha 8 != rank 4; a text encoder's alpha is its rank) loads to the same image
@@ -306,29 +357,32 @@ def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shapes_shard
                    for k in saved if k.startswith("lora_te"))
         fresh = DiffusionPipeline.from_pretrained(pipeline)
         fresh.load_lora_weights(str(file))
-        np.testing.assert_allclose(generate(fresh, keys, **kw), ours, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(generate(fresh, keys, name, **kw), ours, atol=ATOL, rtol=0)
     if comfy:  # the ComfyUI-named copy (tests/test_comfy_lora.py checks its names) converts back to the same image
         fresh = DiffusionPipeline.from_pretrained(pipeline)
         fresh.load_lora_weights(str(out / adapters.COMFY_FILE))
-        np.testing.assert_allclose(generate(fresh, keys, **kw), ours, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(generate(fresh, keys, name, **kw), ours, atol=ATOL, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------ latent shards
 @pytest.fixture(scope="module")
-def latents(pipeline, shapes_shards, keys, tmp_path_factory):
-    """The shapes shards precomputed for the family at 32 px: latents (mean, std) and its stored text."""
+def latents(name, pipeline, shards, keys, tmp_path_factory):
+    """The family's shards precomputed for it at 32 px: latents (mean, std) and its stored text (an edit
+    family's reference latents too)."""
     out = tmp_path_factory.mktemp("latents") / "out"
     short = ["--max-length", str(keys["model.t5.max_length"])] if "model.t5.max_length" in keys else []
-    run_precompute(["--input", shapes_shards, "--pipeline", str(pipeline), "--output", str(out), "--resolution",
+    refs = registry.FAMILIES[name].reference_images[0]
+    run_precompute(["--input", shards, "--pipeline", str(pipeline), "--output", str(out), "--resolution",
                     str(RES), "--dtype", "fp32", "--text-embeddings", *short, "--batch-size", "16", "--workers", "0",
-                    "--no-progress"])
+                    "--no-progress", *(["--references", str(refs)] if refs else [])])
     return out
 
 
-def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, latents, pipeline, shapes_shards, keys,
+def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, latents, pipeline, shards, keys,
                                                                         tmp_path):
     """One step from shard latents equals the step from the same images encoded online (posterior mean): with
-    the text encoded online exactly (1e-5), with the stored text embeddings within their storage's rounding.
+    the text encoded online exactly (1e-5), with the stored text embeddings within their storage's rounding;
+    an edit family's step from the stored reference latents equals its step from the references encoded online.
     The shards say which family's text layout they hold, and a run of another layout refuses them."""
     from dataclasses import replace
 
@@ -342,7 +396,7 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
         cfg = load(args(tmp_path, pipeline, shards, **short_text(keys), **over))
         return registry.create(cfg, torch.device("cpu"), 0, True)
 
-    online = family(shapes_shards, **{"model.vae.latent_sampling": "mean"})
+    online = family(shards, **{"model.vae.latent_sampling": "mean"})
     from_shards = family(str(latents), **{"dataset.type": "latents", "dataset.params.text_embeddings": "true"})
     assert_text_encoders_offloaded_sample_alike(online, from_shards)
     info = json.loads((latents / "latents_info.json").read_text())
@@ -375,11 +429,13 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     if stored is not None and stored.tag is not None:
         with pytest.raises(DatasetConfigError, match=f"{stored.tag} layout"):
             check_latents_match(loader, from_shards.models.vae, replace(stored, tag=f"not-{stored.tag}"))
-    image = first(shapes_shards)
-    shard = first(latents, type="latents", latent_sampling="mean", text_embeddings=True)
+    n_refs = type(online).reference_images[0]
+    image = first(shards, references=n_refs)
+    shard = first(latents, type="latents", latent_sampling="mean", text_embeddings=True, references=n_refs)
     assert shard["keys"] == image["keys"]
     # The token ids and the size conditioning (SDXL's) come with the shard's samples as with the images.
-    ids = {k: v for k, v in image.items() if isinstance(v, torch.Tensor) and k not in ("pixel_values", "sample_seeds")}
+    ids = {k: v for k, v in image.items() if isinstance(v, torch.Tensor)
+           and k not in ("pixel_values", "sample_seeds", "reference_values")}
     for k, v in ids.items():
         assert torch.equal(shard[k], v), k
     if "original_size" in image:  # size conditioning (SDXL's): the shards' images are 64 px, trained at 32
@@ -387,13 +443,20 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     with torch.no_grad():
         want = online.latents({"pixel_values": unit_range(image["pixel_values"])})
     torch.testing.assert_close(shard["latents"], want, rtol=1e-5, atol=1e-5)
+    refs = ({}, {})  # an edit family: the references encoded online, and the shard's stored reference latents
+    if n_refs:
+        refs = ({"reference_values": image["reference_values"]}, {"reference_latents": shard["reference_latents"]})
+        with torch.no_grad():
+            want_refs = torch.stack(online.reference_latents(refs[0]), dim=1)
+        torch.testing.assert_close(shard["reference_latents"], want_refs, rtol=1e-5, atol=1e-5)
     g = torch.Generator().manual_seed(0)
     fixed = {"noise": torch.randn(want.shape, generator=g), "timesteps": torch.tensor([100, 400, 700, 999])}
     tol = 1e-5 if info.get("text_dtype") in (None, "float32") else 2e-2
     # A UNet's gradients: its convolutions sum the shard's and the online latents (equal within 1e-5) in another
     # order, 1e-4 relative (the UNet families' bound); a transformer's within 1e-5.
     grad_tol = (1e-4, 1e-6) if type(online).net_name == "unet" else (1e-5, 1e-7)
-    assert_shard_step_equals_online(online, from_shards, want, shard, ids, fixed, stored_tol=tol, grad_tol=grad_tol)
+    assert_shard_step_equals_online(online, from_shards, want, shard, ids, fixed, stored_tol=tol, grad_tol=grad_tol,
+                                    refs=refs)
 
 
 def assert_text_encoders_offloaded_sample_alike(online, from_shards):
@@ -415,13 +478,13 @@ def assert_text_encoders_offloaded_sample_alike(online, from_shards):
 
 
 # ---------------------------------------------------------------------------------------------- refusals
-def test_the_other_kind_of_familys_keys_are_refused_naming_the_key(name, pipeline, shapes_shards, tmp_path):
+def test_the_other_kind_of_familys_keys_are_refused_naming_the_key(name, pipeline, shards, tmp_path):
     """A UNet family refuses the transformer families' keys and a transformer family the UNet families' (each
     would be ignored silently): a ConfigError that names the key, at load or when the family is built."""
     cls = registry.FAMILIES[name]
     foreign = TRANSFORMER_KEYS if cls.net_name == "unet" else UNET_KEYS
     for key, value, named in foreign:
         with pytest.raises(ConfigError) as e:
-            registry.create(load(args(tmp_path, pipeline, shapes_shards, **{key: value})), torch.device("cpu"), 0, True)
+            registry.create(load(args(tmp_path, pipeline, shards, **{key: value})), torch.device("cpu"), 0, True)
         assert named in str(e.value), (key, str(e.value))
     assert registry.detect_source("auto", str(pipeline)) == name  # the tiny pipeline is read as the family

@@ -1,9 +1,10 @@
-"""SD3, Flux, Z-Image, FLUX.2 and Qwen-Image on two ranks under FSDP2 (transformer blocks as shard units, bf16, loader workers, EMA):
+"""SD3, Flux, Flux Kontext (on paired shards), Z-Image, FLUX.2 and Qwen-Image on two ranks under FSDP2 (transformer blocks as shard units, bf16, loader workers, EMA):
 a run killed after a checkpoint and resumed on 2 ranks ends bit-identical to one that was never killed,
 and the same checkpoint resumed on 1 rank (elastic 2 -> 1) trains every later step on the same samples
 with the same per-sample noise and timesteps, so its weights differ only by the order in which gradients
 are summed."""
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -26,10 +27,11 @@ GLOBAL_BATCH = 4
 TOL = {"net": 3e-3, "loss": 2e-3}
 
 
-def args(tmp_path, pipeline, shards, name):
+def run_args(tmp_path, pipeline, shards, name, references=0):
     return train_args(
         tmp_path, pipeline, shards, name=name,
         **{
+            "dataset.params.references": references,
             "experiment.num_examples_to_see": STEPS * GLOBAL_BATCH,
             "experiment.checkpoint_every": 2,
             "experiment.keep_last_checkpoints": 10,
@@ -68,15 +70,20 @@ def losses(run: Path) -> dict[int, float]:
             if "loss" in r}
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "zimage", "flux2_klein", "qwen_image"])  # klein stands for dev too
-def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank(tmp_path, family,
-                                                                                 shapes_shards, family_pipeline):
+# klein stands for dev too; Flux Kontext trains on paired shards (an edit family: its references go through the
+# same per-sample streams, so a resumed 2-rank run is bit-identical too)
+@pytest.mark.parametrize("family", ["sd3", "flux", "flux_kontext", "zimage", "flux2_klein", "qwen_image"])
+def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank(tmp_path, family, request,
+                                                                                 family_pipeline):
     pipeline = family_pipeline(family)
-    finish(launch(tmp_path, args(tmp_path, pipeline, shapes_shards, "straight"), 2))
+    edit = family == "flux_kontext"
+    shards = request.getfixturevalue("edit_shards" if edit else "shapes_shards")
+    args = functools.partial(run_args, references=int(edit))
+    finish(launch(tmp_path, args(tmp_path, pipeline, shards, "straight"), 2))
     straight = tmp_path / "runs" / "straight"
 
     run = tmp_path / "runs" / "resumed"
-    kill_after_checkpoint(launch(tmp_path, args(tmp_path, pipeline, shapes_shards, "resumed"), 2), run / "checkpoints", 2)
+    kill_after_checkpoint(launch(tmp_path, args(tmp_path, pipeline, shards, "resumed"), 2), run / "checkpoints", 2)
     for s in complete_steps(run / "checkpoints"):  # a slow kill may have let a later one complete
         if s > 2:
             shutil.rmtree(run / "checkpoints" / f"step_{s:08d}")
@@ -84,7 +91,7 @@ def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank
     elastic = tmp_path / "elastic_runs" / "resumed"
     shutil.copytree(run, elastic)
 
-    assert "resumed from" in finish(launch(tmp_path, args(tmp_path, pipeline, shapes_shards, "resumed"), 2))
+    assert "resumed from" in finish(launch(tmp_path, args(tmp_path, pipeline, shards, "resumed"), 2))
     a, ta = final(straight)
     b, tb = final(run)
     assert ta["step"] == tb["step"] == STEPS
@@ -95,7 +102,7 @@ def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank
     for s in range(3, STEPS + 1):
         assert la[s] == lb[s], (s, la[s], lb[s])
 
-    out = finish(launch(tmp_path, args(tmp_path, pipeline, shapes_shards, "resumed") + [f"experiment.log_dir={elastic.parent}"], 1))
+    out = finish(launch(tmp_path, args(tmp_path, pipeline, shards, "resumed") + [f"experiment.log_dir={elastic.parent}"], 1))
     log = (elastic / "train.log").read_text()
     assert "resumed on 1 rank(s)" in log and "from a checkpoint of 2 rank(s)" in log, out[-3000:]
     assert steps_keys(elastic, GLOBAL_BATCH) == steps_keys(straight, GLOBAL_BATCH)

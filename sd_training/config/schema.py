@@ -139,7 +139,9 @@ class ExperimentConfig:
         "prompts of the sample grid written with each exported pipeline",
     )
     sample_per_prompt: int = f(4, "images per prompt in the sample grid (seeds sample_seed, sample_seed+1, ...)")
+    sample_references: List[Any] = f([], "edit families (Flux Kontext, Qwen-Image-Edit, FLUX.2 references): one entry per sample_prompts entry, its reference image path or a list of paths, resized to the sample size (cover, center crop); the grid shows each prompt's references, then its images. An edit family that samples needs them")
     eval_caption_file: Optional[str] = f(None, "prompt file (.txt one per line, or .csv with a caption column) for eval images")
+    eval_reference_file: Optional[str] = f(None, "edit families: one line per eval_caption_file prompt, its reference image path(s) tab-separated, relative to this file's folder; needed for their eval images")
     num_eval_images: int = f(0, "images generated from eval_caption_file at each export, split across ranks (0: none)")
     sample_seed: int = f(0, "first generator seed of the sample grid (fixed, so grids compare across steps)", ge=None)
     sample_steps: int = f(25, "denoising steps per sample", ge=1)

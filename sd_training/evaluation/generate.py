@@ -45,8 +45,11 @@ def image_path(out: Path, i: int) -> Path:
 def generate_images(
     pipe, prompts: list[str], n: int, out: str | Path, seed: int = 0, steps: int = 25, guidance: float = 7.5,
     resolution: int | None = None, rank: int = 0, world_size: int = 1, batch_size: int = 8, progress: bool = True,
+    calls: list[dict] | None = None,
 ) -> list[Path]:
-    """Write this rank's share of ``n`` images to ``out``; returns the paths of its share (new or not)."""
+    """Write this rank's share of ``n`` images to ``out``; returns the paths of its share (new or not).
+    ``calls``: each prompt's extra keyword arguments of the pipeline (an edit family's reference images, one
+    dict per prompt): then each image is generated on its own (one prompt's references per call)."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -59,12 +62,14 @@ def generate_images(
     try:
         # Every module in eval mode (the denoiser, a UNet or a transformer; trained text encoders), restored after.
         with eval_mode(pipe):
-            for start in range(0, len(todo), batch_size):
-                idx = todo[start : start + batch_size]
+            step = 1 if calls else batch_size
+            for start in range(0, len(todo), step):
+                idx = todo[start : start + step]
                 texts = [prompts[i % len(prompts)] for i in idx]
+                extra = calls[idx[0] % len(prompts)] if calls else {}
                 images = pipe(  # the prompt by name: FLUX.2's pipelines take a conditioning image first
                     prompt=texts, num_inference_steps=steps, guidance_scale=guidance,
-                    generator=[torch.Generator("cpu").manual_seed(seed + i) for i in idx], **size,
+                    generator=[torch.Generator("cpu").manual_seed(seed + i) for i in idx], **size, **extra,
                 ).images
                 for i, text, im in zip(idx, texts, images):
                     path = image_path(out, i)

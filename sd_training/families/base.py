@@ -49,6 +49,9 @@ class SampleSettings(NamedTuple):
     guidance: float
     resolution: int
     dtype: torch.dtype | None  # autocast dtype of sampling (None: fp32)
+    # edit families: each prompt's reference image paths (``experiment.sample_references``, or the eval
+    # prompts' ``experiment.eval_reference_file``), one list per prompt; () for text-to-image sampling
+    references: tuple = ()
 
 
 class PixelGrid(NamedTuple):
@@ -230,6 +233,13 @@ class Family(abc.ABC):
         """The diffusers pipeline that generates images with ``net`` (the run's other components beside it),
         for ``scripts/generate_examples.py --checkpoint``; None: this family makes no text-to-image pipeline."""
         return None
+
+    @classmethod
+    def reference_call(cls, images: list[Image.Image]) -> dict:
+        """The pipeline's keyword arguments for one prompt's reference images (edit families, already at the
+        sample size: ``outputs.sample_references``); a text-to-image family takes none. A classmethod: scripts
+        and tests call a loaded pipeline with it, without a run."""
+        raise NotImplementedError(f"the {cls.name} family takes no reference images")
 
     def eval_images(self, net: torch.nn.Module, settings: SampleSettings, n: int, out: Path, rank: int,
                     world_size: int) -> list[Path]:

@@ -16,7 +16,23 @@ pipeline, and overrides the few hooks where its transformer differs:
   ``forward_names`` the forward's names for it and the latents;
 * ``image_seq_len``: the image's token count for a resolution-dependent shift (None: no such shift);
 * ``validation_timesteps``: the held-out batch's fixed timesteps (default: spread over the sigma table);
-* ``flops_inputs`` / ``text_encoder_runs``: one image's forward inputs and the text encoders' runs, for MFU.
+* ``flops_inputs`` / ``text_encoder_runs``: one image's forward inputs and the text encoders' runs, for MFU;
+* ``join_references``: an edit family's reference images in the transformer's input (below).
+
+Edit training (``dataset.params.references`` > 0; ``Family.reference_images`` says how many a family takes).
+The references are clean latents (``PipelineFamily.reference_latents``: stored in latent shards or VAE-encoded,
+in the target's units) that the transformer sees as more image tokens after the noisy target's, as the edit
+pipelines concatenate them (``FluxKontextPipeline``, ``QwenImageEditPipeline``, ``Flux2Pipeline``). The hook's
+contract: ``join_references(latents, refs, inputs) -> (tokens, inputs)`` is given the target's latents [B, C,
+h, w], one [B, C, h', w'] tensor per reference and the forward's keyword arguments (``transformer_inputs``); it
+returns the references' tokens [B, N_ref, D] (the family's own packing, as ``pack`` packs the target) and the
+keyword arguments with what the transformer needs to tell the references apart (Kontext: their position ids
+with first coordinate 1; Qwen-Image-Edit: ``img_shapes`` listing the target's and each reference's grid;
+FLUX.2: position ids with a time offset per reference). It is called once per step (the references carry no
+noise), the tokens are concatenated after the packed noisy target's along the sequence (dim 1) at every
+forward, and the prediction keeps the target's tokens only (``out[:, :target_len]``, as the pipelines do)
+before ``unpack``: the loss is on the target alone, and the resolution shift counts the target's tokens (the
+pipelines' ``image_seq_len``).
 """
 
 from __future__ import annotations
@@ -165,6 +181,13 @@ class FlowFamily(PipelineFamily):
     def image_seq_len(self, latents: torch.Tensor) -> int | None:
         return None
 
+    def join_references(self, latents: torch.Tensor, refs: list[torch.Tensor],
+                        inputs: dict) -> tuple[torch.Tensor, dict]:
+        """The references' tokens and the forward's inputs with their positions (the module's contract); a
+        text-to-image family takes none (``configure.check_references`` refuses them at load)."""
+        raise NotImplementedError(f"{self.display_name or self.name} takes no reference images "
+                                  "(dataset.params.references must be 0)")
+
     # -- the step -----------------------------------------------------------------------------------
     def encode(self, pixels: torch.Tensor, mean: bool | None = None, sample_seeds=None) -> torch.Tensor:
         mean = self.cfg.model.vae.latent_sampling == "mean" if mean is None else mean
@@ -181,13 +204,24 @@ class FlowFamily(PipelineFamily):
         with autocast:
             states, pooled = self.condition(batch, validation)
         inputs = self.transformer_inputs(latents, states, pooled)
+        refs = self.reference_latents(batch)  # edit training: [] for text-to-image batches
+        ref_tokens = None
+        if refs:
+            ref_tokens, inputs = self.join_references(latents, refs, inputs)
+        elif self.reference_images[0] > 0:  # an edit family would train as text-to-image, silently
+            raise ValueError(f"{self.display_name} edits reference images, and this batch has none (no "
+                             "reference_values or reference_latents): the data was read without "
+                             "dataset.params.references")
 
         def predict(noisy, timesteps):
             with autocast:
                 image, time = self.forward_names
-                out = model(**{image: self.pack(noisy), time: self.transformer_timestep(timesteps)},
+                tokens = target = self.pack(noisy)
+                if ref_tokens is not None:  # the references after the target's tokens; the loss on the target's
+                    tokens = torch.cat([target, ref_tokens.to(target.dtype)], dim=1)
+                out = model(**{image: tokens, time: self.transformer_timestep(timesteps)},
                             return_dict=False, **inputs)[0]
-            return self.unpack(out, latents.shape)
+            return self.unpack(out if ref_tokens is None else out[:, :target.shape[1]], latents.shape)
 
         loss, per_sample, timesteps = flow_matching.flow_loss(
             predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,

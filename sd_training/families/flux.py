@@ -268,11 +268,12 @@ class Flux(FlowFamily):
     def pipeline(self, transformer: torch.nn.Module, for_export: bool = False):
         """A FluxPipeline of the run's components with ``transformer``; ``for_export``: the frozen parts in
         fp32 as loaded (a bf16 run keeps them in bf16)."""
-        from diffusers import FluxPipeline
+        import diffusers
 
         m = self.models
         parts = {n: m.full_precision(n) if for_export else getattr(m, n) for n in ("vae", "text_encoder", "text_encoder_2")}
-        return FluxPipeline(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer,
+        # the family's pipeline class (FluxPipeline; Flux Kontext's FluxKontextPipeline takes the same components)
+        return getattr(diffusers, self.pipeline_classes[0])(scheduler=copy.deepcopy(m.inference_scheduler), tokenizer=m.tokenizer,
                             tokenizer_2=m.tokenizer_2, transformer=unwrap(transformer), **parts)
 
     def sampling(self, settings: SampleSettings) -> SampleSettings:
@@ -285,14 +286,15 @@ class Flux(FlowFamily):
     def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:
         """A ``FluxPipeline``: the tiny CLIP (pooled), a tiny T5 (states, 512 tokens), a 16-channel VAE with a
         shift factor, a guidance-distilled tiny transformer, the Flux scheduler."""
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        import diffusers
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
         from transformers import CLIPTextConfig, CLIPTextModel
 
         from .components.t5 import tiny_t5_encoder
 
         scratch = tokenizer_folder(out, "tokenizer"), tokenizer_folder(out, "tokenizer_2")
         tokenizer_2 = build_t5_tokenizer(scratch[1], T5_MAX_LENGTH)
-        pipe = FluxPipeline(
+        pipe = getattr(diffusers, cls.pipeline_classes[0])(
             scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
             vae=AutoencoderKL(**TINY_FLUX_VAE, scaling_factor=scaling_factor or SCALING_FACTOR, shift_factor=SHIFT_FACTOR,
                               force_upcast=False),

@@ -24,6 +24,7 @@ from ..config.schema import TrainConfig
 from ..data.latents import StoredText, check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
+from ..outputs import sample_references
 from ..outputs.export import eval_mode, export_pipeline, inference_autocast, sample_grid, unwrap
 from .base import Family, SampleSettings
 from .components.clip import text_encoder_param_groups
@@ -36,22 +37,36 @@ def is_latent_data(cfg: TrainConfig) -> bool:
     return is_latent_type(cfg.dataset.type)
 
 
-def pipeline_grid(pipe, settings: SampleSettings, device: torch.device) -> Image.Image | None:
-    """The sample grid of a text-to-image pipeline (None: no prompts or no images per prompt)."""
+def reference_inputs(settings: SampleSettings, reference_call) -> tuple[list | None, list | None]:
+    """(each prompt's reference images at the sample size, each prompt's pipeline keyword arguments from them:
+    ``reference_call``); (None, None) for text-to-image sampling (no ``settings.references``)."""
+    if not settings.references:
+        return None, None
+    shown = [sample_references.load(paths, settings.resolution) for paths in settings.references]
+    return shown, [reference_call(images) for images in shown]
+
+
+def pipeline_grid(pipe, settings: SampleSettings, device: torch.device,
+                  reference_call=None) -> Image.Image | None:
+    """The sample grid of the pipeline (None: no prompts or no images per prompt); with references (an edit
+    family), each row shows the prompt's references, then its images."""
     if not settings.prompts or settings.per_prompt < 1:
         return None
+    shown, calls = reference_inputs(settings, reference_call)
     return sample_grid(pipe, settings.prompts, settings.per_prompt, settings.seed, settings.steps, settings.guidance,
-                       settings.resolution, device, settings.dtype)
+                       settings.resolution, device, settings.dtype, calls=calls, shown=shown)
 
 
 def pipeline_eval_images(pipe, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int,
-                         device: torch.device) -> list[Path]:
-    """Eval images of a text-to-image pipeline: image i uses prompt i (cycling) and seed ``seed + i``; rank r
-    makes images r, r+W, r+2W, ... (the loop and file convention of ``python -m sd_training.evaluation``)."""
+                         device: torch.device, reference_call=None) -> list[Path]:
+    """Eval images of the pipeline: image i uses prompt i (cycling), its references if any, and seed
+    ``seed + i``; rank r makes images r, r+W, r+2W, ... (the loop and file convention of
+    ``python -m sd_training.evaluation``)."""
     pipe.set_progress_bar_config(disable=True)
+    _, calls = reference_inputs(settings, reference_call)
     with eval_mode(pipe), inference_autocast(device, settings.dtype):
         return generate_images(pipe, settings.prompts, n, out, settings.seed, settings.steps, settings.guidance,
-                               settings.resolution, rank, world_size, batch_size=8, progress=False)
+                               settings.resolution, rank, world_size, batch_size=8, progress=False, calls=calls)
 
 
 class PipelineFamily(Family):
@@ -212,9 +227,10 @@ class PipelineFamily(Family):
 
     def sample_image(self, net, settings: SampleSettings) -> Image.Image | None:
         with brought_in(self.frozen_modules(), self.device):  # a parked VAE (model.vae.placement)
-            return pipeline_grid(self.inference_pipeline(net), self.sampling(settings), self.device)
+            return pipeline_grid(self.inference_pipeline(net), self.sampling(settings), self.device,
+                                 self.reference_call)
 
     def eval_images(self, net, settings: SampleSettings, n: int, out: Path, rank: int, world_size: int) -> list[Path]:
         with brought_in(self.frozen_modules(), self.device):
             return pipeline_eval_images(self.inference_pipeline(net), self.sampling(settings), n, out, rank,
-                                        world_size, self.device)
+                                        world_size, self.device, self.reference_call)

@@ -12,9 +12,11 @@ import torch
 from ..adapters import check_export_kohya
 from ..config import ConfigError
 from ..config.schema import ModelConfig, TrainConfig
+from ..outputs import sample_references
 from .autoencoder import Autoencoder
 from .base import Family
 from .flux import Flux
+from .flux_kontext import FluxKontext
 from .flux2_dev import Flux2Dev
 from .flux2_klein import Flux2Klein
 from .qwen_image import QwenImage
@@ -25,7 +27,7 @@ from .zimage import ZImage
 
 # model.family -> the family; adding one is a module and a line here.
 FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "sd3": StableDiffusion3, "flux": Flux,
-                                     "zimage": ZImage,
+                                     "flux_kontext": FluxKontext, "zimage": ZImage,
                                      "flux2_klein": Flux2Klein, "flux2_dev": Flux2Dev, "qwen_image": QwenImage}
 DEFAULT_FAMILY = "sd"  # the family of components set one by one (no pipeline root to read)
 
@@ -103,6 +105,7 @@ def validate(cfg: TrainConfig) -> None:
     if name is not None:
         FAMILIES[name].validate(cfg)
         check_export_kohya(cfg, FAMILIES[name])
+        sample_references.check(cfg, FAMILIES[name])
 
 
 def create(cfg: TrainConfig, device: torch.device, seed: int, is_main: bool) -> Family:
@@ -111,6 +114,7 @@ def create(cfg: TrainConfig, device: torch.device, seed: int, is_main: bool) -> 
     pipeline_family = FAMILIES[name]
     pipeline_family.validate(cfg)
     check_export_kohya(cfg, pipeline_family)
+    sample_references.check(cfg, pipeline_family)
     if cfg.model.train_target == "vae":
         Autoencoder.validate(cfg)
         return Autoencoder(cfg, device, seed, is_main, pipeline_family)

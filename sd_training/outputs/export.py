@@ -64,36 +64,45 @@ def inference_autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def image_grid(images: list[Image.Image], cols: int) -> Image.Image:
-    w, h = images[0].size
+def image_grid(images: list[Image.Image | None], cols: int) -> Image.Image:
+    """The images row by row, ``cols`` per row, each in a cell of the first real image's size (None: a blank cell)."""
+    w, h = next(im for im in images if im is not None).size
     rows = (len(images) + cols - 1) // cols
     grid = Image.new("RGB", (cols * w, rows * h), "white")
     for i, im in enumerate(images):
-        grid.paste(im, ((i % cols) * w, (i // cols) * h))
+        if im is not None:
+            grid.paste(im, ((i % cols) * w, (i // cols) * h))
     return grid
 
 
 @torch.no_grad()
 def sample_grid(
     pipe, prompts: list[str], per_prompt: int, seed: int, steps: int, guidance: float, resolution: int,
-    device: torch.device, dtype: torch.dtype | None = None,
+    device: torch.device, dtype: torch.dtype | None = None, calls: list[dict] | None = None,
+    shown: list[list[Image.Image]] | None = None,
 ) -> Image.Image:
     """One row per prompt, ``per_prompt`` columns with seeds seed, seed+1, ... (fixed across steps).
+    ``calls``: each prompt's extra keyword arguments of the pipeline (an edit family's reference images);
+    ``shown``: each prompt's images shown before its outputs (its references), blank cells padding the rows
+    so the outputs stay in the same columns.
 
     The generators are CPU generators so a grid is the same image on any device given the same weights.
     """
     pipe.set_progress_bar_config(disable=True)
-    images = []
+    lead = max((len(row) for row in shown), default=0) if shown else 0
+    images: list[Image.Image | None] = []
     with eval_mode(pipe):
-        for prompt in prompts:
-            gens = [torch.Generator("cpu").manual_seed(seed + i) for i in range(per_prompt)]
+        for i, prompt in enumerate(prompts):
+            gens = [torch.Generator("cpu").manual_seed(seed + j) for j in range(per_prompt)]
             with inference_autocast(device, dtype):
                 out = pipe(  # the prompt by name: FLUX.2's pipelines take a conditioning image first
                     prompt=[prompt] * per_prompt, height=resolution, width=resolution, num_inference_steps=steps,
-                    guidance_scale=guidance, generator=gens,
+                    guidance_scale=guidance, generator=gens, **(calls[i] if calls else {}),
                 )
+            if lead:
+                images.extend([*shown[i], *[None] * (lead - len(shown[i]))])
             images.extend(out.images)
-    return image_grid(images, per_prompt)
+    return image_grid(images, lead + per_prompt)
 
 
 def read_prompts(path: str) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import adapters, distributed, report
-from . import model_card
+from . import model_card, sample_references
 from ..config.schema import TrainConfig
 from ..data import build_train_loader
 from ..distributed import DistInfo
@@ -167,7 +167,8 @@ class RunOutputs:
         cfg = self.cfg.experiment
         resolution = cfg.sample_resolution or self.cfg.dataset.params.resolution
         return SampleSettings(list(cfg.sample_prompts or []), cfg.sample_per_prompt, cfg.sample_seed, cfg.sample_steps,
-                              cfg.sample_guidance_scale, resolution, self.family.sample_dtype(self.autocast_dtype))
+                              cfg.sample_guidance_scale, resolution, self.family.sample_dtype(self.autocast_dtype),
+                              sample_references.sample_paths(cfg))
 
     def _write_samples(self, step: int, net, suffix: str = "") -> Path | None:
         """The sample grid of ``net`` (None: the family makes none)."""
@@ -189,7 +190,8 @@ class RunOutputs:
         if cfg.num_eval_images < 1:
             return
         out = self.run_dir.eval_images(step)
-        settings = self._sample_settings()._replace(prompts=read_prompts(cfg.eval_caption_file))
+        references = sample_references.eval_paths(cfg.eval_reference_file) if cfg.eval_reference_file else ()
+        settings = self._sample_settings()._replace(prompts=read_prompts(cfg.eval_caption_file), references=references)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             self.family.eval_images(net, settings, cfg.num_eval_images, out, self.info.rank, self.info.world_size)
         distributed.barrier()
