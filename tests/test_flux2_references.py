@@ -192,16 +192,11 @@ def test_a_batch_without_its_references_is_refused(family):
                     torch.autocast("cpu", enabled=False))
 
 
-def test_step_flops_count_the_reference_tokens(family):
-    """MFU's FLOPs: each reference adds the target's patches to the transformer's sequence."""
-    d = family.cfg.dataset.params
-    with_refs = family.step_flops().unet_forward
-    d.references = 0
-    try:
-        without = family.step_flops().unet_forward
-    finally:
-        d.references = 2
-    assert with_refs > without > 0
+def test_flops_inputs_count_the_reference_tokens(family):
+    """MFU's forward (``flops_inputs``): each reference adds the target's patches to the image sequence."""
+    conf = family.net.config
+    inputs = family.flops_inputs(conf, 8, 8)  # an 8 x 8 latent grid: 16 patches, 2 references at its size
+    assert inputs["hidden_states"].shape == (1, 3 * 16, conf.in_channels) and inputs["img_ids"].shape == (3 * 16, 4)
 
 
 def test_sampled_references_are_posteriors_of_their_own(family):
@@ -224,14 +219,35 @@ def test_sampled_references_are_posteriors_of_their_own(family):
     assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], mean)
 
 
-def test_sample_references_are_bounded_to_the_trained_area():
-    """A large reference is scaled to the trained area (aspect kept), a small one up to the pipeline's 64 px a
-    side (its check_image_input refuses less)."""
-    big = sample_reference(Image.new("RGB", (2048, 1024)), 512)
-    assert big.size == (724, 362) and big.size[0] * big.size[1] <= 512 * 512
-    assert sample_reference(Image.new("RGB", (32, 32)), 32).size == (64, 64)
-    assert sample_reference(Image.new("RGB", (40, 80)), 32).size == (64, 128)
-    assert sample_reference(Image.new("L", (100, 100)), 128).mode == "RGB"
+def test_sample_references_reach_the_pipelines_least_size():
+    """The pipelines refuse a reference under 64 px a side: a smaller one (the sample sizes of CPU runs) is scaled
+    up, aspect kept; a larger one is passed as it is (the pipeline bounds it to 1024 x 1024 px of area itself)."""
+    assert sample_reference(Image.new("RGB", (32, 32))).size == (64, 64)
+    assert sample_reference(Image.new("RGB", (40, 80))).size == (64, 128)
+    big = Image.new("RGB", (2048, 1024))
+    assert sample_reference(big).size == big.size
+    assert sample_reference(Image.new("L", (100, 100))).mode == "RGB"
+    call = families.FAMILIES["flux2_klein"].reference_call([Image.new("RGB", (32, 32))] * 3)
+    assert list(call) == ["image"] and [im.size for im in call["image"]] == [(64, 64)] * 3
+
+
+def test_the_sample_grid_shows_each_prompts_references_then_images_made_from_them(family, tmp_path):
+    """Each grid row shows the prompt's two references at the sample size, then its image, generated with
+    ``image=[...]``: other references, another image (the same prompt and seed)."""
+    from sd_training.families.base import SampleSettings
+
+    paths = []
+    for i in range(4):
+        path = tmp_path / f"ref{i}.png"
+        pil(pixels(1, 1, 48, 48, seed=10 + i)[0, 0]).save(path)
+        paths.append(str(path))
+    settings = SampleSettings(["make the background blue"] * 2, 1, 5, 2, 1.0, 32, None,
+                              references=(tuple(paths[:2]), tuple(paths[2:])))
+    grid = np.asarray(family.sample_image(family.net, settings)).astype(int)
+    assert grid.shape == (2 * 32, 3 * 32, 3)
+    shown = np.asarray(Image.open(paths[0]).convert("RGB").resize((32, 32), Image.BICUBIC)).astype(int)
+    assert np.abs(grid[:32, :32] - shown).mean() < 2  # the first reference, at the sample size
+    assert np.abs(grid[:32, 64:] - grid[32:, 64:]).max() > 0, "the references did not reach the images"
 
 
 # ------------------------------------------------------------------------------------------ a LoRA run
@@ -284,9 +300,7 @@ def test_a_klein_lora_run_with_references_loads_with_load_lora_weights_and_gener
     assert trained and all("lora_" in n for n, p in t.net.named_parameters() if id(p) in trained)
     out = t.run_dir.pipeline(None)
     assert (out / adapters.LORA_FILE).is_file()
-    refs = first_references(shards, 2)
-    call = t.family.reference_call(refs)
-    assert [im.size for im in call["image"]] == [(64, 64)] * 2  # the pipeline's 64 px least side
+    call = t.family.reference_call(first_references(shards, 2))  # 32 px: raised to the pipeline's 64
     ours = generate(t.family.inference_pipeline(t.net), call["image"], length)
     base = DiffusionPipeline.from_pretrained(pipeline)
     before = generate(base, call["image"], length)

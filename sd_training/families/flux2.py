@@ -14,16 +14,14 @@ As the FLUX.2 pipelines (and diffusers' ``train_dreambooth_lora_flux2*.py``) see
 * timestep: sigma (the transformer multiplies by 1000); a guidance-distilled transformer
   (``guidance_embeds``: FLUX.2 dev) gets ``model.guidance_embed``, klein none.
 
-Reference images (``dataset.params.references``, 0 to ``reference_images[1]``: the pipelines' ``image=[...]``):
-each reference's latents as the target's (the same VAE encode and batch-norm normalisation), patchified and
-packed, concatenated after the target's tokens in order, with ids (10 + 10k, row, column, 0) for the k-th
-(``flux2_latents.reference_tokens``: ``prepare_image_latents`` and ``_prepare_image_ids``); the transformer's
-output is cut to the target's tokens (the pipelines' ``noise_pred[:, :latents.size(1)]``), so the loss is the
-target's alone; the resolution shift counts the target's tokens (as the pipelines' ``image_seq_len``). The
-references arrive at the target's size (``reference_crop``: ``center`` resizes each on its own, ``aligned``
-crops it with the target); the pipelines resize a reference on its own to at most 1024 x 1024 px of area,
-floored to 16 px, so at the sizes we train they keep it. Samples bound each reference to the trained area
-(:meth:`Flux2Family.reference_call`).
+Reference images (``dataset.params.references``, 0 to ``reference_images[1]``: the pipelines' ``image=[...]``),
+through FlowFamily's ``join_references`` hook: each reference's latents as the target's (the same VAE encode
+and batch-norm normalisation), patchified and packed, concatenated after the target's tokens in order, with
+ids (10 + 10k, row, column, 0) for the k-th (``flux2_latents.reference_tokens``: ``prepare_image_latents`` and
+``_prepare_image_ids``); the prediction is cut to the target's tokens (the loss is the target's alone) and the
+resolution shift counts the target's tokens, as the pipelines' ``image_seq_len``. The references arrive at the
+target's size (``reference_crop``: ``center`` resizes each on its own, ``aligned`` crops it with the target);
+the pipelines resize a reference on its own only above 1024 x 1024 px of area (and floor its sides to 16 px).
 
 The loss is flow matching around the transformer (``flow_family.FlowFamily``), with the shift that grows with
 the image's token count (the scheduler's ``use_dynamic_shifting``, as Flux.1) unless ``flow_matching`` sets
@@ -48,7 +46,7 @@ from ..memory import activations
 from ..outputs.comfy_lora import ComfyLoraNames, Rule, fused
 from ..outputs.export import unwrap
 from .base import LossOut, PixelGrid, SampleSettings
-from .components import flow_matching, llm_text
+from .components import llm_text
 from .components import vae as vae_encoding
 from .components.text import TextEncoding
 from .components.transformer import build_transformer, load_schedulers, load_vae_of, source
@@ -100,18 +98,27 @@ FLUX2_REFERENCE = dict(patch_size=1, in_channels=128, attention_head_dim=128, ti
 PIPELINE_MIN_REFERENCE_SIDE = 64
 
 
-def sample_reference(image, resolution: int):
-    """A reference image for the sample grid and eval images: scaled (aspect kept) to at most the trained
-    area (``resolution`` squared: the references trained at the target's size) and to at least the pipeline's
-    64 px a side; the pipeline then floors each side to 16 px and center-crops (its own resizing)."""
+def sample_reference(image):
+    """A reference image for the pipeline (RGB): scaled up (aspect kept) to at least its 64 px a side, so
+    sample grids at the small sizes of CPU runs and tests work; a larger one as it is."""
     from PIL import Image
 
     image = image.convert("RGB")
     w, h = image.size
-    scale = min(1.0, resolution / (w * h) ** 0.5)
-    scale = max(scale, PIPELINE_MIN_REFERENCE_SIDE / min(w, h))
-    size = (max(PIPELINE_MIN_REFERENCE_SIDE, round(w * scale)), max(PIPELINE_MIN_REFERENCE_SIDE, round(h * scale)))
-    return image if size == (w, h) else image.resize(size, Image.Resampling.LANCZOS)
+    scale = PIPELINE_MIN_REFERENCE_SIDE / min(w, h)
+    if scale <= 1:
+        return image
+    return image.resize((max(PIPELINE_MIN_REFERENCE_SIDE, round(w * scale)), max(PIPELINE_MIN_REFERENCE_SIDE, round(h * scale))),
+                        Image.Resampling.LANCZOS)
+
+
+def batch_references(batch: dict) -> int:
+    """Reference images per sample in a batch: ``reference_latents`` (latent shards) or ``reference_values``
+    (images), [B, R, ...]; 0 without."""
+    for key in ("reference_latents", "reference_values"):
+        if key in batch:
+            return int(batch[key].shape[1])
+    return 0
 
 
 # -- components ----------------------------------------------------------------------------------------------
@@ -341,46 +348,31 @@ class Flux2Family(FlowFamily):
     def image_seq_len(self, latents: torch.Tensor) -> int:
         return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
 
-    # -- reference images (edit training) --------------------------------------------------------------------
-    # Until the flow families take reference latents into the transformer's input by a shared hook (h-kontext's
-    # part of issue 37, in flow_family.py), FLUX.2 overrides the loss: FlowFamily.loss with the references'
-    # tokens joined after the target's and the prediction cut back to the target's.
+    # -- reference images (edit training: FlowFamily's join_references hook) -----------------------------------
+    def join_references(self, latents: torch.Tensor, refs: list[torch.Tensor],
+                        inputs: dict) -> tuple[torch.Tensor, dict]:
+        """Each reference patchified and packed, in order, with ids (10 + 10k, row, column, 0) after the target's
+        (``flux2_latents.reference_tokens``: the pipelines' ``prepare_image_latents``)."""
+        ref_tokens, ref_ids = reference_tokens(refs)
+        return ref_tokens, dict(inputs, img_ids=torch.cat([inputs["img_ids"], ref_ids], dim=1))
+
     def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
-        refs = self.reference_latents(batch)
-        want = int(self.cfg.dataset.params.references)
-        if len(refs) != want:  # latent shards made without references would train text-to-image silently
-            raise ValueError(f"dataset.params.references={want} but the batch has {len(refs)} reference image(s) "
+        """FlowFamily's step (references joined by :meth:`join_references`), after checking that the batch has
+        the references the run asks for: FLUX.2 takes 0 or more, so the shared step cannot tell a batch that
+        lost them (latent shards made without references) from a text-to-image one."""
+        want, have = int(self.cfg.dataset.params.references), batch_references(batch)
+        if have != want:
+            raise ValueError(f"dataset.params.references={want} but the batch has {have} reference image(s) "
                              "(reference_values, or reference_latents in latent shards): make the shards with the "
                              "references, or set dataset.params.references to what they hold")
-        if not refs:  # text-to-image: FlowFamily's step, unchanged
-            return super().loss(model, batch, autocast, fixed, validation)
-        latents = self.latents(batch)
-        fixed = dict(fixed or {})
-        sigmas = fixed["timesteps"].float() / float(self.num_timesteps) if "timesteps" in fixed else None
-        with autocast:
-            states, pooled = self.condition(batch, validation)
-        inputs = self.transformer_inputs(latents, states, pooled)
-        ref_tokens, ref_ids = reference_tokens(refs)
-        inputs["img_ids"] = torch.cat([inputs["img_ids"], ref_ids], dim=1)
-        n = self.image_seq_len(latents)
+        return super().loss(model, batch, autocast, fixed, validation)
 
-        def predict(noisy, timesteps):
-            with autocast:
-                out = model(hidden_states=torch.cat([self.pack(noisy), ref_tokens], dim=1),
-                            timestep=self.transformer_timestep(timesteps), return_dict=False, **inputs)[0]
-            return self.unpack(out[:, :n], latents.shape)  # the target's tokens: the loss is the target's alone
-
-        loss, per_sample, timesteps = flow_matching.flow_loss(
-            predict, latents, self.cfg.flow_matching, self.models.noise_scheduler,
-            sample_seeds=batch.get("sample_seeds"), noise=fixed.get("noise"), sigmas=sigmas,
-            image_seq_len=n, loss_weight=batch.get("loss_weight"))
-        return LossOut(loss, per_sample, timesteps, None)
-
-    def reference_call(self, images: list) -> dict:
-        """The pipeline's keyword arguments for one prompt's reference images: ``image=[...]`` (PIL), each
-        bounded to the trained area (:func:`sample_reference`), so a CPU sample grid does not condition on a
-        1024 px reference the run never trained with."""
-        return {"image": [sample_reference(im, self.cfg.dataset.params.resolution) for im in images]}
+    @classmethod
+    def reference_call(cls, images: list) -> dict:
+        """``image=[...]``: the prompt's references (at the sample's size: ``outputs.sample_references``), each
+        raised to the pipeline's least 64 px a side where the sample size is smaller (:func:`sample_reference`);
+        the pipeline then floors each side to 16 px and keeps a reference of at most 1024 x 1024 px as it is."""
+        return {"image": [sample_reference(im) for im in images]}
 
     def validation_timesteps(self, n: int) -> torch.Tensor:
         """Spread over (0, 1000) (the resolution shift's table depends on the image size)."""
