@@ -9,6 +9,7 @@ test_flux2.py (unchanged)."""
 import numpy as np
 import pytest
 import torch
+from conftest import assert_shard_step_equals_online, run_precompute
 from helpers import args_with, example_timesteps, run_trainer
 from PIL import Image
 
@@ -309,3 +310,48 @@ def test_a_klein_lora_run_with_references_loads_with_load_lora_weights_and_gener
     np.testing.assert_allclose(loaded, ours, atol=1e-5, rtol=0)
     assert np.abs(loaded - before).max() > 1e-3, "the LoRA changed nothing"
     assert np.abs(generate(base, None, length) - loaded).max() > 1e-3, "the references changed nothing"
+
+
+# ------------------------------------------------------------------------------------------ latent shards
+def test_a_step_from_latent_shards_with_references_equals_the_online_step(family_pipeline, tmp_path):
+    """Latent shards precomputed with two references per sample (``--references 2``: FLUX.2's normalising
+    VAE view) hold each reference's latents as the family encodes them online; a klein step from the shards
+    (stored latents, reference latents and text) equals the step from the images encoded online."""
+    from data_fixtures import make_cfg
+
+    from sd_training.data import build_train_loader
+    from sd_training.data.synthetic import write_edit_shards
+    from sd_training.data.transforms import unit_range
+
+    pipeline, length = family_pipeline("flux2_klein"), LLM_LEN["flux2_klein"]
+    shards = write_edit_shards(str(tmp_path / "edit"), n_samples=8, n_shards=1, size=32, references=2, seed=1)
+    out = tmp_path / "latents"
+    summary = run_precompute(["--input", shards, "--pipeline", str(pipeline), "--output", str(out), "--resolution",
+                              "32", "--dtype", "fp32", "--text-embeddings", "--max-length", str(length), "--batch-size",
+                              "8", "--workers", "0", "--no-progress", "--references", "2"])
+    assert summary["shards_written"] == ["edit-000000.tar"]
+
+    def family(data, **over):
+        cfg = load(args(tmp_path, pipeline, data, model__llm__max_length=length, dataset__params__references=2, **over))
+        return families.create(cfg, torch.device("cpu"), 0, True)
+
+    online = family(shards, model__vae__latent_sampling="mean")
+    from_shards = family(str(out), dataset__type="latents", dataset__params__text_embeddings="true")
+
+    def first(path, **params):
+        cfg = make_cfg(str(path), references=2, **params)
+        return next(iter(build_train_loader(cfg, tokenizer=from_shards.tokenizers, rank=0, world_size=1, seed=3)))
+
+    image = first(shards)
+    shard = first(out, type="latents", latent_sampling="mean", text_embeddings=True)
+    assert shard["keys"] == image["keys"] and shard["reference_latents"].shape[:2] == (4, 2)
+    ids = {k: v for k, v in image.items() if isinstance(v, torch.Tensor)
+           and k not in ("pixel_values", "sample_seeds", "reference_values")}
+    refs = ({"reference_values": image["reference_values"]}, {"reference_latents": shard["reference_latents"]})
+    with torch.no_grad():
+        want = online.latents({"pixel_values": unit_range(image["pixel_values"])})
+        want_refs = torch.stack(online.reference_latents(refs[0]), dim=1)
+    torch.testing.assert_close(shard["reference_latents"], want_refs, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(0)
+    fixed = {"noise": torch.randn(want.shape, generator=g), "timesteps": torch.tensor([100, 400, 700, 999])}
+    assert_shard_step_equals_online(online, from_shards, want, shard, ids, fixed, stored_tol=2e-2, refs=refs)
