@@ -2,9 +2,10 @@
 the references' tokens and position ids equal the pipeline's ``prepare_image_latents`` on the same images,
 one step with references equals a step written as diffusers' ``train_dreambooth_lora_flux2_klein_img2img.py``
 computes it (several references joined as the pipeline joins them), the limits of
-``dataset.params.references``, the sample references' bounds, and a short klein LoRA run on paired shards whose
-export loads with ``load_lora_weights`` and generates with ``image=``. FLUX.2 without references:
-test_flux2.py (unchanged)."""
+``dataset.params.references``, a batch that lost its references refused, the sample grid with each prompt's
+references, a step from latent shards with stored reference latents equal to the online step, and a short klein
+LoRA run on paired shards whose export loads with ``load_lora_weights`` and generates with ``image=``. FLUX.2
+without references: test_flux2.py (unchanged)."""
 
 import numpy as np
 import pytest
