@@ -134,20 +134,27 @@ def train_step(model, opt, args, kwargs) -> None:
 # 1. The counted run: forked ranks on gloo
 # ----------------------------------------------------------------------------------------------
 
-def wrap(strategy: str, net, fam, a, world: int, shard: int):
+def wrap(strategy: str, net, fam, a, rank: int, world: int, shard: int):
     """(the module to call, process group name -> label) with the net wrapped as training wraps it."""
+    import dataclasses
+
     from sd_training.config.schema import DistributedConfig
+    from sd_training.distributed import DistInfo
     from sd_training.distributed.strategy import Strategy
 
     dtype = torch.bfloat16 if a.param_dtype == "bf16" else None
-    cfg = DistributedConfig(fsdp_unit=a.fsdp_unit, grad_reduce_dtype=a.grad_reduce_dtype)
+    kw = dict(fsdp_unit=a.fsdp_unit, grad_reduce_dtype=a.grad_reduce_dtype)
+    has_hsdp = "hsdp_shard_size" in {f.name for f in dataclasses.fields(DistributedConfig)}
     if strategy == "hsdp":
-        return hsdp_wrap(net, fam, a, dtype, world, shard)
-    s = Strategy(strategy, True, torch.device("cpu"), dtype, cfg)
+        if not has_hsdp:
+            return hsdp_wrap(net, fam, a, dtype, world, shard)  # a build without distributed.strategy=hsdp
+        kw["hsdp_shard_size"] = shard
+    info = DistInfo(rank=rank, world_size=world, local_world_size=shard, backend="gloo")
+    s = Strategy(strategy, True, torch.device("cpu"), dtype, DistributedConfig(**kw), **({"info": info} if has_hsdp else {}))
     model = s.wrap(net, None, fam.shard_units)
     if strategy == "ddp":
         traffic.count_ddp(model)
-    return model, {}
+    return model, traffic.mesh_labels(s.mesh) if getattr(s, "mesh", None) is not None else {}
 
 
 def hsdp_wrap(net, fam, a, dtype, world: int, shard: int):
@@ -184,7 +191,7 @@ def counted_rank(rank: int, world: int, store: str, strategy: str, a, out: str) 
         fam, shard = family(fam_name), max(1, world // 2)
         predicted = predicted_for(strategy, net, fam, a, world, shard)
         params = sum(p.numel() for p in net.parameters())
-        model, labels = wrap(strategy, net, fam, a, world, shard)
+        model, labels = wrap(strategy, net, fam, a, rank, world, shard)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         args, kwargs = net_inputs(fam_name, net, a.resolution, 1, torch.device("cpu"), tokens, seed=rank)
         train_step(model, opt, args, kwargs)  # the first step builds FSDP's and DDP's state
