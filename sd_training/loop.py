@@ -20,7 +20,7 @@ from .checkpoint import CheckpointManager, ModelState, complete_steps
 from .checkpoint.layout import GRAD_SCALER, LR_SCHEDULER
 from .config import ConfigError
 from .config.loading import public_dict, to_yaml
-from .config.schema import TrainConfig
+from .config.schema import SHARDED_STRATEGIES, TrainConfig
 from .data import build_train_loader
 from .outputs.metrics import LogWindow, StepMetrics
 from .optim import clip_gradients
@@ -42,7 +42,8 @@ def main(cfg: TrainConfig, stop: StopFlag | None = None, prepare: Callable | Non
     ``stop``: a flag installed by the entry point before set-up (else installed here). ``prepare(info)``:
     called on every rank once the process group is up, before anything is built (generated inputs)."""
     info = distributed.setup(cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url,
-                             cfg.distributed.timeout_minutes, one_rank_group=cfg.distributed.strategy == "fsdp")
+                             cfg.distributed.timeout_minutes, one_rank_group=cfg.distributed.strategy in SHARDED_STRATEGIES,
+                             hsdp_shard=cfg.distributed.hsdp_shard_size if cfg.distributed.strategy == "hsdp" else None)
     failed = True
     try:
         if prepare is not None:
