@@ -51,7 +51,7 @@ GIB = 2**30
 # into rows and columns for matrices: counted as 0, as Adafactor's). SGD: its momentum buffer.
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4, "adafactor": 0, "prodigy": 16, "lion": 4,
                    "adamw_schedulefree": 8, "came": 4}
-STRATEGIES = ("ddp", "fsdp", "hsdp", "fsdp_offload")
+STRATEGIES = ("ddp", "fsdp", "fsdp_offload")  # the rows of every plan; hsdp's comes with a shard group (after fsdp)
 GPU_SIZES_GB = (24, 40, 80)
 # The reference table's LoRA rows: rank 32 on every family's ``attention_ffn`` preset (attention and feed-forward
 # layers of the blocks), one setting for all so the rows compare; the LoRA templates train less (rank 16 on
@@ -184,8 +184,10 @@ def strategy_rows(state: TrainedState, gathered: int, frozen: int, world_size: i
     ``activations`` under all of them."""
     s = state
     rows = []
-    hsdp = 0 < shard_size < world_size
-    for strategy in [x for x in STRATEGIES if x != "hsdp" or hsdp]:
+    names = list(STRATEGIES)
+    if 0 < shard_size < world_size:
+        names.insert(names.index("fsdp") + 1, "hsdp")
+    for strategy in names:
         if strategy == "ddp":
             parts = (s.weights, s.grads, s.optimizer, s.ema, 0, s.base)
         elif strategy in ("fsdp", "hsdp"):
