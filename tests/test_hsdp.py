@@ -245,6 +245,14 @@ def test_hsdp_on_4_ranks_built_a_2x2_mesh_and_equals_one_rank_with_the_global_ba
         assert diff <= TOL[name], f"{name} differs by {diff:.3g} > {TOL[name]}"
     la, lb = losses(paths["straight"]), losses(paths["one_straight"])
     assert sorted(la) == list(range(1, STEPS + 1))
+    # The export gathered the full weights from the 2-D mesh's shards (Strategy.plain_copy): the checkpoint's,
+    # in the export's dtype
+    from safetensors.torch import load_file
+
+    exported = load_file(paths["straight"] / "current_pipeline" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert exported.keys() == a["unet"].keys()
+    for k, v in exported.items():
+        assert torch.equal(v, a["unet"][k].to(v.dtype)), k
     for s in la:
         assert abs(la[s] - lb[s]) <= TOL["loss"] * abs(lb[s]), (s, la[s], lb[s])
 
@@ -285,3 +293,30 @@ def test_hsdp_checkpoint_resumes_elsewhere_on_the_uninterrupted_runs_samples(run
     la, lc = losses(paths["straight"]), losses(paths[where])
     for s in range(3, STEPS + 1):
         assert abs(lc[s] - la[s]) <= TOL["loss"] * abs(la[s]), (s, la[s], lc[s])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("offload", ["device", "offload"])
+def test_gradient_norms_and_clipping_on_the_2d_mesh(tmp_path, offload):
+    """4 gloo ranks, 2 groups of 2 (tests/hsdp_worker.py): the gradients, the clipped global norm and the
+    norm optimizer.in_backward reports are the whole batch's on one unwrapped net, counted once per shard,
+    not once per replica (a sum over all 4 ranks would be sqrt(2) too large); with the shards in CPU memory
+    (distributed.fsdp_cpu_offload) too."""
+    import json
+    import os
+    import sys
+
+    import forked
+    from test_distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(Path(__file__).parent / "hsdp_worker.py"), str(tmp_path), offload]
+    res = forked.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+                     timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    for rank in range(4):
+        r = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert r["mesh"] == [2, 2, "hsdp"] and r["placements"] == "(Replicate(), Shard(dim=0))"
+        assert r["ref_norm"] > 0.05  # the clipping clipped
+        assert r["norm"] < 1e-6 and r["clipped_grads"] < 1e-7, r
+        assert r["in_backward_norm"] < 1e-6 and r["in_backward_update"] < 1e-7, r
