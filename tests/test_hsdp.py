@@ -21,7 +21,8 @@ import torch
 from conftest import train_args
 from helpers import largest, max_diff
 from test_elastic import steps_keys
-from test_flow_families_distributed import final, losses
+from test_flow_families_distributed import final as gathered_final
+from test_flow_families_distributed import losses
 from test_resume import assert_same, finish, kill_after_checkpoint, launch
 
 from sd_training.checkpoint import complete_steps
@@ -78,6 +79,17 @@ def state_at(run: Path, step: int) -> dict:
         dcp_to_torch_save(str(folder / "sharded"), str(folder.parent / f"full_{step}.pt"))
         shared.update(torch.load(folder.parent / f"full_{step}.pt", weights_only=False))
     return shared
+
+
+_FINAL: dict = {}
+
+
+def final(run: Path) -> tuple[dict, dict]:
+    """The last checkpoint of ``run`` as full tensors and its train state, gathered from DCP once per run
+    (the checks share the runs)."""
+    if run not in _FINAL:
+        _FINAL[run] = gathered_final(run)
+    return _FINAL[run]
 
 
 def weights(state: dict) -> dict:
