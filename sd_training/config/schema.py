@@ -96,6 +96,7 @@ class DistributedConfig:
     dist_backend: str = f("auto", "auto: nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
     dist_url: str = f("env://", "process-group init method; env:// reads MASTER_ADDR/MASTER_PORT")
     timeout_minutes: float = f(30.0, "minutes a collective may wait before the job fails", gt=0)
+    peer_timeout_s: float = f(300.0, "seconds a rank may send no heartbeat (died or stopped without the launcher noticing) before every other rank exits with code 75 for a requeue; saves, exports and waits in collectives keep beating (0: off)", ge=0)
     strategy: str = f("ddp", "ddp: replicated UNet; fsdp: FSDP2 fully_shard per UNet block, sharded checkpoints", choices=("ddp", "fsdp"))
     bucket_cap_mb: float = f(25.0, "ddp: gradient bucket size in MB (larger: fewer, bigger all-reduces)", gt=0)
     static_graph: bool = f(False, "ddp: the graph is the same every step (no unused parameters): lets DDP overlap more")
