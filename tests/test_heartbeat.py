@@ -19,10 +19,11 @@ from pathlib import Path
 
 import forked
 import pytest
+import torch.distributed as dist
 from conftest import train_args
 
 from sd_training.checkpoint import complete_steps
-from sd_training.distributed.heartbeat import interval_for
+from sd_training.distributed.heartbeat import PREFIX, Heartbeat, interval_for
 from sd_training.run.preemption import PEER_LOST_EXIT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
@@ -84,6 +85,7 @@ def end(p):
     p.wait(60)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 def test_a_lost_peer_ends_the_survivor_with_75_and_the_requeued_job_resumes(tmp_path, tiny_pipeline, shapes_shards, sig):
     args = run_args(tmp_path, tiny_pipeline, shapes_shards, "lost")
@@ -152,3 +154,85 @@ def test_a_save_longer_than_the_bound_does_not_trip_it(tmp_path, tiny_pipeline, 
     assert time.monotonic() - t0 > 2 * BOUND  # the sleep happened
     assert "peer lost" not in out + output(tmp_path, "slow", 1)
     assert not (tmp_path / "peer-lost").exists()
+
+
+# ------------------------------------------------------------------ heartbeats alone (no training), bound 2 s
+# A process with the store's server (rank 0, as env:// gives it) and rank 0's heartbeat; it prints its verdict.
+RANK_PROCESS = """
+import sys, time
+import torch.distributed as dist
+from sd_training.distributed.heartbeat import PREFIX, Heartbeat
+rank, port, bound, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
+beat = Heartbeat(dist.PrefixStore(PREFIX, store.clone()), rank, 2, bound, "rank 0's process")
+beat.start()
+print("beating", flush=True)
+time.sleep(seconds)
+print("verdict:", beat.verdict, flush=True)
+beat.stop()
+"""
+
+
+def rank_process(tmp_path, rank, port, bound, seconds):
+    return forked.popen([sys.executable, "-c", RANK_PROCESS, str(rank), str(port), str(bound), str(seconds)],
+                        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_line(p, text, timeout=120):
+    deadline = time.time() + timeout
+    for line in p.stdout:
+        if text in line:
+            return
+        assert time.time() < deadline
+    raise AssertionError(f"{p.args[:3]} ended before {text!r}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
+def test_the_store_host_lost_is_a_lost_peer_named_with_its_address(tmp_path, sig):
+    """Rank 0's process serves the store: stopped, the store's answers time out; killed, its connections
+    close. Either way rank 1 (here, in this process) names it within the bound."""
+    bound, port = 2.0, forked._free_port()
+    zero = rank_process(tmp_path, 0, port, bound, 300)
+    try:
+        wait_line(zero, "beating")
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+        one = Heartbeat(dist.PrefixStore(PREFIX, store.clone()), 1, 2, bound, f"rank 0's process at 127.0.0.1:{port}")
+        one.start()
+        time.sleep(2 * bound)
+        assert one.verdict is None  # rank 0 beats: nothing to say
+        os.kill(zero.pid, sig)
+        t0 = time.monotonic()
+        while one.verdict is None and time.monotonic() - t0 < bound + 3 * one.interval + SLACK:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        end(zero)
+    assert one.verdict is not None, "no verdict"
+    assert f"the rendezvous store (rank 0's process at 127.0.0.1:{port}) has not answered" in one.verdict
+    assert "rank 0's last step was 0" in one.verdict
+    assert bound - one.interval <= took <= bound + 2 * one.interval + SLACK, took
+
+
+def test_a_suspended_job_judges_nobody_and_a_finished_rank_is_not_lost(tmp_path):
+    """Both ranks stopped together for three bounds (``scontrol suspend``) and continued: each watcher was
+    not running either, so nobody is judged lost; then rank 1 finishes first and leaves, rank 0 goes on
+    beating alone past the bound: a rank that left on purpose is not lost."""
+    bound, port = 2.0, forked._free_port()
+    ranks = [rank_process(tmp_path, 0, port, bound, 5 * bound + 3)]
+    wait_line(ranks[0], "beating")
+    ranks.append(rank_process(tmp_path, 1, port, bound, 3 * bound))
+    try:
+        wait_line(ranks[1], "beating")
+        for p in ranks:
+            os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(3 * bound)
+        for p in ranks:
+            os.kill(p.pid, signal.SIGCONT)
+        outs = [p.communicate(timeout=120)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            end(p)
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    for out in outs:
+        assert "verdict: None" in out and "peer lost" not in out, out

@@ -89,17 +89,22 @@ class Heartbeat:
         self.verdict: str | None = None  # the message, once a peer is lost
         self._known: dict[int, dict] = {}  # the last beat read of each rank
         self._seq = 0
+        self._last_ok = time.monotonic()  # the end of the last round whose store operations all answered
+        self._last_error: Exception | None = None
+        self._once = threading.Lock()
         self._stop = threading.Event()
         self._judging = threading.Event()  # the main thread failed in a collective: look at every peer
         self._gone = threading.Event()  # a verdict, or a peer that left after its own error
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name="heartbeat", daemon=True),
+                         threading.Thread(target=self._supervise, name="heartbeat-store-watch", daemon=True)]
 
     def start(self) -> None:
         log.info("heartbeat: every %.1fs; rank %d watches rank %d; a rank silent for %.0fs "
                  "(distributed.peer_timeout_s) ends the job with exit code %d", self.interval, self.rank,
                  self.watched, self.timeout_s, preemption.PEER_LOST_EXIT)
         self._beat()  # the first beat before returning: a peer's first look finds it
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def follow(self, progress: Callable[[], int]) -> None:
         self.progress = progress
@@ -108,12 +113,13 @@ class Heartbeat:
     def stop(self, failed: bool = False) -> None:
         """Stop beating and say so (a peer that left on purpose is not lost). The rank whose process serves
         the store keeps it up until every rank has said so (at most ``peer_timeout_s``), so that a slower
-        peer's last beats do not fail as if the store's host had died."""
+        peer's last beats do not fail as if the store's host had died. Bounded: the store may be gone."""
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(self.interval + 2)
-        try:
+        self._threads[0].join(self.interval + 2)
+
+        def leave():
             self._beat(left="failed" if failed else "finished")
             self.store.add(LEFT, 1)
             if failed or self.rank != 0 or "agent" in self.store_host:
@@ -121,6 +127,9 @@ class Heartbeat:
             until = time.monotonic() + self.timeout_s
             while self.store.add(LEFT, 0) < self.world and time.monotonic() < until:
                 time.sleep(0.1)
+
+        try:
+            preemption.within(self.timeout_s + 5, leave, "the other ranks to stop their heartbeats")
         except Exception as e:  # noqa: BLE001 (the store may be gone at the end; nothing to do about it)
             log.debug("heartbeat: leaving: %s", e)
 
@@ -139,7 +148,7 @@ class Heartbeat:
         self._judging.set()
         self._gone.wait(wait)
 
-    # ------------------------------------------------------------------------------------ the thread
+    # ------------------------------------------------------------------------------------ the threads
     def _beat(self, left: str | None = None) -> None:
         self._seq += 1
         value = {"seq": self._seq, "step": int(self.progress()), "host": self.host, "pid": self.pid}
@@ -155,8 +164,9 @@ class Heartbeat:
         return beat
 
     def _run(self) -> None:
+        """Beat, read ``lost`` and the watched rank; judge the watched rank's silence."""
         now = time.monotonic()
-        seen_seq, seen_at, store_failing_since, last_loop = None, now, None, now
+        seen_seq, seen_at, last_loop = None, now, now
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             if now - last_loop > self.interval + self.timeout_s / 2:
@@ -171,11 +181,9 @@ class Heartbeat:
                     self._read(0)  # rank 0's last step, for the message if its store goes
                 if self._judging.is_set() and self._peer_failed():
                     return
-                store_failing_since = None
-            except Exception as e:  # noqa: BLE001 (the store's host may be gone: judged below)
-                store_failing_since = store_failing_since or now
-                if now - store_failing_since >= self.timeout_s:
-                    return self._leave(self._store_lost(e, now - store_failing_since))
+                self._last_ok, self._last_error = time.monotonic(), None
+            except Exception as e:  # noqa: BLE001 (the store's host may be gone: the supervisor judges it)
+                self._last_error = e
                 continue
             if beat is not None and beat.get("left"):
                 continue  # it stopped beating on purpose (finished, or failed: its own error ends the job)
@@ -183,6 +191,20 @@ class Heartbeat:
                 seen_seq, seen_at = beat["seq"], now
             elif now - seen_at >= self.timeout_s:
                 return self._lost(beat, now - seen_at)
+
+    def _supervise(self) -> None:
+        """The store's host gone: the beat thread's operations fail, or block (a stopped server answers
+        nothing, and a client waits for the store's own timeout, ``distributed.timeout_minutes``)."""
+        last_loop = time.monotonic()
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            if now - last_loop > self.interval + self.timeout_s / 2:
+                self._last_ok = now  # this thread was not running (the job suspended)
+            last_loop = now
+            if self.verdict is not None or self._gone.is_set():
+                return
+            if now - self._last_ok >= self.timeout_s:
+                return self._leave(self._store_lost(self._last_error, now - self._last_ok))
 
     def _peer_failed(self) -> bool:
         """While judging: a peer that left after an error of its own explains the failed collective."""
@@ -208,17 +230,20 @@ class Heartbeat:
             log.warning("heartbeat: could not tell the other ranks: %s", e)
         self._leave(message)
 
-    def _store_lost(self, error: Exception, silent_s: float) -> str:
+    def _store_lost(self, error: Exception | None, silent_s: float) -> str:
         zero = self._known.get(0)
         step = f"; rank 0's last step was {zero['step']} (host {zero['host']})" if zero else ""
-        return (f"peer lost: the rendezvous store ({self.store_host}) has not answered for {silent_s:.0f}s "
-                f"({type(error).__name__}: {str(error)[:160]}){step} (distributed.peer_timeout_s="
+        why = f" ({type(error).__name__}: {str(error)[:160]})" if error is not None else " (no answer)"
+        return (f"peer lost: the rendezvous store ({self.store_host}) has not answered for {silent_s:.0f}s"
+                f"{why}{step} (distributed.peer_timeout_s="
                 f"{self.timeout_s:g}). Its host died or is stopped without the launcher noticing.")
 
     def _leave(self, message: str, reported: bool = False) -> None:
         """Say it everywhere, leave the mark the sbatch templates requeue on, and end with 75."""
-        self.verdict = message
-        self._gone.set()
+        with self._once:  # the beat thread and the supervisor may both get here
+            if self.verdict is not None:
+                return
+            self.verdict = message
         who = f"rank {self.rank} on {self.host}"
         head = f"{who}: {message}" + (" (reported by another rank)" if reported else "")
         tail = (f" Ending with exit code {preemption.PEER_LOST_EXIT} (PEER_LOST_EXIT) so that the job is requeued; "
@@ -236,8 +261,10 @@ class Heartbeat:
                 log.error("heartbeat: could not write %s (the sbatch templates requeue on it): %s", self.peer_lost_file, e)
         if not preemption.EXITS.enabled:
             log.error("heartbeat: not ending this process (it was not started by train.py)")
+            self._gone.set()  # a judging main thread goes on
             return
-        preemption.EXITS.arm("peer lost", 0, preemption.PEER_LOST_EXIT, message, replace=True)
+        # (a judging main thread keeps waiting: the stacks below show where it failed)
+        preemption.EXITS.arm("peer lost", 0, preemption.PEER_LOST_EXIT, message.rstrip("."), replace=True)
 
 
 def _communication_error(error: BaseException) -> bool:
