@@ -236,3 +236,21 @@ def test_a_suspended_job_judges_nobody_and_a_finished_rank_is_not_lost(tmp_path)
     assert [p.returncode for p in ranks] == [0, 0], outs
     for out in outs:
         assert "verdict: None" in out and "peer lost" not in out, out
+
+
+def test_a_failed_collective_after_a_peers_own_error_is_not_a_lost_peer():
+    """Rank 1 fails with an error of its own and says so as it leaves; rank 0's collective then fails
+    ("Connection reset by peer"): its judge returns within a beat or two, with no verdict (exit code 1,
+    as before), instead of waiting out the bound."""
+    bound = 4.0
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    beats = [Heartbeat(dist.PrefixStore(PREFIX, server.clone()), r, 2, bound, "rank 0's process") for r in (0, 1)]
+    for b in beats:
+        b.start()
+    beats[1].stop(failed=True)
+    t0 = time.monotonic()
+    beats[0].judge(RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer"))
+    took = time.monotonic() - t0
+    beats[0].stop(failed=True)
+    assert beats[0].verdict is None
+    assert took < bound, took

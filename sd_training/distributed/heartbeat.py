@@ -69,7 +69,12 @@ def start(timeout_s: float, rank: int, world_size: int, requeue: bool = True) ->
     """The heartbeat of this rank (a process group must be up), or None (one process, or ``timeout_s`` 0)."""
     if timeout_s <= 0 or world_size < 2 or not dist.is_initialized():
         return None
-    store = dist.distributed_c10d._get_default_store().clone()
+    try:
+        store = dist.distributed_c10d._get_default_store().clone()
+    except (RuntimeError, AttributeError, ValueError) as e:  # a store that cannot be cloned (file://)
+        log.warning("no heartbeat between ranks (distributed.peer_timeout_s): this process group's store has no "
+                    "connection of its own to give the heartbeat thread (%s)", e)
+        return None
     beat = Heartbeat(dist.PrefixStore(PREFIX, store), rank, world_size, timeout_s, store_host(),
                      os.environ.get("SD_TRAINING_PEER_LOST_FILE") if requeue else None)
     beat.start()
