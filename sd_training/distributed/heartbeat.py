@@ -226,7 +226,7 @@ class Heartbeat:
             what = f"rank {r} never sent a heartbeat in {silent_s:.0f}s"
         else:
             what = (f"rank {r} on host {beat['host']} (pid {beat['pid']}) sent no heartbeat for {silent_s:.0f}s; "
-                    f"its last step was {beat['step']}")
+                    f"its last step was {beat['step']} (as of that beat)")
         message = (f"peer lost: {what} (distributed.peer_timeout_s={self.timeout_s:g}). It died or is stopped "
                    "(SIGKILL, SIGSTOP, a frozen or unreachable node) without the launcher noticing.")
         try:
