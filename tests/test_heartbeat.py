@@ -4,7 +4,7 @@ Two ranks are started directly with the env:// variables (no torchrun, no srun: 
 death), rank 0 serving the store. A rank SIGSTOPped or SIGKILLed after a checkpoint ends its survivor with
 exit code 75 within distributed.peer_timeout_s (+ one beat and some slack for a loaded machine), with a
 message naming the rank, its host and its last step, and the line the sbatch templates requeue on; both
-ranks started again (the requeued job) resume from the newest complete checkpoint and finish. A save that
+ranks started again after the SIGSTOP (the requeued job) resume from the newest complete checkpoint and finish. A save that
 sleeps longer than the bound does not trip it.
 """
 
@@ -110,8 +110,9 @@ def test_a_lost_peer_ends_the_survivor_with_75_and_the_requeued_job_resumes(tmp_
     assert 1 <= int(m.group(1)) <= STEPS  # as of its last beat (steps may be faster than beats)
     assert "exit code 75" in out and "Where each thread was" in out, out[-3000:]  # the survivor's stacks
     assert "rank 1 on host" in (tmp_path / "peer-lost").read_text()  # what the sbatch templates requeue on
+    if sig == signal.SIGKILL:
+        return  # the requeued job is the same after either: started again once (below), after SIGSTOP
     saved = max(complete_steps(run / "checkpoints"))
-
     again = start_ranks(tmp_path, args, "requeued")  # the requeued job: both ranks again
     try:
         codes = [p.wait(300) for p in again]
@@ -218,7 +219,7 @@ def test_a_suspended_job_judges_nobody_and_a_finished_rank_is_not_lost(tmp_path)
     """Both ranks stopped together for three bounds (``scontrol suspend``) and continued: each watcher was
     not running either, so nobody is judged lost; then rank 1 finishes first and leaves, rank 0 goes on
     beating alone past the bound: a rank that left on purpose is not lost."""
-    bound, port = 2.0, forked._free_port()
+    bound, port = 1.5, forked._free_port()
     ranks = [rank_process(tmp_path, 0, port, bound, 5 * bound + 3)]
     wait_line(ranks[0], "beating")
     ranks.append(rank_process(tmp_path, 1, port, bound, 3 * bound))
