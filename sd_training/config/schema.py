@@ -100,6 +100,7 @@ class DistributedConfig:
     timeout_minutes: float = f(30.0, "minutes a collective may wait before the job fails", gt=0)
     strategy: str = f("ddp", "ddp: replicated UNet; fsdp: FSDP2 fully_shard per UNet block over all ranks, sharded checkpoints; hsdp: FSDP2 on a 2-D mesh: sharded inside groups of distributed.hsdp_shard_size ranks (one node), replicated across them (gradients all-reduced between nodes)", choices=STRATEGIES)
     hsdp_shard_size: int = f(0, "hsdp: ranks per shard group; must divide the rank count (0: the ranks of one node, torchrun's LOCAL_WORLD_SIZE or SLURM's tasks per node)", ge=0)
+    peer_timeout_s: float = f(300.0, "seconds a rank may send no heartbeat (died or stopped without the launcher noticing) before every other rank exits with code 75 for a requeue; saves, exports and waits in collectives keep beating (0: off)", ge=0)
     bucket_cap_mb: float = f(25.0, "ddp: gradient bucket size in MB (larger: fewer, bigger all-reduces)", gt=0)
     static_graph: bool = f(False, "ddp: the graph is the same every step (no unused parameters): lets DDP overlap more")
     grad_reduce_dtype: str = f("fp32", "dtype gradients are reduced in (bf16: half the traffic; ddp: a compression hook, fsdp and hsdp: reduce_dtype)", choices=("fp32", "bf16"))
