@@ -6,7 +6,7 @@ step time, and a model of per-GPU throughput at 8, 64 and 512 GPUs for SDXL, Flu
 
 1. Counted run: ``--ranks`` processes (forked from this one, gloo, a FileStore rendezvous) train the tiny net
    (``--net``: the tiny Flux transformer or SDXL UNet of the test pipelines, the family's FSDP units) under ddp,
-   fsdp and hsdp (``--ranks / 2`` ranks per shard group), wrapped as training wraps them
+   fsdp and hsdp (``--hsdp-ranks``, 2 shard groups of half of them), wrapped as training wraps them
    (``distributed.strategy.Strategy``); the second step's collectives are counted per process group
    (``sd_training.distributed.traffic.TrafficCounter``) beside the model's prediction (``traffic.predicted``).
    The baseline in the same run is the ddp row.
@@ -35,7 +35,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import yaml
@@ -92,16 +91,29 @@ def materialize(x, batch: int, gen: torch.Generator, device):
     return torch.zeros(shape, dtype=x.dtype, device=device)
 
 
+def flux_inputs(config, h: int, w: int, tokens: int) -> dict:
+    """One image's forward kwargs of a Flux-style transformer (Flux.1, FLUX.2) on the meta device: the latent
+    grid packed 2 x 2 into tokens, the text states, position ids (one column per rope axis), as the families'
+    ``flops_inputs`` lay them out for text-to-image."""
+    n, axes = (h // 2) * (w // 2), len(config.axes_dims_rope)
+    kw = dict(hidden_states=torch.empty(1, n, config.in_channels, device="meta"),
+              encoder_hidden_states=torch.empty(1, tokens, config.joint_attention_dim, device="meta"),
+              timestep=torch.ones(1, device="meta"), img_ids=torch.zeros(n, axes, device="meta"),
+              txt_ids=torch.zeros(tokens, axes, device="meta"),
+              guidance=torch.ones(1, device="meta") if config.guidance_embeds else None)
+    if "pooled_projection_dim" in config:  # Flux.1's pooled CLIP vector
+        kw["pooled_projections"] = torch.empty(1, config.pooled_projection_dim, device="meta")
+    return kw
+
+
 def net_inputs(fam_name: str, net, resolution: int, batch: int, device, text_tokens: int, seed: int = 0):
-    """(args, kwargs) of one batch as the family calls its net (its FLOPs inputs, made real)."""
-    fam = family(fam_name)
+    """(args, kwargs) of one batch as the family calls its net, made real (random states, zero ids)."""
     h = w = resolution // 8
     gen = torch.Generator().manual_seed(seed)
-    if hasattr(fam, "flops_inputs"):  # a transformer family: kwargs for one image
-        meta = fam.flops_inputs(SimpleNamespace(max_sequence_length=text_tokens), net.config, h, w)
-        return (), materialize(meta, batch, gen, device)
+    if hasattr(net.config, "axes_dims_rope"):  # a Flux-style transformer: kwargs for one image
+        return (), materialize(flux_inputs(net.config, h, w, text_tokens), batch, gen, device)
     with torch.device("meta"):
-        args, kwargs = fam.flop_inputs(net, (h, w), text_tokens, 1)
+        args, kwargs = family(fam_name).flop_inputs(net, (h, w), text_tokens, 1)  # the UNet families'
     return materialize(args, batch, gen, device), materialize(kwargs, batch, gen, device)
 
 
@@ -135,40 +147,20 @@ def train_step(model, opt, args, kwargs) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def wrap(strategy: str, net, fam, a, rank: int, world: int, shard: int):
-    """(the module to call, process group name -> label) with the net wrapped as training wraps it."""
-    import dataclasses
-
+    """(the module to call, process group name -> label: hsdp's mesh dims) with the net wrapped as training
+    wraps it (``Strategy.wrap``: the family's units, the mixed-precision policy; hsdp's 2-D mesh)."""
     from sd_training.config.schema import DistributedConfig
     from sd_training.distributed import DistInfo
     from sd_training.distributed.strategy import Strategy
 
     dtype = torch.bfloat16 if a.param_dtype == "bf16" else None
-    kw = dict(fsdp_unit=a.fsdp_unit, grad_reduce_dtype=a.grad_reduce_dtype)
-    has_hsdp = "hsdp_shard_size" in {f.name for f in dataclasses.fields(DistributedConfig)}
-    if strategy == "hsdp":
-        if not has_hsdp:
-            return hsdp_wrap(net, fam, a, dtype, world, shard)  # a build without distributed.strategy=hsdp
-        kw["hsdp_shard_size"] = shard
+    cfg = DistributedConfig(fsdp_unit=a.fsdp_unit, grad_reduce_dtype=a.grad_reduce_dtype, hsdp_shard_size=shard)
     info = DistInfo(rank=rank, world_size=world, local_world_size=shard, backend="gloo")
-    s = Strategy(strategy, True, torch.device("cpu"), dtype, DistributedConfig(**kw), **({"info": info} if has_hsdp else {}))
+    s = Strategy(strategy, True, torch.device("cpu"), dtype, cfg, info=info)
     model = s.wrap(net, None, fam.shard_units)
     if strategy == "ddp":
         traffic.count_ddp(model)
-    return model, traffic.mesh_labels(s.mesh) if getattr(s, "mesh", None) is not None else {}
-
-
-def hsdp_wrap(net, fam, a, dtype, world: int, shard: int):
-    """FSDP2 on a 2-D mesh ("replicate", "shard"): each unit sharded in its group, replicated across groups."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    mp = MixedPrecisionPolicy(param_dtype=dtype,
-                              reduce_dtype=torch.bfloat16 if a.grad_reduce_dtype == "bf16" else torch.float32)
-    for unit in fam.shard_units(net, a.fsdp_unit):
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(net, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    return net, traffic.mesh_labels(mesh)
+    return model, traffic.mesh_labels(s.mesh) if s.mesh is not None else {}
 
 
 def predicted_for(strategy: str, net, fam, a, world: int, shard: int) -> dict:
@@ -207,7 +199,6 @@ def counted_rank(rank: int, world: int, store: str, strategy: str, a, out: str) 
 
 def preload(a) -> None:
     """Import what the ranks use before forking them (each would pay diffusers' and its quantisers' imports)."""
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
     from torch.distributed.fsdp import fully_shard  # noqa: F401
 
     from sd_training.config.schema import DistributedConfig  # noqa: F401
