@@ -54,7 +54,8 @@ def parse(argv):
     p.add_argument("--hsdp-ranks", type=int, default=None, help="processes of the counted hsdp run (default: --ranks), "
                    "2 shard groups of half of them")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument("--net", default="flux", choices=("flux", "sdxl"), help="the tiny net counted and timed")
+    p.add_argument("--net", default=None, help="the tiny net counted and timed: a key of scaling.yaml's tiny_nets "
+                   "(default: its first)")
     p.add_argument("--fsdp-unit", default="block", choices=("layer", "block"))
     p.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"), help="fsdp/hsdp gathered dtype")
     p.add_argument("--grad-reduce-dtype", default="fp32", choices=("fp32", "bf16"))
@@ -117,17 +118,14 @@ def net_inputs(fam_name: str, net, resolution: int, batch: int, device, text_tok
     return materialize(args, batch, gen, device), materialize(kwargs, batch, gen, device)
 
 
-def tiny_net(name: str):
-    """(family name, the tiny test pipeline's trained net, its text tokens)."""
-    if name == "flux":
-        from diffusers import FluxTransformer2DModel
-        from sd_training.families.flux import TINY_FLUX_TRANSFORMER
+def tiny_net(spec: dict):
+    """(family name, the family's tiny test net, its text tokens) of a scaling.yaml ``tiny_nets`` entry: the net
+    class the family trains, built from the config constant its module names (``config``)."""
+    import diffusers
 
-        return "flux", FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER), 8
-    from diffusers import UNet2DConditionModel
-    from sd_training.families.sdxl import TINY_SDXL_UNET
-
-    return "sdxl", UNet2DConditionModel(**TINY_SDXL_UNET), 8
+    fam = family(spec["family"])
+    config = getattr(sys.modules[fam.__module__], spec["config"])
+    return spec["family"], getattr(diffusers, fam.net_class)(**config), int(spec["text_tokens"])
 
 
 def first(out) -> torch.Tensor:
@@ -179,7 +177,7 @@ def counted_rank(rank: int, world: int, store: str, strategy: str, a, out: str) 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
         torch.manual_seed(0)  # the same weights on every rank, as after a broadcast
-        fam_name, net, tokens = tiny_net(a.net)
+        fam_name, net, tokens = tiny_net(a.tiny)
         fam, shard = family(fam_name), max(1, world // 2)
         predicted = predicted_for(strategy, net, fam, a, world, shard)
         params = sum(p.numel() for p in net.parameters())
@@ -205,7 +203,7 @@ def preload(a) -> None:
     from sd_training.distributed.strategy import Strategy  # noqa: F401
 
     with torch.device("meta"):
-        tiny_net(a.net)
+        tiny_net(a.tiny)
 
 
 def count_strategy(strategy: str, a, world: int) -> dict:
@@ -263,7 +261,7 @@ def time_steps(net, fam_name: str, resolution: int, batch: int, tokens: int, ste
 
 def measure_tiny(a) -> dict:
     torch.manual_seed(0)
-    fam_name, net, tokens = tiny_net(a.net)
+    fam_name, net, tokens = tiny_net(a.tiny)
     device = torch.device(a.device)
     t = time_steps(net.to(device), fam_name, a.resolution, a.batch, tokens, a.steps, device, device.type == "cuda")
     return dict(net=f"tiny {a.net}", params=sum(p.numel() for p in net.parameters()), resolution=a.resolution,
@@ -280,7 +278,7 @@ def model_spec(spec: dict) -> tuple[str, dict, int]:
         model = family(spec["family"]).reference_models()[spec["reference"]]
         return model.net_class, dict(model.config), model.text_tokens
     nets = yaml.safe_load((ROOT / "benchmarks" / "memory_models.yaml").read_text())
-    return "UNet2DConditionModel", dict(nets[spec["net"]]["net"]), 77
+    return family(spec["family"]).net_class, dict(nets[spec["net"]]["net"]), int(spec.get("text_tokens", 77))
 
 
 def build(cls_name: str, config: dict, device):
@@ -292,13 +290,10 @@ def build(cls_name: str, config: dict, device):
 
 def forward_flops(spec: dict, config: dict) -> int:
     """FLOPs of one forward on one image at the model's resolution, counted on the meta device."""
-    from diffusers.models.attention_processor import AttnProcessor2_0
     from sd_training.speed.flops import count_flops
 
     cls_name, _, tokens = model_spec(spec)
-    net = build(cls_name, config, "meta").eval()
-    if hasattr(net, "set_attn_processor") and cls_name == "UNet2DConditionModel":
-        net.set_attn_processor(AttnProcessor2_0())  # SDPA on meta (the FLOPs of any attention backend)
+    net = build(cls_name, config, "meta").eval()  # diffusers' default attention: SDPA, which meta counts
     args, kwargs = net_inputs(spec["family"], net, spec["resolution"], 1, torch.device("meta"), tokens)
     with torch.no_grad():
         return count_flops(lambda: net(*args, **kwargs, return_dict=False))
@@ -357,17 +352,19 @@ def model_rows(name: str, spec: dict, cfg: dict, measured: dict | None) -> dict:
 
 
 def issue_check(models: dict, cfg: dict) -> dict:
-    """Issue 38's paper figures (Flux.1 full fine-tune, 1024 px, 50 GB/s across nodes: ~1.9 s of traffic per step
-    under fsdp, 0.12 s under hsdp) against this model at 64 GPUs."""
-    flux = models.get("Flux.1-dev")
-    if not flux:
+    """Issue 38's paper figures (scaling.yaml's ``issue_check``: Flux.1 full fine-tune, 1024 px, 50 GB/s across
+    nodes: ~1.9 s of traffic per step under fsdp, 0.12 s under hsdp) against this model."""
+    want = cfg.get("issue_check") or {}
+    ref = models.get(want.get("model"))
+    if not ref:
         return {}
-    r = flux["rows"]
-    return dict(gpus=64, fsdp_network_s=r["fsdp@64"]["traffic_network_s"], issue_fsdp_s=1.9,
-                hsdp_network_s=r["hsdp@64"]["traffic_network_s"], hsdp_nvlink_s=r["hsdp@64"]["traffic_nvlink_s"],
-                issue_hsdp_s=0.12,
+    fsdp, hsdp = ref["rows"][f"fsdp@{want['gpus']}"], ref["rows"][f"hsdp@{want['gpus']}"]
+    return dict(want, fsdp_network_s=fsdp["traffic_network_s"], issue_fsdp_s=want["fsdp_network_s"],
+                hsdp_network_s=hsdp["traffic_network_s"], hsdp_nvlink_s=hsdp["traffic_nvlink_s"],
+                issue_hsdp_s=want["hsdp_network_s"],
                 note="hsdp's network share is a ring all-reduce of each GPU's fp32 gradient shard (2(r-1)/r x P/8 x 4 B); "
-                     "0.12 s is P/8 x 4 B once (no ring factor 2), or the ring in bf16; the issue left out the NVLink part")
+                     "the issue's figure is P/8 x 4 B once (no ring factor 2), or the ring in bf16; it left out the "
+                     "NVLink part")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,7 +413,7 @@ def markdown(result: dict, cfg: dict) -> str:
            f"({m['resolution']} px, batch {m['batch']}).", "", *model_table(result["models"], cfg)]
     check = result.get("issue_check")
     if check:
-        out += ["", f"Issue 38's figures (Flux.1-dev, 64 GPUs): fsdp {check['fsdp_network_s']:.2f} s of network traffic "
+        out += ["", f"Issue 38's figures ({check['model']}, {check['gpus']} GPUs): fsdp {check['fsdp_network_s']:.2f} s of network traffic "
                 f"per step (issue: {check['issue_fsdp_s']}), hsdp {check['hsdp_network_s']:.2f} s network + "
                 f"{check['hsdp_nvlink_s']:.2f} s NVLink (issue: {check['issue_hsdp_s']}): {check['note']}."]
     return "\n".join(out) + "\n"
@@ -425,6 +422,8 @@ def markdown(result: dict, cfg: dict) -> str:
 def main(argv=None) -> dict:
     a = parse(argv if argv is not None else sys.argv[1:])
     cfg = yaml.safe_load(Path(a.config).read_text())
+    a.net = a.net or next(iter(cfg["tiny_nets"]))
+    a.tiny = cfg["tiny_nets"][a.net]
     a.hsdp_ranks = a.hsdp_ranks or a.ranks
     if a.ranks < 2 or a.hsdp_ranks < 4 or a.hsdp_ranks % 2:
         raise SystemExit(f"--ranks {a.ranks} --hsdp-ranks {a.hsdp_ranks}: at least 2 ranks, and an even hsdp count "
