@@ -227,7 +227,8 @@ def count_strategy(strategy: str, a, world: int) -> dict:
     if errors:
         raise RuntimeError(f"the counted {strategy} run failed:\n{errors[0]}")
     same = all(r["counted"] == results[0]["counted"] for r in results)
-    return dict(results[0], ranks=world, same_on_every_rank=same, shard_size=world // 2 if strategy == "hsdp" else world)
+    shard = world // 2 if strategy == "hsdp" else world
+    return dict(results[0], ranks=world, same_on_every_rank=same, shard_size=shard)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,7 +243,8 @@ def sync(device) -> None:
 def time_steps(net, fam_name: str, resolution: int, batch: int, tokens: int, steps: int, device,
                autocast: bool) -> float:
     """Median seconds of one step (forward, backward, AdamW) after one warm-up step."""
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device.type == "cuda", foreach=False if device.type == "cpu" else None)
+    cuda = device.type == "cuda"  # the fused kernel on a GPU, the per-tensor loop on the CPU (bench_step's finding)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=cuda, foreach=None if cuda else False)
     args, kwargs = net_inputs(fam_name, net, resolution, batch, device, tokens)
     times = []
     for i in range(steps + 1):
@@ -362,7 +364,8 @@ def issue_check(models: dict, cfg: dict) -> dict:
     return dict(want, fsdp_network_s=fsdp["traffic_network_s"], issue_fsdp_s=want["fsdp_network_s"],
                 hsdp_network_s=hsdp["traffic_network_s"], hsdp_nvlink_s=hsdp["traffic_nvlink_s"],
                 issue_hsdp_s=want["hsdp_network_s"],
-                note="hsdp's network share is a ring all-reduce of each GPU's fp32 gradient shard (2(r-1)/r x P/8 x 4 B); "
+                note="hsdp's network share is a ring all-reduce of each GPU's fp32 gradient shard "
+                     "(2(r-1)/r x P/8 x 4 B); "
                      "the issue's figure is P/8 x 4 B once (no ring factor 2), or the ring in bf16; it left out the "
                      "NVLink part")
 
@@ -372,15 +375,16 @@ def issue_check(models: dict, cfg: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def counted_table(counted: dict) -> list[str]:
-    lines = ["| strategy | ranks | process group | collective | calls | bytes counted | bytes modelled | ring bytes sent per rank |",
+    lines = ["| strategy | ranks | process group | collective | calls | bytes counted | bytes modelled "
+             "| ring bytes sent per rank |",
              "|---|---|---|---|---|---|---|---|"]
     for strategy, r in counted.items():
         for group, kinds in r["counted"].items():
             for kind, row in kinds.items():
                 model = r["predicted"].get(group, {}).get(kind, {}).get("bytes")
+                modelled = f"{model:,}" if model is not None else "- (not modelled)"
                 lines.append(f"| {strategy} | {r['ranks']} | {group} ({row['group_size']}) | {kind} | {row['calls']} | "
-                             f"{row['bytes']:,} | {model:,} | {row['wire_bytes']:,.0f} |" if model is not None else
-                             f"| {strategy} | {r['ranks']} | {group} | {kind} | {row['calls']} | {row['bytes']:,} | - | - |")
+                             f"{row['bytes']:,} | {modelled} | {row['wire_bytes']:,.0f} |")
     return lines
 
 
@@ -398,7 +402,8 @@ def model_table(models: dict, cfg: dict) -> list[str]:
             cells, state = [], []
             for n in scales:
                 r = m["rows"][f"{strategy}@{n}"]
-                cells.append(f"{r['images_per_s_per_gpu']:.2f} ({r['traffic_nvlink_s']:.2f} + {r['traffic_network_s']:.2f})")
+                cells.append(f"{r['images_per_s_per_gpu']:.2f} "
+                             f"({r['traffic_nvlink_s']:.2f} + {r['traffic_network_s']:.2f})")
                 state.append(f"{r['state_gib_per_gpu']:.1f}")
             lines.append(f"| {label} | {strategy} | " + " | ".join(cells) + f" | {' / '.join(state)} |")
     return lines
@@ -413,8 +418,9 @@ def markdown(result: dict, cfg: dict) -> str:
            f"({m['resolution']} px, batch {m['batch']}).", "", *model_table(result["models"], cfg)]
     check = result.get("issue_check")
     if check:
-        out += ["", f"Issue 38's figures ({check['model']}, {check['gpus']} GPUs): fsdp {check['fsdp_network_s']:.2f} s of network traffic "
-                f"per step (issue: {check['issue_fsdp_s']}), hsdp {check['hsdp_network_s']:.2f} s network + "
+        out += ["", f"Issue 38's figures ({check['model']}, {check['gpus']} GPUs): fsdp "
+                f"{check['fsdp_network_s']:.2f} s of network traffic per step (issue: {check['issue_fsdp_s']}), hsdp "
+                f"{check['hsdp_network_s']:.2f} s network + "
                 f"{check['hsdp_nvlink_s']:.2f} s NVLink (issue: {check['issue_hsdp_s']}): {check['note']}."]
     return "\n".join(out) + "\n"
 
