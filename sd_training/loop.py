@@ -5,7 +5,6 @@ and validation (``outputs.RunOutputs``), metrics (``metrics.StepMetrics``)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -42,28 +41,22 @@ def main(cfg: TrainConfig, stop: StopFlag | None = None, prepare: Callable | Non
 
     ``stop``: a flag installed by the entry point before set-up (else installed here). ``prepare(info)``:
     called on every rank once the process group is up, before anything is built (generated inputs)."""
-    info = distributed.setup(cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url,
-                             cfg.distributed.timeout_minutes, one_rank_group=cfg.distributed.strategy in SHARDED_STRATEGIES,
-                             hsdp_shard=cfg.distributed.hsdp_shard_size if cfg.distributed.strategy == "hsdp" else None)
-    # From here a peer that dies or stops unnoticed ends this rank with PEER_LOST_EXIT (75) for a requeue.
-    beat = heartbeat.start(cfg.distributed.peer_timeout_s, info.rank, info.world_size, cfg.experiment.requeue)
+    d = cfg.distributed
+    info = distributed.setup(cfg.system.device, d.dist_backend, d.dist_url, d.timeout_minutes,
+                             one_rank_group=d.strategy in SHARDED_STRATEGIES,
+                             hsdp_shard=d.hsdp_shard_size if d.strategy == "hsdp" else None)
     failed = True
     try:
-        if prepare is not None:
-            prepare(info)
-        trainer = Trainer(cfg, info)
-        if beat is not None:
-            beat.follow(lambda: trainer.state.step)
-        summary = trainer.run(stop)  # a failure in it arms the exit deadline (train.py's processes)
+        # From here a peer that dies or stops unnoticed ends this rank with PEER_LOST_EXIT (75) for a requeue.
+        with heartbeat.watching(d.peer_timeout_s, info.rank, info.world_size, cfg.experiment.requeue) as follow:
+            if prepare is not None:
+                prepare(info)
+            trainer = Trainer(cfg, info)
+            follow(lambda: trainer.state.step)
+            summary = trainer.run(stop)  # a failure in it arms the exit deadline (train.py's processes)
         failed = False
         return summary
-    except BaseException as e:
-        if beat is not None:
-            beat.judge(e)  # a collective that failed because a peer died: 75, not 1
-        raise
     finally:
-        if beat is not None:
-            beat.stop(failed=failed)
         distributed.teardown(failed=failed)
 
 
@@ -232,15 +225,8 @@ class Trainer:
                         stopped_by, state.step)
         elif self.outputs.val_batches is not None and state.step == 0:
             self.outputs.validate(0, self.model)  # the untrained model's figure, to compare with
-        self.keys_file = None
-        if cfg.experiment.record_sample_keys:
-            path = self.run_dir.sample_keys(self.info.rank)
-            path.parent.mkdir(exist_ok=True)
-            self.keys_file = open(path, "a", buffering=1)  # noqa: SIM115 (a line per step; a resumed run appends)
-            # Which process wrote a line: a step written twice (killed after it, before its checkpoint) is
-            # the later attempt's, the one that started from the newer checkpoint.
-            self.keys_attempt = {"rank": self.info.rank, "world_size": self.info.world_size,
-                                 "start_step": state.step, "started": time.time()}
+        self.keys_file = (self.run_dir.open_sample_keys(self.info.rank, self.info.world_size, state.step)
+                          if cfg.experiment.record_sample_keys else None)
         if self.info.is_main and not stopped_by and progress.wanted(cfg.experiment.progress_bar):
             self.bar = progress.ProgressBar(self.plan.total_steps, state.step, self.plan.global_batch)
         try:
@@ -251,7 +237,7 @@ class Trainer:
             if self.bar is not None:
                 self.bar.close()
             if self.keys_file is not None:
-                self.keys_file.close()
+                self.keys_file.file.close()
 
     def _steps(self, stop: StopFlag) -> str | None:
         """Optimizer steps to the end, or to a stop signal (returns its name after saving)."""
@@ -277,7 +263,7 @@ class Trainer:
             window.step_time += time.perf_counter() - t_step
             window.steps += 1
             if self.keys_file is not None:
-                self.keys_file.write(json.dumps({"step": state.step, "keys": keys, **self.keys_attempt}) + "\n")
+                self.keys_file.write(state.step, keys)
             if self.bar is not None:
                 self.bar.step()
 

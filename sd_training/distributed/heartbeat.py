@@ -30,6 +30,7 @@ would queue the beats behind the main thread's blocking ``get``/``wait`` (NCCL's
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -79,6 +80,25 @@ def start(timeout_s: float, rank: int, world_size: int, requeue: bool = True) ->
                      os.environ.get("SD_TRAINING_PEER_LOST_FILE") if requeue else None)
     beat.start()
     return beat
+
+
+@contextlib.contextmanager
+def watching(timeout_s: float, rank: int, world_size: int, requeue: bool = True):
+    """The heartbeat (:func:`start`) around a run: yields ``follow(progress)`` (tell it how to read the step);
+    an exception leaving the block is judged first (a collective that failed because a peer died ends with
+    ``PEER_LOST_EXIT``, not 1), and the rank says how it left before the beat stops."""
+    beat = start(timeout_s, rank, world_size, requeue)
+    failed = True
+    try:
+        yield (beat.follow if beat is not None else (lambda progress: None))
+        failed = False
+    except BaseException as e:
+        if beat is not None:
+            beat.judge(e)
+        raise
+    finally:
+        if beat is not None:
+            beat.stop(failed=failed)
 
 
 class Heartbeat:

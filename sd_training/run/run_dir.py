@@ -38,6 +38,7 @@ The guards (rank 0):
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import re
@@ -46,6 +47,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from ..config import ConfigError
 from ..outputs.readers import loads
@@ -64,6 +66,16 @@ def step_name(step: int) -> str:
 
 class RunFolderInUse(ConfigError):
     pass
+
+
+class SampleKeys(NamedTuple):
+    """An open ``sample_keys/rank_<r>.jsonl`` and what each of its lines says of the process writing it."""
+
+    file: Any
+    attempt: dict
+
+    def write(self, step: int, keys: list) -> None:
+        self.file.write(json.dumps({"step": step, "keys": keys, **self.attempt}) + "\n")
 
 
 class RunDir:
@@ -135,6 +147,15 @@ class RunDir:
 
     def sample_keys(self, rank: int) -> Path:
         return self.root / "sample_keys" / f"rank_{rank}.jsonl"
+
+    def open_sample_keys(self, rank: int, world_size: int, start_step: int) -> SampleKeys:
+        """``experiment.record_sample_keys``: this rank's log of the keys each step trained on (appended to)."""
+        path = self.sample_keys(rank)
+        path.parent.mkdir(exist_ok=True)
+        # Which process wrote a line: a step written twice (killed after it, before its checkpoint) is the
+        # later attempt's, the one that started from the newer checkpoint.
+        return SampleKeys(open(path, "a", buffering=1),  # noqa: SIM115 (a line per step; closed by the loop)
+                          {"rank": rank, "world_size": world_size, "start_step": start_step, "started": time.time()})
 
     def pipeline(self, step: int | None, ema: bool = False) -> Path:
         suffix = "_ema" if ema else ""
