@@ -5,6 +5,7 @@ with ``dataset.type=latents`` (no VAE encode, optionally no text encoder, in the
     python scripts/precompute_latents.py --input "shards/{00000..00009}.tar" --pipeline PIPE_DIR --output OUT_DIR
         [--store mean_std|sample] [--dtype fp16|fp32] [--text-embeddings [--clip-skip N] [--max-length 77]
         [--family auto|NAME] [--text-dtype auto|fp16|fp32|bf16]] [--resolution 256] [--aspect-buckets [--bucket-step 64] [--max-aspect-ratio 2]]
+        [--references N [--reference-key ref] [--reference-crop aligned|center]]
         [--batch-size 32] [--workers 4] [--device auto|cpu|cuda] [--vae-dtype fp32|bf16] [--seed 0] [--no-progress]
     torchrun --nproc_per_node 8 scripts/precompute_latents.py ...       (the shards are split across ranks)
 
@@ -25,6 +26,14 @@ plus ``OUT_DIR/empty.text.npy`` (the empty caption's, substituted on caption dro
 ``empty.pooled.npy`` with pooled embeddings). ``OUT_DIR/latents_info.json``
 records the settings, the scaling and shift factors, the counts and the bytes per sample (latents, text;
 logged at the start); ``OUT_DIR/sizes.json`` the samples per shard.
+
+Edit training (``--references N``): each input sample's N reference images (``KEY.ref.<ext>``,
+``KEY.ref2.<ext>``... or ``--reference-key``'s names) go through the training path's reference stage
+(``sd_training/data/references.py``: ``--reference-crop aligned`` through the target's crop, ``center`` on
+their own) and are stored as ``KEY.ref.latents.npy``, ``KEY.ref2.latents.npy``... in the same store, dtype
+and units as ``KEY.latents.npy`` (``--store sample``: each reference's own posterior draw); a sample
+without its N references is skipped (``missing_reference``), as in training. ``latents_info.json``
+records ``references`` and ``reference_crop``.
 
 Text storage (``--text-dtype``): ``auto`` (the default) stores the text arrays as the family asks
 (``TextEncoding.storage_dtype``: bf16 for T5-sized states, whose [512, 4096] a caption are the bulk of
@@ -98,6 +107,14 @@ def parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--aspect-buckets", action="store_true", help="keep each image's aspect ratio: resize and center-crop it to its aspect-ratio bucket (as dataset.params.aspect_buckets does), so the latents have the bucket's shape")
     p.add_argument("--bucket-step", type=integer(8, 1024, multiple_of=8), default=64, help="with --aspect-buckets: pixels, bucket sides are multiples of this (8 to 1024, a multiple of 8)")
     p.add_argument("--max-aspect-ratio", type=number(1, 16), default=2.0, help="with --aspect-buckets: long side / short side of the most elongated bucket, 1 to 16")
+    p.add_argument("--references", type=integer(0, 8), default=0,
+                   help="edit training: reference images per sample, 0 to 8, stored as KEY.ref.latents.npy, "
+                        "KEY.ref2.latents.npy... (0: none; dataset.params.references)")
+    p.add_argument("--reference-key", default="ref", help="with --references: the input members' name, KEY.<key>.<ext>, "
+                   "KEY.<key>2.<ext>... (dataset.params.reference_key)")
+    p.add_argument("--reference-crop", default="aligned", choices=("aligned", "center"),
+                   help="with --references: through the target's crop (aligned) or each on its own (center), as "
+                        "dataset.params.reference_crop")
     p.add_argument("--batch-size", type=integer(1, 4096), default=32, help="images per VAE call, per rank, 1 to 4096")
     p.add_argument("--workers", type=integer(0, 256), default=4, help="image-decoding processes per rank, 0 to 256 (0: in the main process)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -107,6 +124,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.clip_skip or args.max_length or args.family != "auto" or args.text_dtype != "auto") and not args.text_embeddings:
         p.error("--clip-skip, --max-length, --family and --text-dtype apply to --text-embeddings only")
+    if (args.reference_key != "ref" or args.reference_crop != "aligned") and not args.references:
+        p.error("--reference-key and --reference-crop apply to --references only")
     if (args.bucket_step != 64 or args.max_aspect_ratio != 2.0) and not args.aspect_buckets:
         p.error("--bucket-step and --max-aspect-ratio apply to --aspect-buckets only")
     return args
@@ -177,6 +196,7 @@ def input_params(args):
     p.batch_size, p.workers, p.num_examples_to_see = 1, 0, 0
     p.center_crop, p.random_flip, p.caption_dropout, p.shuffle_tags = True, 0.0, 0.0, 0.0
     p.aspect_buckets, p.bucket_step, p.max_aspect_ratio = args.aspect_buckets, args.bucket_step, args.max_aspect_ratio
+    p.references, p.reference_key, p.reference_crop = args.references, args.reference_key, args.reference_crop
     validate_dataset_config(cfg)
     return p
 
@@ -224,7 +244,8 @@ class ShardSamples(torch.utils.data.IterableDataset):
                     cls = raw.get("cls")
                     yield ("sample", name, {"key": out["key"], "caption": out["caption"], "meta": meta,
                                             "cls": bytes(cls) if isinstance(cls, (bytes, bytearray)) else cls,
-                                            "pixels": out["pixels"], **{k: out[k] for k in SIZE_FIELDS}})
+                                            "pixels": out["pixels"], "references": out["references"],
+                                            **{k: out[k] for k in SIZE_FIELDS}})
             except ShardError as exn:
                 error = str(exn)
             yield ("end", name, {"counts": dict(stats.counts), "error": error})
@@ -275,7 +296,8 @@ class ShardWriter:
         return self._write(self.pending.pop(shape, []))
 
     def _write(self, batch: List[Dict[str, Any]]) -> int:
-        from sd_training.data.latents import from_stored, npy_bytes, to_stored
+        from sd_training.data.latents import LATENTS_MEMBER, REFERENCE_BASE, from_stored, npy_bytes, to_stored
+        from sd_training.data.references import reference_names
         from sd_training.data.transforms import to_pixel_values
 
         if not batch:
@@ -284,17 +306,16 @@ class ShardWriter:
         shift = shift_factor(self.vae)
         tdtype = text_dtype(self.args, self.encoder)
         mean, std = encode_images(self.vae, to_pixel_values(np.stack([s["pixels"] for s in batch])), self.scale, shift)
+        refs = [encode_images(self.vae, to_pixel_values(np.stack([s["references"][k] for s in batch])), self.scale, shift)
+                for k in range(self.args.references)]  # edit training: each reference as the target, [(mean, std)]
         texts, pooled = self.encoder.encode([s["caption"] for s in batch]) if self.encoder else (None, None)
         n = 0
         for i, s in enumerate(batch):
             index, self.encoded = self.encoded, self.encoded + 1
-            if self.args.store == "mean_std":
-                arr = torch.cat([mean[i], std[i]]).numpy()
-            else:
-                rng = np.random.default_rng([self.args.seed, self.shard_seed, index])
-                arr = mean[i].numpy() + std[i].numpy() * rng.standard_normal(mean[i].shape, dtype=np.float32)
-            arr = arr.astype(dtype)
-            if not np.isfinite(arr).all():  # an overflowing VAE, or values beyond fp16's range
+            arr = self._stored(mean[i], std[i], [self.args.seed, self.shard_seed, index], dtype)
+            ref_arrs = [self._stored(m[i], sd[i], [self.args.seed, self.shard_seed, index, 1 + k], dtype)
+                        for k, (m, sd) in enumerate(refs)]
+            if not all(np.isfinite(a).all() for a in (arr, *ref_arrs)):  # an overflowing VAE, or beyond fp16's range
                 self.stats.skip("latents_nonfinite", f"{self.name} sample {s['key']!r}: non-finite latents in {self.args.dtype}")
                 continue
             text = to_stored(texts[i], tdtype) if texts is not None else None
@@ -309,6 +330,8 @@ class ShardWriter:
             meta.update(latent_scaling_factor=self.scale, latent_store=self.args.store,
                         **({"latent_shift_factor": shift} if shift else {}), **{k: list(s[k]) for k in SIZE_FIELDS})
             _add(self.tar, f"{key}.latents.npy", npy_bytes(arr), self.mtime)
+            for name, ref in zip(reference_names(REFERENCE_BASE, len(ref_arrs)), ref_arrs):
+                _add(self.tar, f"{key}.{name}.{LATENTS_MEMBER}", npy_bytes(ref), self.mtime)
             _add(self.tar, f"{key}.txt", s["caption"].encode("utf-8"), self.mtime)
             _add(self.tar, f"{key}.json", json.dumps(meta).encode("utf-8"), self.mtime)
             if s["cls"] is not None:
@@ -320,6 +343,13 @@ class ShardWriter:
             self.written += 1
             n += 1
         return n
+
+    def _stored(self, mean: torch.Tensor, std: torch.Tensor, seed: List[int], dtype) -> np.ndarray:
+        """One latent as stored: ``mean_std`` [2C, h, w], or ``sample`` [C, h, w] drawn from its own ``seed``."""
+        if self.args.store == "mean_std":
+            return torch.cat([mean, std]).numpy().astype(dtype)
+        rng = np.random.default_rng(seed)
+        return (mean.numpy() + std.numpy() * rng.standard_normal(mean.shape, dtype=np.float32)).astype(dtype)
 
     def close(self, read: Dict[str, Any]) -> Dict[str, Any]:
         """Flush, then make the shard visible: its record first, the tar last (the completion mark)."""

@@ -9,7 +9,9 @@ filters, aspect buckets, crops, flips and caption dropout, as the trainer decode
 labelled with its key, source, bucket (w x h pixels) and caption ("[dropped]" when caption dropout
 emptied it); with ``dataset.params.masked_loss`` the mask's outline is drawn over the picture (magenta) and
 its mean weight is printed. Latent shards (``dataset.type=latents``) show their first three channels in
-false colour, not decoded pictures.
+false colour, not decoded pictures. Edit pairs (``dataset.params.references``) are shown side by side:
+each reference, then the target (``<out>.json``: ``references``, and ``target_left``, the target's first
+column in the tile's picture).
 
 The header and the printed table give the metadata filters' pass-rates, from a scan of the filters alone
 (nothing decoded) over ``--scan-units`` units (shards, row groups, chunks) of each source, evenly spread
@@ -163,7 +165,8 @@ def main(argv: list[str]) -> int:
     p = cfg.dataset.params
     header = [f"{cfg.experiment.name}: {len(tiles)} samples as trained ({cfg.dataset.type}, resolution {p.resolution}"
               f"{', aspect buckets' if p.aspect_buckets else ''}, caption dropout {p.caption_dropout:g}, flip "
-              f"{p.random_flip:g}{', masked loss' if p.masked_loss else ''})", *lines]
+              f"{p.random_flip:g}{', masked loss' if p.masked_loss else ''}"
+              f"{f', edit pairs: {p.references} reference(s) | target' if p.references else ''})", *lines]
     sheet, head, boxes = contact_sheet(tiles, args.cols, args.tile, header)
     out = Path(args.out or f"preview_{cfg.experiment.name}.png")
     out.parent.mkdir(parents=True, exist_ok=True)

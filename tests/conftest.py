@@ -53,6 +53,15 @@ def shapes_shards(tmp_path_factory):
     return write_shapes_shards(tmp_path_factory.mktemp("shapes"), n_samples=128, n_shards=4, size=64, seed=0)
 
 
+@pytest.fixture(scope="session")
+def edit_shards(tmp_path_factory):
+    """4 shards x 8 paired 32 px samples (``KEY.jpg`` a shape on blue, ``KEY.ref.jpg`` the same shape on another
+    background, ``KEY.txt`` "make the background blue"); returns the brace pattern."""
+    from sd_training.data.synthetic import write_edit_shards
+
+    return write_edit_shards(tmp_path_factory.mktemp("edit"), n_samples=32, n_shards=4, size=32, seed=0)
+
+
 def train_args(tmp_path, pipeline, shards, name="run", **overrides):
     """Command-line style arguments of a tiny CPU run; ``overrides`` as key=value."""
     args = {

@@ -153,3 +153,69 @@ def test_two_ranks_write_every_shard_once_with_the_same_bytes_as_one(tmp_path, t
     assert one["complete"]
     for name in tars(tmp_path / "one"):  # posterior draws are seeded per shard and sample, not per rank
         assert members(tmp_path / "two" / name) == members(tmp_path / "one" / name)
+
+
+def test_reference_latents_are_the_encoding_of_the_cropped_references(tmp_path, tiny_pipeline):
+    """Edit pairs (--references 2): each reference's stored latents are the VAE's encoding of the reference the
+    image path crops (through its target's crop), in the target's units; the latent reader gives them as
+    reference_latents, each reference's posterior drawn from its own generator after the target's (whose
+    draws are those of a run without references); shards with fewer references than the run asks are refused."""
+    import torch
+    from data_fixtures import make_cfg, take, tokenizer
+    from diffusers import AutoencoderKL
+
+    from sd_training.data import DatasetConfigError, build_train_loader
+    from sd_training.data.latents import check_latents_match
+    from sd_training.data.synthetic import write_edit_shards
+    from sd_training.data.transforms import unit_range
+
+    shards = write_edit_shards(str(tmp_path / "in"), 8, 2, size=(48, 32), references=2, seed=0)
+    out = tmp_path / "out"
+    summary = precompute(["--input", shards, "--pipeline", str(tiny_pipeline), "--output", str(out), "--references", "2",
+                          "--dtype", "fp32", *FAST])
+    assert summary["complete"] and summary["samples"] == 8 and not summary["skipped"]
+    info = json.loads((out / "latents_info.json").read_text())
+    assert info["references"] == 2 and info["reference_crop"] == "aligned"
+    assert info["bytes_per_sample"]["references"] == 2 * info["bytes_per_sample"]["latents"]
+    dst = members(out / tars(out)[0])
+    assert {n.split(".", 1)[1] for n in dst} == {"latents.npy", "ref.latents.npy", "ref2.latents.npy", "txt", "json"}
+
+    def build(typ=None, **params):
+        kw = dict(type=typ) if typ else {}
+        cfg = make_cfg(shards if typ is None else str(out), resolution=32, batch_size=4, shuffle_buffer=1, **kw, **params)
+        return build_train_loader(cfg, tokenizer=tokenizer(), rank=0, world_size=1, seed=3)
+
+    vae = AutoencoderKL.from_pretrained(tiny_pipeline, subfolder="vae").eval()
+
+    @torch.no_grad()
+    def mean_of(pixels):
+        return vae.encode(unit_range(pixels)).latent_dist.mean * vae.config.scaling_factor
+
+    images = take(build(references=2, center_crop=True, random_flip=0.0), 2)
+    stored = take(build("latents", references=2, latent_sampling="mean"), 2)
+    for img, lat in zip(images, stored):
+        assert img["keys"] == lat["keys"] and lat["reference_latents"].shape == (4, 2, 4, 4, 4)
+        torch.testing.assert_close(lat["latents"], mean_of(img["pixel_values"]), rtol=0, atol=2e-6)
+        for k in range(2):
+            torch.testing.assert_close(lat["reference_latents"][:, k], mean_of(img["reference_values"][:, k]),
+                                       rtol=0, atol=2e-6)
+    @torch.no_grad()
+    def std_of(pixels):
+        return vae.encode(unit_range(pixels)).latent_dist.std * vae.config.scaling_factor
+
+    # Posterior samples: the targets' as without references; each reference's unit noise its own.
+    drawn, plain = take(build("latents", references=2), 2), take(build("latents"), 2)
+    for d, p, m, img in zip(drawn, plain, stored, images):
+        assert torch.equal(d["latents"], p["latents"]) and "reference_latents" not in p
+        stds = [std_of(img["pixel_values"]), *(std_of(img["reference_values"][:, k]) for k in range(2))]
+        samples = [d["latents"], *d["reference_latents"].unbind(1)]
+        means = [m["latents"], *m["reference_latents"].unbind(1)]
+        eps = [(x - mu) / sd for x, mu, sd in zip(samples, means, stds)]
+        assert all(0.5 < e.std() < 1.5 for e in eps)  # standard normal draws
+        assert all(not torch.allclose(eps[a], eps[b], atol=0.1) for a in range(3) for b in range(a + 1, 3))
+    with pytest.raises(DatasetConfigError, match="references=3 but the latent shards .* hold 2 reference latents"):
+        build("latents", references=3)
+    ld = build("latents", references=2)
+    ld.proc.refs.count = 3  # as a run asking for more than the shards hold
+    with pytest.raises(DatasetConfigError, match="2 reference latents per sample"):
+        check_latents_match(ld, vae)

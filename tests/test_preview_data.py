@@ -122,3 +122,22 @@ def test_config_errors_are_one_line(tmp_path, capsys):
     assert "config error: dataset.params.unmasked_weight=0.5 only applies with" in capsys.readouterr().err
     assert script.main([f"config={path}"]) == 2  # no shard exists: named
     assert "none of the 4 shard(s)" in capsys.readouterr().err
+
+
+def test_edit_pairs_are_shown_side_by_side(tmp_path):
+    """Edit pairs: each reference, then the target, in one picture (the target's bucket in the label)."""
+    from sd_training.data.synthetic import edit_sample, read_shape_image, write_edit_shards
+
+    path = write_edit_shards(str(tmp_path / "e"), 8, 2, size=64, references=2, seed=0)
+    config = base_config(path=path, references=2, random_flip=0.5, center_crop=False)
+    _, png, meta = run_preview(tmp_path, config, "--n", 4, "--cols", 2, "--tile", 128, "--scan-units", 1)
+    for t in meta["tiles"]:
+        assert t["references"] == 2 and t["bucket"] == [64, 64] and t["target_left"] == 2 * (64 + 2)
+        x0, y0, x1, y1 = t["box"]  # 3 pictures of 64 px and 2 gaps of 2 px, fitted into 128 px
+        assert x1 - x0 == 128 and abs((x1 - x0) / (y1 - y0) - (3 * 64 + 4) / 64) < 0.1
+        pair = edit_sample(int(t["key"]), 64, 0, references=2)
+        scale = (x1 - x0) / (3 * 64 + 4)
+        for k, colour in enumerate([*pair.backgrounds, "blue"]):  # each picture's background, left to right
+            left = x0 + round(k * 66 * scale)
+            picture = png[y0 + 1:y1 - 1, left + 1:left + round(64 * scale) - 1]
+            assert read_shape_image(picture)["background"] == colour, (t["key"], k, colour)

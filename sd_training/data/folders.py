@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..config.dataset import DatasetConfigError
 from .masks import sidecar, source_mask_key
+from .references import sidecar_pattern, sidecar_references, source_reference_key
 from .sources import Source, outside_root_error
 from .stats import Stats, describe_error, error_reason
 from .tables import auto_chunk
@@ -30,13 +31,14 @@ from .tables import auto_chunk
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 
-def _walk(folder: str, suffixes, but: Optional[str] = None) -> List[str]:
-    """Paths relative to ``folder``, sorted, of files ending with ``suffixes`` (and not with ``but``)."""
+def _walk(folder: str, suffixes, but: Optional[str] = None, refs=None) -> List[str]:
+    """Paths relative to ``folder``, sorted, of files ending with ``suffixes`` (and not with ``but``, nor
+    matching the reference sidecars' pattern ``refs``)."""
     out = []
     for d, dirs, files in os.walk(folder):
         dirs.sort()
         for f in files:
-            if f.lower().endswith(suffixes) and not (but and f.lower().endswith(but)):
+            if f.lower().endswith(suffixes) and not (but and f.lower().endswith(but)) and not (refs and refs.search(f)):
                 out.append(os.path.relpath(os.path.join(d, f), folder))
     return sorted(out)
 
@@ -54,6 +56,9 @@ class FolderSource(Source):
         # masked_loss: NAME.<mask_key> beside NAME.jpg is the image's mask, not an image of the set
         self.mask_key = source_mask_key(params)
         masks = "." + self.mask_key if self.mask_key else None
+        # edit training: NAME.ref.<ext>, NAME.ref2.<ext>... beside NAME.jpg are its references, not images
+        self.reference_key, self.references = source_reference_key(params), int(params.references)
+        refs = sidecar_pattern(self.reference_key)
         if layout == "metadata":
             meta_dir = os.path.join(root, "metadata")
             if not os.path.isdir(meta_dir):
@@ -65,13 +70,13 @@ class FolderSource(Source):
                 cap_dir = os.path.join(root, "captions")
                 items = [
                     (os.path.join("images", p), os.path.join("captions", os.path.splitext(p)[0] + ".txt"), os.path.splitext(p)[0])
-                    for p in _walk(img_dir, IMAGE_SUFFIXES, masks)
+                    for p in _walk(img_dir, IMAGE_SUFFIXES, masks, refs)
                 ]
                 if not os.path.isdir(cap_dir):
                     raise DatasetConfigError(f"dataset.params.path: {root} has images/ but no captions/ folder")
             else:
                 items = [(p, os.path.splitext(p)[0] + ".txt", os.path.splitext(p)[0])
-                         for p in _walk(root, IMAGE_SUFFIXES, masks)]
+                         for p in _walk(root, IMAGE_SUFFIXES, masks, refs)]
         n_every = int(params.consider_every_nth)
         items = items[::n_every]
         if not items:
@@ -107,6 +112,7 @@ class FolderSource(Source):
             "meta": None,
             "cls": None,
             "mask_path": sidecar(os.path.join(self.root, image_rel), self.mask_key),
+            "references": sidecar_references(os.path.join(self.root, image_rel), self.reference_key, self.references),
         }
 
     def _metadata_sample(self, json_rel: str) -> Dict[str, Any]:
@@ -134,4 +140,5 @@ class FolderSource(Source):
             "cls": None,
             "tags_mode": True,
             "mask_path": sidecar(image_path, self.mask_key),
+            "references": sidecar_references(image_path, self.reference_key, self.references),
         }

@@ -14,6 +14,8 @@ named as WebDataset expects (the key ends at the first dot):
   ``KEY.text.npy``     with ``--text-embeddings``: the family's text conditioning of KEY.txt, [L, D] (one
                        CLIP encoder: its last hidden state; two: both encoders' states concatenated)
   ``KEY.pooled.npy``   with ``--text-embeddings``, for a family conditioned on a pooled embedding too: [P]
+  ``KEY.ref.latents.npy``, ``KEY.ref2.latents.npy``...  with ``--references N`` (edit training): each
+                       reference image's latents, in the store, dtype and units of ``KEY.latents.npy``
 
 Text arrays (states, pooled, the empty caption's) are float16 or float32 ``.npy``, or bfloat16: numpy has
 no bfloat16, so they are stored as the uint16 bit patterns and ``latents_info.json``'s ``text_dtype``
@@ -37,7 +39,11 @@ Reading: the same sources, stream, shuffle buffer, resume position and counters 
 only the per-sample work differs (:class:`LatentSampleProcessor`). A sample's random numbers come
 from its own generator, drawn in the image path's order first (so caption dropout hits the same
 samples whether a run reads images or their latents), then the latent noise ``eps``: a resumed run
-and an uninterrupted one draw the same posterior samples, and every epoch draws new ones.
+and an uninterrupted one draw the same posterior samples, and every epoch draws new ones. Reference
+latents (``dataset.params.references``) each draw theirs from a generator of their own, seeded after all of
+the target's (a run without references draws exactly as before); batches carry them as
+``reference_latents`` float32 [B, R, C, h, w]. Shards holding fewer references per sample than the run asks
+(``latents_info.json``'s ``references``) are refused at start-up.
 
 Caption dropout with precomputed text embeddings: the embedding of a dropped caption must be that of
 '' (what the text encoder would give the tokenized empty caption), so the precompute script stores
@@ -57,6 +63,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..config.dataset import DatasetConfigError
+from .references import reference_names
 from .samples import SIZE_FIELDS, SampleProcessor
 from .sources import REMOTE, ShardError, WebDatasetSource, iter_tar_samples, open_stream
 from .stats import Stats, log
@@ -65,6 +72,7 @@ FORMAT = "sd-training latent shards"
 FORMAT_VERSION = 1
 BF16 = "bfloat16"  # text_dtype of text arrays stored as bfloat16 bit patterns (uint16 .npy)
 LATENTS_MEMBER = "latents.npy"
+REFERENCE_BASE = "ref"  # KEY.ref.latents.npy, KEY.ref2.latents.npy...: the reference latents' members
 TEXT_MEMBER = "text.npy"
 POOLED_MEMBER = "pooled.npy"
 INFO_FILE = "latents_info.json"
@@ -171,7 +179,12 @@ class LatentShardSource(WebDatasetSource):
                 "caption": members.get(self.caption_key),
                 "meta_raw": members.get(self.metadata_key),
                 "cls": members.get(self.cls_key),
+                "references": [(members[m], None) if m in members else None for m in self.reference_members],
             }
+
+    @property
+    def reference_members(self) -> List[str]:
+        return [f"{name}.{LATENTS_MEMBER}" for name in reference_names(REFERENCE_BASE, self.references)]
 
 
 def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[float]:
@@ -194,6 +207,12 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
                 )
             continue
         where = sibling(src.units[0], INFO_FILE)
+        held = int(info.get("references") or 0)
+        if int(params.references) > held:
+            raise DatasetConfigError(
+                f"dataset.params.references={params.references} but the latent shards of {src.name} hold {held} "
+                f"reference latents per sample ({where}): re-run scripts/precompute_latents.py --references "
+                f"{params.references} on the paired shards, or set dataset.params.references={held}")
         if int(info["resolution"]) != int(params.resolution):
             raise DatasetConfigError(
                 f"dataset.params.resolution={params.resolution} but the latent shards of {src.name} were made at "
@@ -279,6 +298,9 @@ def check_latents_match(loader, vae, text: Optional[StoredText] = None) -> None:
     if abs(shift_of(info) - shift) > 1e-6 * max(abs(shift), 1.0):
         problems.append(f"shift factor {shift_of(info)} (the run's VAE: {shift}; stored latents are "
                         "(latent - shift_factor) * scaling_factor)")
+    if loader.proc.refs.count > int(info.get("references") or 0):
+        problems.append(f"{int(info.get('references') or 0)} reference latents per sample (the run's "
+                        f"dataset.params.references: {loader.proc.refs.count})")
     if int(info["latent_channels"]) != int(vae.config.latent_channels):
         problems.append(f"{info['latent_channels']} latent channels (the run's VAE: {vae.config.latent_channels})")
     if loader.proc.text_embeddings and text is not None:
@@ -331,7 +353,7 @@ class LatentSampleProcessor(SampleProcessor):
         sizes = {k: tuple(int(v) for v in meta[k]) for k in SIZE_FIELDS
                  if isinstance(meta.get(k), (list, tuple)) and len(meta[k]) == 2}
         return {"latents": raw["latents"], "text": raw.get("text"), "pooled": raw.get("pooled"),
-                "store": meta.get("latent_store"), "sizes": sizes}
+                "store": meta.get("latent_store"), "sizes": sizes, "references": raw.get("references") or []}
 
     def process(self, s: Dict[str, Any], rng: np.random.Generator, stats: Stats) -> Optional[Dict[str, Any]]:
         where = f"{s['url']} sample {s['key']!r}"
@@ -341,39 +363,24 @@ class LatentSampleProcessor(SampleProcessor):
         rng.integers(2**63)
         caption_rng = np.random.default_rng(rng.integers(2**63))
         eps_rng = np.random.default_rng(rng.integers(2**63))
+        # Edit training: each reference's own noise, drawn after all of the target's (none without references).
+        ref_rngs = [np.random.default_rng(rng.integers(2**63)) for _ in range(self.refs.count)]
         src = s["src"]
         store = s.get("store") or self.stores[src]
-        try:
-            arr = load_npy(s["latents"])
-        except ValueError as exn:
-            stats.skip("bad_latents", f"{where}: {exn}")
-            return None
-        problem = None
-        if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
-            problem = f"expected a float [C, h, w] array, got {arr.dtype} {arr.shape}"
-        elif store not in STORES:
-            problem = f"unknown latent_store {store!r} (json and {INFO_FILE} say nothing usable)"
-        elif store == "mean_std" and arr.shape[0] % 2:
-            problem = f"mean_std latents need an even channel count, got {arr.shape}"
-        if problem is None:
-            arr = arr.astype(np.float32)
-            channels = arr.shape[0] // 2 if store == "mean_std" else arr.shape[0]
-            if self.channels[src] is not None and channels != int(self.channels[src]):
-                problem = f"{channels} latent channels, the shards' info says {self.channels[src]}"
-            elif not np.isfinite(arr).all():
-                problem = "non-finite values"
+        latents, reason, problem = self._latents(s["latents"], store, src, eps_rng)
+        references = []
+        for k, (ref_rng, (data, _)) in enumerate(zip(ref_rngs, s["references"][: self.refs.count])):
+            if problem is not None:
+                break
+            ref, reason, problem = self._latents(data, store, src, ref_rng)
+            if problem is None and ref.shape != latents.shape:
+                problem = f"shape {ref.shape}, the target's {latents.shape}"
+            if problem is not None:
+                reason, problem = "bad_reference_latents", f"reference {k + 1} ({self.refs.names[k]}): {problem}"
+            references.append(ref)
         if problem is not None:
-            stats.skip("bad_latents", f"{where}: {problem}")
+            stats.skip(reason, f"{where}: {problem}")
             return None
-        if store == "mean_std":
-            c = arr.shape[0] // 2
-            mean, std = arr[:c], arr[c:]
-            latents = mean if self.sampling == "mean" else mean + std * eps_rng.standard_normal(mean.shape, dtype=np.float32)
-        elif self.sampling == "mean":
-            stats.skip("latent_store_mismatch", f"{where}: latent_sampling=mean but the sample stores no mean (sample)")
-            return None
-        else:
-            latents = arr
 
         caption = s["caption"]
         if isinstance(caption, int):  # a class index
@@ -393,6 +400,7 @@ class LatentSampleProcessor(SampleProcessor):
         down = self.down[src]
         return {
             "latents": np.ascontiguousarray(latents),
+            "references": [np.ascontiguousarray(r) for r in references],  # [C, h, w] each
             "text": text,
             "pooled": pooled,
             "sizes": s.get("sizes") or {},
@@ -401,6 +409,33 @@ class LatentSampleProcessor(SampleProcessor):
             "key": s["key"],
             "bucket": (w * down, h * down),  # pixels, (width, height) as image buckets
         }
+
+    def _latents(self, data: bytes, store: Optional[str], src: int, eps_rng: np.random.Generator):
+        """(float32 [C, h, w] latents, None, None) of one stored array, the mean or a posterior sample drawn
+        with ``eps_rng``; or (None, skip reason, what is wrong)."""
+        try:
+            arr = load_npy(data)
+        except ValueError as exn:
+            return None, "bad_latents", str(exn)
+        if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
+            return None, "bad_latents", f"expected a float [C, h, w] array, got {arr.dtype} {arr.shape}"
+        if store not in STORES:
+            return None, "bad_latents", f"unknown latent_store {store!r} (json and {INFO_FILE} say nothing usable)"
+        if store == "mean_std" and arr.shape[0] % 2:
+            return None, "bad_latents", f"mean_std latents need an even channel count, got {arr.shape}"
+        arr = arr.astype(np.float32)
+        channels = arr.shape[0] // 2 if store == "mean_std" else arr.shape[0]
+        if self.channels[src] is not None and channels != int(self.channels[src]):
+            return None, "bad_latents", f"{channels} latent channels, the shards' info says {self.channels[src]}"
+        if not np.isfinite(arr).all():
+            return None, "bad_latents", "non-finite values"
+        if store == "mean_std":
+            mean, std = arr[:channels], arr[channels:]
+            return (mean if self.sampling == "mean" else
+                    mean + std * eps_rng.standard_normal(mean.shape, dtype=np.float32)), None, None
+        if self.sampling == "mean":
+            return None, "latent_store_mismatch", "latent_sampling=mean but the sample stores no mean (sample)"
+        return arr, None, None
 
     def _text(self, s, caption: str, src: int, where: str, stats: Stats) -> Optional[np.ndarray]:
         if caption == "" and self.empty_text[src] is not None:
@@ -445,6 +480,8 @@ class LatentSampleProcessor(SampleProcessor):
         }
         if self.preview:
             batch["caption_dropped"] = [bool(s["caption_dropped"]) for s in samples]
+        if self.refs.count:  # edit training: [B, R, C, h, w]
+            batch["reference_latents"] = torch.from_numpy(np.stack([np.stack(s["references"]) for s in samples]))
         for k in range(1, len(self.tokenizers)):
             batch[f"input_ids_{k + 1}"] = self.tokenize(captions, k)
         for name in SIZE_FIELDS:  # only when every sample's json has them (shards of older precomputes do not)

@@ -53,6 +53,7 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
     side = args.resolution // down
     latent_shape = [2 * channels if args.store == "mean_std" else channels, side, side]
     tdtype = text_dtype(args, encoder)
+    refs = int(getattr(args, "references", 0) or 0)  # edit training's reference latents per sample
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -71,12 +72,15 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
         "vae_fingerprint": fingerprint,
         "vae_dtype": args.vae_dtype,
         "seed": args.seed if args.store == "sample" else None,
+        # edit training: KEY.ref.latents.npy, KEY.ref2.latents.npy... per sample (0: none), and how they were cropped
+        "references": refs,
+        **({"reference_crop": args.reference_crop} if refs else {}),
         "text_embeddings": bool(args.text_embeddings),
         "text_shape": list(text_shape) if text_shape else None,
         "pooled_shape": list(pooled_shape) if pooled_shape else None,
         "text_dtype": tdtype,
         "bytes_per_sample": bytes_per_sample(latent_shape, np.dtype(DTYPES[args.dtype]).itemsize, tdtype,
-                                             text_shape, pooled_shape),
+                                             text_shape, pooled_shape, refs),
         # The family's layout tag (PipelineFamily.text_tag; None: the single-encoder layout of older folders)
         "text_family": encoder.tag if encoder is not None else None,
         "clip_skip": args.clip_skip if args.text_embeddings else None,
@@ -93,19 +97,21 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
 
 
 def bytes_per_sample(latent_shape, latent_itemsize: int, tdtype: Optional[str], text_shape,
-                     pooled_shape) -> Dict[str, int]:
+                     pooled_shape, references: int = 0) -> Dict[str, int]:
     """Array bytes of one sample (``.npy`` headers and tar headers, about 1.1 KiB a member, not counted);
-    latents at the square ``--resolution`` (aspect buckets: about the same area)."""
+    latents at the square ``--resolution`` (aspect buckets: about the same area); ``references``: the
+    reference latents (edit training), each the target's size."""
     def numel(shape) -> int:
         return int(np.prod(shape)) if shape else 0
 
     text_size = 2 if tdtype in ("bfloat16", "float16") else 4
     return {"latents": numel(latent_shape) * latent_itemsize,
-            "text": (numel(text_shape) + numel(pooled_shape)) * text_size if tdtype else 0}
+            "text": (numel(text_shape) + numel(pooled_shape)) * text_size if tdtype else 0,
+            **({"references": references * numel(latent_shape) * latent_itemsize} if references else {})}
 
 
 # Fields added after the format's first folders, and the value that means the same for a folder without them.
-LEGACY = {"latent_shift_factor": 0.0, "bytes_per_sample": None}
+LEGACY = {"latent_shift_factor": 0.0, "bytes_per_sample": None, "references": 0}
 
 
 def check_settings(path: Path, info: Dict[str, Any]) -> None:

@@ -4,6 +4,8 @@ and the metadata filters' pass-rates.
 Tiles come from :func:`~sd_training.data.build_train_loader` itself (rank 0 of one, in-process), so they
 are the samples after the filters, bucketing, crops, flips and caption dropout the run applies, with the
 loader's ``preview`` fields: each sample's source name, whether its caption was dropped, its cropped mask.
+Edit pairs (``dataset.params.references``) are shown side by side, each reference then the target, as the
+model sees them (the mask outline on the target only).
 No model is loaded: token ids are not needed, so the loader gets :class:`NoTokens`; latent shards are shown
 as their first three channels in false colour (no VAE decode).
 
@@ -48,8 +50,32 @@ def false_colour(latents: np.ndarray) -> np.ndarray:
     return img.repeat(LATENT_DOWNSAMPLE, 0).repeat(LATENT_DOWNSAMPLE, 1)
 
 
+PAIR_GAP = 2  # pixels between the pictures of an edit pair (the sheet's background shows through)
+
+
+def side_by_side(pictures: List[np.ndarray], gap: int = PAIR_GAP) -> np.ndarray:
+    """uint8 [H, W1 + gap + W2 ..., 3]: ``pictures`` (one height) left to right, ``gap`` white pixels apart."""
+    h = pictures[0].shape[0]
+    parts = []
+    for k, pic in enumerate(pictures):
+        if k:
+            parts.append(np.full((h, gap, 3), 255, np.uint8))
+        parts.append(pic)
+    return np.concatenate(parts, axis=1)
+
+
+def reference_pictures(batch: Dict[str, Any], i: int) -> List[np.ndarray]:
+    """Sample ``i``'s reference images (edit training) as uint8 HxWx3, latents in false colour; [] without."""
+    if "reference_values" in batch:
+        return [r.permute(1, 2, 0).numpy() for r in batch["reference_values"][i]]
+    if "reference_latents" in batch:
+        return [false_colour(r.float().numpy()) for r in batch["reference_latents"][i]]
+    return []
+
+
 def tile_of(batch: Dict[str, Any], i: int) -> Dict[str, Any]:
-    """One sample of a preview batch: its picture (uint8 HxWx3), mask (uint8 HxW or None) and labels."""
+    """One sample of a preview batch: its picture (uint8 HxWx3; an edit pair: its references then its target,
+    side by side), mask (uint8 HxW or None, over the target) and labels."""
     if "pixel_values" in batch:
         image = batch["pixel_values"][i].permute(1, 2, 0).numpy()
     else:
@@ -58,7 +84,16 @@ def tile_of(batch: Dict[str, Any], i: int) -> Dict[str, Any]:
     mask = masks[i] if masks is not None else None
     mask = np.asarray(mask, dtype=np.uint8) if mask is not None else None  # a worker's batch: a tensor
     h, w = image.shape[:2]
+    refs = reference_pictures(batch, i)
+    target_left = 0
+    if refs:
+        image = side_by_side([*refs, image])
+        target_left = image.shape[1] - w
+        if mask is not None:  # the outline stays on the target
+            mask = np.concatenate([np.zeros((h, target_left), np.uint8), mask], axis=1)
     return {
+        "references": len(refs),
+        "target_left": target_left,  # pixels: where the target starts in ``image``
         "image": image,
         "mask": mask,
         "key": str(batch["keys"][i]),
@@ -67,7 +102,7 @@ def tile_of(batch: Dict[str, Any], i: int) -> Dict[str, Any]:
         "dropped": bool(batch["caption_dropped"][i]),
         "bucket": [int(w), int(h)],
         "masked": mask is not None,
-        "mask_mean": None if mask is None else round(float(mask.mean()) / 255.0, 4),
+        "mask_mean": None if mask is None else round(float(mask[:, target_left:].mean()) / 255.0, 4),
     }
 
 

@@ -29,6 +29,7 @@ from .buckets import assign_bucket, make_buckets
 from .captions import CaptionAugment, TagRules, decode_caption, load_idx_to_prompt, parse_cls
 from .filters import parse_filters
 from .masks import MaskSettings, collate_weights, open_mask
+from .references import ReferenceSettings, collate_references
 from .sources import read_image_path
 from .stats import Stats
 from .transforms import ImageError, crop_like, decode_cropped, open_image, shown_size, to_pixel_values
@@ -49,6 +50,7 @@ class SampleProcessor:
         self.flip_p = float(params.random_flip)
         self.fast_decode = bool(params.fast_decode)
         self.masks = MaskSettings(params)
+        self.refs = ReferenceSettings(params)  # edit training: each sample's reference images (references.py)
         # scripts/preview_data.py: batches also carry each sample's source name (``sources``), whether its
         # caption was dropped (``caption_dropped``) and its cropped mask or None (``masks``).
         self.preview = False
@@ -100,6 +102,11 @@ class SampleProcessor:
         if payload is None:
             stats.skip(self.missing_payload, f"{where}: no {self.missing_payload[len('missing_'):]} member/column")
             return None
+        if self.refs.count:
+            why = self.refs.missing(raw)
+            if why is not None:
+                stats.skip("missing_reference", f"{where}: {why}")
+                return None
         tags = None
         caption = ""
         if self.use_tags or raw.get("tags_mode"):
@@ -151,7 +158,7 @@ class SampleProcessor:
         if raw.get("image") is None and not raw.get("image_path"):
             return None
         return {"image": raw.get("image"), "image_path": raw.get("image_path"), "mask": raw.get("mask"),
-                "mask_path": raw.get("mask_path")}
+                "mask_path": raw.get("mask_path"), "references": raw.get("references") or []}
 
     # -- stage 2: image work ------------------------------------------------------------------------
     def process(self, s: Dict[str, Any], rng: np.random.Generator, stats: Stats) -> Optional[Dict[str, Any]]:
@@ -174,6 +181,7 @@ class SampleProcessor:
                 return None
             # The bucket of the picture as shown: a phone photo stored landscape with an EXIF turn is portrait.
             mask = self._open_mask(s, shown_size(img))  # before the decode: a bad mask costs no decode
+            refs = self.refs.open(s["references"], shown_size(img), read_image_path, self.timeout) if self.refs.count else []
             bucket = self.buckets[0] if len(self.buckets) == 1 else assign_bucket(*shown_size(img), self.buckets)
             decoded = decode_cropped(
                 img,
@@ -185,6 +193,7 @@ class SampleProcessor:
                 fast_decode=self.fast_decode,
                 keep_alpha=self.masks.from_alpha,
             )
+            references = self.refs.decode(refs, decoded, self.fast_decode)  # no random draw: the target's geometry
         except ImageError as exn:
             stats.skip(exn.reason, f"{where}: {exn}")
             return None
@@ -199,6 +208,7 @@ class SampleProcessor:
         return {
             "pixels": decoded.pixels,
             "mask": mask,  # uint8 [H, W] cropped like the pixels, or None (masked_loss: see masks.py)
+            "references": references,  # uint8 [H, W, 3] each, through the pixels' geometry (references.py)
             "caption": caption,
             "caption_dropped": dropped,
             "key": s["key"],
@@ -236,6 +246,8 @@ class SampleProcessor:
         weights = collate_weights(samples, self.masks)
         if weights is not None:
             batch["loss_weight"], batch["zero_weight_samples"] = weights
+        if self.refs.count:
+            batch["reference_values"] = collate_references(samples)  # uint8 [B, R, 3, H, W]
         if self.preview:
             batch.update(caption_dropped=[bool(s["caption_dropped"]) for s in samples],
                          masks=[s["mask"] for s in samples])

@@ -9,6 +9,7 @@ Every source turns its units into *raw samples*, plain dicts with the same field
   ``caption``     caption bytes or str, or None
   ``meta``        a dict of metadata, or ``meta_raw`` json bytes parsed later (so bad json is counted, not fatal)
   ``cls``         the class index (bytes/str/int) for classification datasets, or None
+  ``references``  edit training: one ``(bytes, path)`` or None per reference image (see :mod:`.references`)
 
 Nothing here decodes an image: sources are cheap, decoding happens after the metadata filters.
 Units are plain picklable values; a source is rebuilt nowhere - it is pickled into the worker processes.
@@ -34,6 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..config.dataset import DatasetConfigError
 from .masks import source_mask_key
+from .references import source_reference_key, tar_references
 from .stats import Stats, describe_error, error_reason
 
 REMOTE = re.compile(r"^(https?|pipe|s3|gs|ais|hf|scp|sftp|ftps)[:]")
@@ -332,6 +334,8 @@ class WebDatasetSource(Source):
         self.max_member_bytes = int(params.max_member_bytes)
         self.num_samples = _sizes_json_total(spec, self.units)
         self.mask_key = source_mask_key(params)  # masked_loss: the member holding the mask (None: not read)
+        # edit training: KEY.ref.<ext>, KEY.ref2.<ext>... (None: not read; see references.py)
+        self.reference_key, self.references = source_reference_key(params), int(params.references)
 
     def read(self, unit: str, stats: Stats) -> Iterator[Dict[str, Any]]:
         for members in iter_tar_samples(unit, self.timeout, stats, self.max_member_bytes):
@@ -349,6 +353,7 @@ class WebDatasetSource(Source):
                 "meta_raw": members.get(self.metadata_key),
                 "cls": members.get(self.cls_key),
                 "mask": members.get(self.mask_key) if self.mask_key else None,
+                "references": tar_references(members, self.reference_key, self.references),
             }
 
 

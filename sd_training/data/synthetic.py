@@ -3,6 +3,10 @@
 Each sample is a JPEG of one shape on a plain background, its caption ("a red circle on a blue
 background") and json metadata (width, height, shape, colour, background). The quickstart trains on it;
 the tests use it as a realistic stand-in for img2dataset output.
+
+The edit set (:func:`write_edit_shards`, :func:`edit_sample`) pairs a shape on a background that is not
+blue (the reference, ``KEY.ref.jpg``) with the same shape on blue (the target, ``KEY.jpg``) under the
+instruction "make the background blue"; :func:`score_edit` reads a model's edit back from its pixels.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -242,3 +246,102 @@ def write_masked_shards(out_dir: str, n_samples: int, n_shards: int, sizes=(64,)
         return {"__key__": key, "png": data, "txt": caption, "json": meta, "mask.png": mask}
 
     return _write_shards(out_dir, n_samples, n_shards, prefix, members)
+
+
+# --------------------------------------------------------------------------------------------------
+# Paired (edit) samples: "make the background blue"
+# --------------------------------------------------------------------------------------------------
+
+EDIT_CAPTION = "make the background blue"
+EDIT_TARGET_BACKGROUND = "blue"
+REFERENCE_MEMBERS = ("ref", "ref2", "ref3", "ref4", "ref5", "ref6", "ref7", "ref8")  # dataset.params.reference_key's
+
+
+class EditPair(NamedTuple):
+    """One paired sample of :func:`edit_sample`: the source(s) and the target share the shape's geometry."""
+
+    key: str
+    references: List[Image.Image]  # the first is "the" source; the others the same shape on other backgrounds
+    target: Image.Image  # the same shape, colour and place on blue
+    caption: str
+    shape: str
+    colour: str
+    backgrounds: List[str]  # each reference's background
+    mask: np.ndarray  # bool [H, W]: the shape's pixels (the same in every picture of the pair)
+
+
+def edit_sample(index: int, size, seed: int = 0, references: int = 1, radius: Tuple[float, float] = RADIUS,
+                offset: float = OFFSET) -> EditPair:
+    """Sample ``index`` of the edit set: a shape in a colour on a background that is not blue (the reference
+    images), and the same shape, colour and place on blue (the target). ``size``: an int or (width, height).
+    Held-out pairs for a measure are indices the shards do not hold (or another ``seed``)."""
+    if not 1 <= references <= len(REFERENCE_MEMBERS):
+        raise ValueError(f"references={references}: 1 to {len(REFERENCE_MEMBERS)} reference images per sample")
+    rng = np.random.default_rng([seed, index, 0xED17])
+    shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    colours = [n for n in COLOURS if n != EDIT_TARGET_BACKGROUND]  # a blue shape would vanish on the target
+    colour = colours[int(rng.integers(len(colours)))]
+    others = [n for n in colours if n != colour]
+    backgrounds = [others[int(i)] for i in rng.permutation(len(others))[:references]]  # distinct, never blue
+    geometry = int(rng.integers(2**63))  # one draw: every picture of the pair puts the shape in the same place
+    width, height = (size, size) if isinstance(size, int) else size
+
+    def draw(background: str) -> Image.Image:
+        return draw_shape(shape, colour, background, width, height, np.random.default_rng(geometry), radius, offset)
+
+    target = draw(EDIT_TARGET_BACKGROUND)
+    mask = np.any(np.asarray(target) != np.asarray(COLOURS[EDIT_TARGET_BACKGROUND], np.uint8), axis=-1)
+    return EditPair(f"{index:08d}", [draw(b) for b in backgrounds], target, EDIT_CAPTION, shape, colour,
+                    backgrounds, mask)
+
+
+def _jpeg(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=92)
+    return buf.getvalue()
+
+
+def edit_members(pair: EditPair, index: int) -> dict:
+    """The tar members of one :class:`EditPair`: ``KEY.jpg`` (target), ``KEY.ref.jpg``, ``KEY.ref2.jpg``...
+    (references), ``KEY.txt`` (the instruction) and ``KEY.json``."""
+    width, height = pair.target.size
+    meta = {"width": width, "height": height, "shape": pair.shape, "colour": pair.colour,
+            "background": pair.backgrounds[0], "reference_backgrounds": pair.backgrounds,
+            "target_background": EDIT_TARGET_BACKGROUND, "index": index}
+    out = {"__key__": pair.key, "jpg": _jpeg(pair.target), "txt": pair.caption, "json": meta}
+    for name, ref in zip(REFERENCE_MEMBERS, pair.references):
+        out[f"{name}.jpg"] = _jpeg(ref)
+    return out
+
+
+def write_edit_shards(out_dir: str, n_samples: int, n_shards: int, size=64, references: int = 1, seed: int = 0,
+                      *, prefix: str = "edit") -> str:
+    """:func:`edit_sample` pairs in ``n_shards`` tar shards (plus ``sizes.json``), members as
+    :func:`edit_members`; returns the brace pattern (``out_dir/edit-{000000..000003}.tar``)."""
+    return _write_shards(out_dir, n_samples, n_shards, prefix,
+                         lambda index: edit_members(edit_sample(index, size, seed, references), index))
+
+
+def score_edit(image, pair: EditPair) -> Dict[str, object]:
+    """How well ``image`` (a model's output for ``pair``'s reference and instruction) did the edit, read from
+    its pixels against the pair's shape mask: ``background`` (the colour named from the median outside the
+    shape, eroded by a pixel band so edges do not count), ``colour`` (the same inside the shape), and
+    ``ok``: the background is blue and the shape kept its colour."""
+    px = np.asarray(image.convert("RGB").resize(pair.target.size, Image.BICUBIC), dtype=np.float64)
+    inside, outside = _eroded(pair.mask), _eroded(~pair.mask)
+    background = nearest_colour(np.median(px[outside], axis=0)) if outside.any() else None
+    colour = nearest_colour(np.median(px[inside], axis=0)) if inside.any() else None
+    return {"background": background, "colour": colour,
+            "ok": background == EDIT_TARGET_BACKGROUND and colour == pair.colour}
+
+
+def _eroded(mask: np.ndarray, band: int = 2) -> np.ndarray:
+    """``mask`` shrunk by ``band`` pixels (an edge pixel mixes both colours after a resize or a JPEG)."""
+    out = mask.copy()
+    for _ in range(band):
+        out[1:] &= mask[:-1]
+        out[:-1] &= mask[1:]
+        out[:, 1:] &= mask[:, :-1]
+        out[:, :-1] &= mask[:, 1:]
+        mask = out.copy()
+    return out

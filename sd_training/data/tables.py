@@ -15,6 +15,7 @@ import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..config.dataset import DatasetConfigError
+from .references import table_cells, table_reference_columns
 from .sources import ShardError, Source, outside_root_error
 from .stats import Stats, describe_error, error_reason, log
 
@@ -95,6 +96,9 @@ class _TableSource(Source):
         # masked_loss: the column holding each row's mask (not read with mask_from_alpha)
         self.mask_col = (_pick(columns, str(params.mask_column), (), "mask_column", where)
                          if params.masked_loss and not params.mask_from_alpha else None)
+        # edit training: the columns reference, reference2... (or one list column; see references.py)
+        self.reference_cols = table_reference_columns(columns, params, where)
+        self.references = int(params.references)
 
     def _cell_image(self, value: Any, folder: str):
         """(bytes, path, error) of an image or mask cell: bytes, HF's {"bytes", "path"} struct, a path or URL."""
@@ -121,8 +125,14 @@ class _TableSource(Source):
         mask = mask_path = None
         if self.mask_col is not None and error is None:
             mask, mask_path, error = self._cell_image(row.get(self.mask_col), folder)
-        # Metadata: every column but the image and mask bytes (a path or URL is kept: filters may use it).
-        meta = {k: v for k, v in row.items() if k not in (self.image_col, self.mask_col) or isinstance(v, str)}
+        references = []
+        for cell in table_cells(row, self.reference_cols, self.references):
+            data, ref_path, ref_error = self._cell_image(cell, folder)
+            error = error or ref_error
+            references.append((data, ref_path) if data is not None or ref_path else None)
+        # Metadata: every column but the image, mask and reference bytes (a path or URL is kept: filters may use it).
+        binary = (self.image_col, self.mask_col, *self.reference_cols)
+        meta = {k: v for k, v in row.items() if k not in binary or isinstance(v, str)}
         key = row.get(self.key_col) if self.key_col else None
         return {
             "key": str(key) if key not in (None, "") else default_key,
@@ -134,6 +144,7 @@ class _TableSource(Source):
             "cls": row.get(self.cls_col) if self.cls_col else None,
             "mask": mask,
             "mask_path": mask_path,
+            "references": references,
             **({"error": error} if error else {}),
         }
 

@@ -187,8 +187,9 @@ def alpha_channel(img: Image.Image) -> Optional[Image.Image]:
 
 
 def crop_like(mask: Image.Image, decoded: Decoded) -> np.ndarray:
-    """uint8 [out_h, out_w] of a one-channel picture (a mask) of the source's shown size (any scale: the
-    crop is in fractions), cropped, resized (the same bicubic filter) and flipped as ``decoded``'s pixels."""
+    """uint8 [out_h, out_w] (or [out_h, out_w, 3] of an RGB picture) of a picture of the source's shown aspect
+    (a mask, an edit pair's reference; any scale: the crop is in fractions), cropped, resized (the same
+    bicubic filter) and flipped as ``decoded``'s pixels."""
     w, h = mask.size
     x0, y0, x1, y1 = decoded.box
     out_h, out_w = decoded.pixels.shape[:2]
@@ -196,6 +197,35 @@ def crop_like(mask: Image.Image, decoded: Decoded) -> np.ndarray:
     if decoded.flipped:
         mask = mask.transpose(Image.FLIP_LEFT_RIGHT)
     return np.array(mask, dtype=np.uint8)  # writable (torch's worker transfer converts it)
+
+
+def decode_like(img: Image.Image, decoded: Decoded, fast_decode: bool = True) -> np.ndarray:
+    """uint8 [out_h, out_w, 3] of another picture of the same framing as ``decoded``'s source (an edit pair's
+    reference; from :func:`open_image`, any size of the same aspect) through ``decoded``'s crop box, bicubic
+    resize and flip (:func:`crop_like`), turned by its own EXIF orientation first. A JPEG much larger than
+    needed is decoded at reduced scale, as :func:`decode_cropped` does. Raises :class:`ImageError`."""
+    out_h, out_w = decoded.pixels.shape[:2]
+    x0, y0, x1, y1 = decoded.box
+    try:
+        orientation = _orientation(img)
+        if fast_decode and img.format == "JPEG":
+            # The whole picture at the scale where the crop box is out_w x out_h (the target's cover size).
+            need_w, need_h = int(np.ceil(out_w / max(x1 - x0, 1e-6))), int(np.ceil(out_h / max(y1 - y0, 1e-6)))
+            if orientation in (5, 6, 7, 8):
+                need_w, need_h = need_h, need_w
+            if need_w * 2 <= img.width:
+                img.draft("RGB", (need_w, need_h))
+        img = _to_rgb(img)
+        if orientation != 1:
+            img = _orient(img, orientation)
+    except ImageError:
+        raise
+    except Exception as exn:  # truncated or corrupt data shows up at decode time
+        raise ImageError("corrupt_image", f"decode failed ({exn})") from exn
+    arr = crop_like(img, decoded)
+    if arr.shape != (out_h, out_w, 3):  # defensive: PIL modes we did not foresee
+        raise ImageError("corrupt_image", f"unexpected decoded shape {arr.shape}")
+    return arr
 
 
 def to_pixel_values(images: np.ndarray):
