@@ -101,7 +101,7 @@ def output_paths(cfg: TrainConfig) -> list[tuple[str, str]]:
     out = [("experiment.log_dir", os.path.join(cfg.experiment.log_dir, cfg.experiment.name))]
     q, ev = cfg.quickstart, cfg.evaluation
     for key, path in (("quickstart.tiny_pipeline", q.tiny_pipeline), ("quickstart.shapes_dataset", q.shapes_dataset),
-                      ("quickstart.word_dataset", q.word_dataset)):
+                      ("quickstart.word_dataset", q.word_dataset), ("quickstart.edit_dataset", q.edit_dataset)):
         if path and not os.path.exists(path):
             out.append((key, path))
     if ev.ref_stats and ev.ref_images and not os.path.exists(ev.ref_stats):

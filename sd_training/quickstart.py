@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import distributed
 from .config.schema import QuickstartConfig
-from .data.synthetic import write_shapes_shards, write_word_shards
+from .data.synthetic import write_edit_shards, write_shapes_shards, write_word_shards
 from .families.registry import make_tiny_pipeline
 from .outputs.file_modes import share_tree
 
@@ -36,6 +36,8 @@ def prepare(cfg: QuickstartConfig, is_main: bool) -> None:
         _prepare_shapes(cfg)
     if is_main and cfg.word_dataset:
         _prepare_word(cfg)
+    if is_main and cfg.edit_dataset:
+        _prepare_edit(cfg)
     distributed.barrier()
 
 
@@ -62,6 +64,15 @@ def _prepare_word(cfg: QuickstartConfig) -> None:
     _write_dataset(Path(cfg.word_dataset), spec, "quickstart.word_*", lambda out: write_word_shards(
         str(out), cfg.word, cfg.word_shape, cfg.word_colour, spec["backgrounds"], cfg.word_samples, 2,
         size=cfg.shapes_size, radius=tuple(spec["radius"]), offset=spec["offset"]))
+
+
+def _prepare_edit(cfg: QuickstartConfig) -> None:
+    """The paired edit dataset (quickstart.edit_*): a shape on a background that is not blue (the reference),
+    the same shape on blue (the target), "make the background blue"; the shapes' size and shard size."""
+    spec = {"samples": cfg.edit_samples, "kind": "edit", "per_shard": cfg.shapes_per_shard, "size": cfg.shapes_size, "seed": 0}
+    n_shards = -(-cfg.edit_samples // cfg.shapes_per_shard)
+    _write_dataset(Path(cfg.edit_dataset), spec, "quickstart.edit_*", lambda out: write_edit_shards(
+        str(out), cfg.edit_samples, n_shards, size=cfg.shapes_size, seed=0))
 
 
 def _write_dataset(folder: Path, spec: dict, keys: str, write) -> None:

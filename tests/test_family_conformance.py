@@ -444,8 +444,9 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
            and k not in ("pixel_values", "sample_seeds", "reference_values")}
     for k, v in ids.items():
         assert torch.equal(shard[k], v), k
-    if "original_size" in image:  # size conditioning (SDXL's): the shards' images are 64 px, trained at 32
-        assert image["original_size"].tolist()[0] == [64, 64] and image["target_size"].tolist()[0] == [RES, RES]
+    if "original_size" in image:  # size conditioning (SDXL's): the shapes' images are 64 px (the pairs' 32), trained at 32
+        side = 32 if n_refs else 64
+        assert image["original_size"].tolist()[0] == [side, side] and image["target_size"].tolist()[0] == [RES, RES]
     with torch.no_grad():
         want = online.latents({"pixel_values": unit_range(image["pixel_values"])})
     torch.testing.assert_close(shard["latents"], want, rtol=1e-5, atol=1e-5)

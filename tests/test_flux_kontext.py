@@ -268,3 +268,28 @@ def test_estimates_count_the_references_tokens(family):
     kontext = type(family).sample_activation_elements(conf, shape, False)
     assert kontext > Flux.sample_activation_elements(conf, shape, False) > 0
     assert family.step_flops().unet_forward > 0
+
+
+def test_the_evaluation_cli_generates_from_a_reference_file(kontext_pipeline, pipe, tmp_path):
+    """``python -m sd_training.evaluation --pipeline ... --reference-file``: image i edits prompt i's reference
+    (resized to --resolution), as the pipeline called with the family's reference_call makes it; a file whose
+    lines do not match the prompts is refused."""
+    from sd_training.evaluation.__main__ import main
+    from sd_training.families.flux_kontext import FluxKontext
+    from sd_training.outputs import sample_references
+
+    refs = reference_files(tmp_path)
+    (tmp_path / "prompts.txt").write_text("make it blue\nmake it red\n")
+    (tmp_path / "refs.txt").write_text(f"{refs[0].name}\n{refs[1].name}\n")
+    common = ["--pipeline", str(kontext_pipeline), "--prompts", str(tmp_path / "prompts.txt"), "--resolution", str(RES),
+              "--steps", "2", "--seed", "4", "--images", str(tmp_path / "images"), "--out", str(tmp_path / "r.json")]
+    main([*common, "--reference-file", str(tmp_path / "refs.txt")])
+    (ref,) = sample_references.load([refs[1]], RES)  # as the grid test checks it: cover-resized, center-cropped
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt=["make it red"], num_inference_steps=2, guidance_scale=7.5, height=RES, width=RES,
+                generator=[torch.Generator().manual_seed(5)], **FluxKontext.reference_call([ref])).images[0]
+    got = np.asarray(Image.open(tmp_path / "images" / "000001.png")).astype(int)
+    np.testing.assert_array_equal(got, np.asarray(want).astype(int))
+    (tmp_path / "short.txt").write_text(f"{refs[0].name}\n")
+    with pytest.raises(SystemExit, match="1 lines for 2 prompts"):
+        main([*common, "--reference-file", str(tmp_path / "short.txt")])

@@ -301,6 +301,8 @@ class QuickstartConfig:
     word_backgrounds: List[str] = f(["red", "blue", "yellow", "orange", "black"], "backgrounds of the word's images "
                                     "(the other colours stay held out: prompts a test can check)")
     word_samples: int = f(500, "images of the word (in word_dataset, 2 shards)", ge=2)
+    edit_dataset: Optional[str] = f(None, "folder: write paired edit shards here when absent (KEY.jpg a shape on blue, KEY.ref.jpg the same shape on another background, KEY.txt 'make the background blue'; configs/quickstart_edit.yaml), quickstart.shapes_size and shapes_per_shard as the shapes'")
+    edit_samples: int = f(2000, "pairs in the edit dataset", ge=1)
 
 
 @dataclass

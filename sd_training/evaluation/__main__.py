@@ -42,6 +42,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     gen.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale")
     gen.add_argument("--resolution", type=int, default=None, help="pixels (default: the pipeline's)")
     gen.add_argument("--gen-batch-size", type=int, default=8, help="prompts per pipeline call")
+    gen.add_argument("--reference-file", help="edit pipelines (Flux Kontext ...): one line per prompt, its reference "
+                     "image path(s) tab-separated, relative to the file's folder (a run's "
+                     "experiment.eval_reference_file); resized to --resolution, which it needs")
     met = p.add_argument_group("metrics")
     met.add_argument("--ref-stats", help=".npz reference statistics: read if present, else written from --ref-images")
     met.add_argument("--ref-images", help="reference images: a folder, or WebDataset shards (brace pattern or folder of .tar)")
@@ -61,7 +64,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("give --images or --pipeline, or --ref-images with --ref-stats to only cache reference statistics")
     if (args.images or args.pipeline) and not args.out:
         p.error("--out is required to evaluate images")
+    if args.reference_file and not (args.pipeline and args.resolution):
+        p.error("--reference-file goes with --pipeline and --resolution (the references are resized to it)")
     return args
+
+
+def reference_calls(path: str | None, pipeline: str, n_prompts: int, resolution: int) -> list[dict] | None:
+    """Each prompt's pipeline arguments from ``--reference-file`` (the pipeline's family's ``reference_call``
+    on its references at ``resolution``); None without the file."""
+    if not path:
+        return None
+    from ..families import registry
+    from ..outputs import sample_references
+
+    rows = sample_references.eval_paths(path)
+    if len(rows) != n_prompts:
+        raise SystemExit(f"--reference-file {path} has {len(rows)} lines for {n_prompts} prompts: one per prompt")
+    family = registry.FAMILIES[registry.detect_source("auto", pipeline, family_key="the pipeline's family",
+                                                      source_key="--pipeline")]
+    return [family.reference_call(sample_references.load(paths, resolution)) for paths in rows]
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -93,10 +114,11 @@ def main(argv: list[str] | None = None) -> dict | None:
 
             prompts = read_prompts(args.prompts)
             n = args.num_images or len(prompts)
+            calls = reference_calls(args.reference_file, args.pipeline, len(prompts), args.resolution)
             pipe = load_pipeline(args.pipeline, info.device)
             generate_images(
                 pipe, prompts, n, images, args.seed, args.steps, args.guidance, args.resolution, info.rank,
-                info.world_size, args.gen_batch_size, progress=args.progress,
+                info.world_size, args.gen_batch_size, progress=args.progress, calls=calls,
             )
             del pipe
             distributed.barrier()  # every rank's images are on disk before anyone reads them
