@@ -10,7 +10,8 @@ in the copy's root) and ``python`` (``.venv/bin/python``); ``yaml``, ``json``, `
 are not commands. A block that cannot run on a CPU machine without network is marked on the line right
 before its opening fence::
 
-    <!-- docs-test: needs gpu -->            (or weights, slurm, token, network, apt; several: "needs gpu, slurm")
+    <!-- docs-test: needs gpu -->            (or weights, slurm, token, network, apt; several: "needs gpu, slurm"
+                                             or "needs gpu, needs slurm")
     <!-- docs-test: skip REASON -->          (not a command: an output listing, a config excerpt)
 
 and one line of a block (with its backslash continuations; in Python the statement it is in) by a
@@ -70,7 +71,8 @@ def parse_mark(body: str, where: str) -> Mark:
     """``needs gpu, slurm`` or ``skip REASON`` (the text after ``docs-test:``)."""
     body = body.strip()
     if body.startswith("needs "):
-        needs = tuple(n.strip() for n in body[len("needs "):].split(","))
+        # "needs gpu, slurm" or "needs gpu, needs slurm"
+        needs = tuple(re.sub(r"^needs\s+", "", n.strip()) for n in body[len("needs "):].split(","))
         unknown = [n for n in needs if n not in NEEDS]
         if unknown or not needs:
             raise MarkError(f"{where}: 'docs-test: {body}': unknown need {unknown} (one or more of {', '.join(NEEDS)})")
@@ -360,28 +362,37 @@ def untracked_outputs(copy: Path) -> list[str]:
     return out.splitlines()
 
 
+def list_blocks(pages: list[str]) -> None:
+    for page in pages:
+        for b in extract((ROOT / page).read_text(encoding="utf-8"), page):
+            if b.kind:
+                state = f"left out: {b.mark}" if b.mark else "runs" if b.runnable else "empty"
+                marks = "".join(f"; line {b.page_line(i)} {m}" for i, m in sorted(b.line_marks.items()))
+                print(f"{page}:{b.line}: {b.tag}: {state}{marks}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the docs' commands on a fresh copy of the repository.")
     ap.add_argument("pages", nargs="*", help="pages relative to the repository root (default: all, in order)")
     ap.add_argument("--max-steps", type=int, default=2, help="SD_TRAINING_MAX_STEPS for the commands (default 2)")
     ap.add_argument("--timeout", type=float, default=BLOCK_TIMEOUT_S, help="seconds per block")
     ap.add_argument("--keep", action="store_true", help="keep the copy (its path is printed)")
+    ap.add_argument("--logs", type=Path, help="keep every block's output in this folder (<page>_<line>.log)")
     ap.add_argument("--list", action="store_true", help="list the blocks and their marks; run nothing")
     args = ap.parse_args(argv)
     pages = args.pages or manual_pages()
     if args.list:
-        for page in pages:
-            for b in extract((ROOT / page).read_text(encoding="utf-8"), page):
-                if b.kind:
-                    state = f"left out: {b.mark}" if b.mark else "runs" if b.runnable else "empty"
-                    marks = "".join(f"; line {b.page_line(i)} {m}" for i, m in sorted(b.line_marks.items()))
-                    print(f"{page}:{b.line}: {b.tag}: {state}{marks}")
+        try:
+            list_blocks(pages)
+        except MarkError as e:
+            print(e, file=sys.stderr)
+            return 1
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="docs-copy-"))
     copy = make_copy(tmp / "sd-training")
     print(f"copy: {copy}")
     try:
-        run_pages(copy, pages, max_steps=args.max_steps, timeout=args.timeout)
+        run_pages(copy, pages, max_steps=args.max_steps, timeout=args.timeout, log_dir=args.logs)
         left = untracked_outputs(copy)
         if left:
             print("not ignored by git after the commands:\n" + "\n".join(left), file=sys.stderr)
