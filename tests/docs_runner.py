@@ -18,6 +18,9 @@ and one line of a block (with its backslash continuations; in Python the stateme
 ``# docs-test: needs ...`` or ``# docs-test: skip ...`` comment on it. A mark that is not one of these, or
 that marks nothing, is an error, never ignored.
 
+A block that repeats one already run word for word (docs/quickstarts.md repeats the README's quickstart) is
+reported as the same, not run twice.
+
 The environment is a user's with the virtual environment activated (``.venv/bin`` first on ``PATH``, so
 the docs' ``python`` is the venv's), plus: ``PYTHONPATH`` the copy (its own code, whichever checkout
 ``.venv``'s editable install points at), no GPU (``CUDA_VISIBLE_DEVICES=``), offline (``HF_HUB_OFFLINE=1``,
@@ -219,6 +222,7 @@ class PageReport:
     def summary(self) -> str:
         why: dict[str, int] = {}
         for _, reason in self.skipped:
+            reason = "same as a block run before" if reason.startswith("same as ") else reason
             why[reason] = why.get(reason, 0) + 1
         left = "; ".join(f"{n} {reason}" for reason, n in sorted(why.items()))
         seconds = sum(s for _, s in self.ran)
@@ -263,7 +267,6 @@ def docs_env(copy: Path, max_steps: int, home: Path) -> dict[str, str]:
         PYTHONPATH=str(copy), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
         WANDB_MODE="offline", HF_HOME=str(home / "hf"), MPLCONFIGDIR=str(home / "mpl"),
         SD_TRAINING_MAX_STEPS=str(max_steps), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-        PYTHONDONTWRITEBYTECODE="1",
     )
     return env
 
@@ -332,6 +335,7 @@ def run_pages(copy: Path, pages: list[str], *, max_steps: int = 2, timeout: floa
     """Run every runnable block of ``pages`` (paths relative to ``copy``) in order in ``copy``. Stops at the first
     failure (``DocsCommandFailed``); returns one report per page. ``log_dir``: every block's output kept there."""
     reports = []
+    ran: dict[tuple[str, str], str] = {}  # (kind, script) -> "page:line" where that same block ran
     with tempfile.TemporaryDirectory(prefix="docs-test-") as tmp:
         scratch = Path(tmp)
         env = docs_env(copy, max_steps, scratch)
@@ -348,6 +352,11 @@ def run_pages(copy: Path, pages: list[str], *, max_steps: int = 2, timeout: floa
                     report.skipped.append((block.page_line(index), str(mark)))
                 if not block.runnable:
                     continue
+                same = ran.get((block.kind, "\n".join(block.script_lines())))
+                if same:  # a page repeating another's block word for word (docs/quickstarts.md and the README)
+                    report.skipped.append((block.line, f"same as {same}"))
+                    continue
+                ran[(block.kind, "\n".join(block.script_lines()))] = f"{page}:{block.line}"
                 count = sum(bool(x.strip()) for x in block.script_lines())
                 log(f"{page}:{block.line}: {block.tag} block, {count} line(s)")
                 report.ran.append((block.line, run_block(block, copy, env, timeout, scratch, log_dir)))

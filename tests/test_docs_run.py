@@ -180,10 +180,16 @@ def test_the_report_counts_what_ran_and_what_was_left_out(tiny_repo):
         "python -c 'import sys; assert sys.prefix != sys.base_prefix'  # the venv's python first on PATH\n"
         "sbatch x  # docs-test: needs slurm\n```\n\n<!-- docs-test: needs gpu -->\n```bash\nfalse\n```\n\n"
         "```yaml\na: 1\n```\n")
-    report, = run_pages(tiny_repo, ["page.md"], max_steps=3, log=lambda _: None)
+    twice = "```bash\necho $RANDOM >> runs.txt\n```\n\n"
+    (tiny_repo / "other.md").write_text(twice + twice)
+    report, other = run_pages(tiny_repo, ["page.md", "other.md"], max_steps=3, log=lambda _: None)
     assert [line for line, _ in report.ran] == [1]
     assert report.skipped == [(5, "needs slurm"), (9, "needs gpu")]
     assert "page.md: 1 block(s) run" in report.summary() and "1 needs gpu; 1 needs slurm" in report.summary()
+    # a block repeating one run before, word for word, is reported, not run twice
+    assert [line for line, _ in other.ran] == [1] and other.skipped == [(5, "same as other.md:1")]
+    assert len((tiny_repo / "runs.txt").read_text().split()) == 1
+    assert "1 same as a block run before" in other.summary()
 
 
 def test_a_fresh_copy_is_clean_and_its_outputs_are_seen(tmp_path):
