@@ -12,13 +12,16 @@ batch."""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sd_training.config import ConfigError
 from sd_training.configure import MAX_STEPS_ENV, apply_step_cap, load
+from sd_training.data.synthetic import write_shapes_shards
 from sd_training.run.train_state import Plan
 
 from docs_runner import (ROOT, Block, DocsCommandFailed, MarkError, extract, make_copy, manual_pages, run_pages,
@@ -245,3 +248,21 @@ def test_every_documented_command_runs_on_a_fresh_copy(tmp_path):
     assert not left, f"outputs git does not ignore after the documented commands: {left}"
     log = (copy / "runs" / "quickstart" / "train.log").read_text()
     assert f"{MAX_STEPS_ENV}={MAX_STEPS}: the run stops after {MAX_STEPS}" in log  # the quickstart ran, capped
+
+
+# --- outputs land in ignored folders --------------------------------------------------------------------
+
+
+def test_preview_data_writes_its_default_sheet_under_the_runs_folder(tmp_path):
+    """scripts/preview_data.py without --out: <experiment.log_dir>/preview_<experiment.name>.png (runs/ by
+    default, which git ignores), not the folder it is started from."""
+    shards = write_shapes_shards(str(tmp_path / "shapes"), 8, 1, size=64, seed=0)
+    config = {"experiment": {"name": "peek", "num_examples_to_see": 8}, "model": {"pretrained": "not-loaded"},
+              "system": {"batch_size": 2},
+              "dataset": {"params": {"path": shards, "resolution": 64, "shuffle_buffer": 4}}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "preview_data.py"), "config=run.yaml", "--n", "2",
+                          "--tile", "64"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "runs" / "preview_peek.png").is_file() and (tmp_path / "runs" / "preview_peek.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "runs", "shapes"]
