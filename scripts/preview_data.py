@@ -133,7 +133,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Other arguments: config=PATH, key=value "
                                  "and ~key, as train.py takes them.")
     ap.add_argument("--out", type=new_file(".png"),
-                    help="the PNG to write (default: preview_<experiment.name>.png here); <out>.json beside it")
+                    help="the PNG to write (default: <experiment.log_dir>/preview_<experiment.name>.png, under runs/, "
+                         "which git ignores); <out>.json beside it")
     ap.add_argument("--n", type=integer(1, MAX_N), default=16, help=f"samples to show, 1 to {MAX_N} (default 16)")
     ap.add_argument("--cols", type=integer(1, MAX_COLS), default=4, help=f"tiles per row, 1 to {MAX_COLS} (default 4)")
     ap.add_argument("--tile", type=integer(MIN_TILE, MAX_TILE), default=192,
@@ -168,7 +169,7 @@ def main(argv: list[str]) -> int:
               f"{p.random_flip:g}{', masked loss' if p.masked_loss else ''}"
               f"{f', edit pairs: {p.references} reference(s) | target' if p.references else ''})", *lines]
     sheet, head, boxes = contact_sheet(tiles, args.cols, args.tile, header)
-    out = Path(args.out or f"preview_{cfg.experiment.name}.png")
+    out = Path(args.out or Path(cfg.experiment.log_dir) / f"preview_{cfg.experiment.name}.png")
     out.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(out)
     meta = {"png": str(out), "n": len(tiles), "cols": args.cols, "tile": args.tile, "header_height": head,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .data.checks import check_dataset_inputs
 from .data.synthetic import COLOURS
-from .distributed import usable_cpus
+from .distributed import probe_env, usable_cpus
 from .families import options, registry
 from .families.components.unet import check_unet_params
 from .memory.fit import check_batch, trained_config, vae_factor  # (read, nothing built)
@@ -34,6 +34,7 @@ from .families.components.clip import validate_text_encoder_config
 from .config.fields import ConfigError
 from .config.loading import parse
 from .config.schema import TrainConfig
+from .run.train_state import STEP_CAP
 
 # Loader workers per device: more than this many per usable CPU (or than the cap) is refused; the loop
 # warns at start-up when the workers and the trainer outnumber the CPUs.
@@ -77,8 +78,41 @@ def check_word(q) -> None:
 
 
 def load(argv: list[str] | None = None, *, yaml_text: str | None = None) -> TrainConfig:
-    """The resolved, fully checked ``TrainConfig`` from the command line (and/or YAML text)."""
-    return check(parse(argv, yaml_text=yaml_text))
+    """The resolved, fully checked ``TrainConfig`` from the command line (and/or YAML text), shortened
+    when ``SD_TRAINING_MAX_STEPS`` is set (``apply_step_cap``)."""
+    return apply_step_cap(check(parse(argv, yaml_text=yaml_text)))
+
+
+# ----------------------------------------------------------------------------------------------
+# SD_TRAINING_MAX_STEPS: the one way the docs test (tests/test_docs_run.py) shortens a documented command.
+# ----------------------------------------------------------------------------------------------
+
+MAX_STEPS_ENV = "SD_TRAINING_MAX_STEPS"
+
+
+def apply_step_cap(cfg: TrainConfig, env: dict[str, str] | None = None) -> TrainConfig:
+    """With ``SD_TRAINING_MAX_STEPS=N`` in the environment the run stops after N optimizer steps, as if
+    ``experiment.num_examples_to_see`` were N x the global batch (per-device batch x accumulation x ranks
+    of this launch): everything that reads the run length (the loader, the schedule, the model card, the
+    end-of-run exports and samples) sees the shorter run, and the config the run writes says it. A run
+    already shorter is left alone. The loop logs that the cap applied (``Plan.note``)."""
+    env = os.environ if env is None else env
+    raw = env.get(MAX_STEPS_ENV, "").strip()
+    if not raw:
+        return cfg
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{MAX_STEPS_ENV}={raw!r}: expected a whole number of optimizer steps >= 1 (or unset it)")
+    steps = int(raw)
+    s = cfg.system
+    ranks = probe_env(env)["world_size"]
+    global_batch = s.global_batch_size or s.batch_size * s.gradient_accumulation * ranks
+    before = cfg.experiment.num_examples_to_see
+    after = min(before, steps * global_batch)
+    if after < before:
+        cfg.experiment.num_examples_to_see = cfg.dataset.params.num_examples_to_see = after
+        cfg.__dict__[STEP_CAP] = (f"{MAX_STEPS_ENV}={steps}: the run stops after {steps} optimizer step(s), as if "
+                                  f"experiment.num_examples_to_see were {after:,} (configured: {before:,})")
+    return cfg
 
 
 def check_workers(cfg: TrainConfig) -> None:

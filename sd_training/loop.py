@@ -127,8 +127,8 @@ class Trainer:
             for path in run_dir.repair_exports():
                 log.warning("restored %s from the previous export (a kill interrupted its replacement)", path)
         cpus = distributed.usable_cpus()
-        log.info("launcher=%s world_size=%d device=%s cpus=%d global_batch=%d total_steps=%d", info.launcher,
-                 info.world_size, self.device, cpus, self.plan.global_batch, self.plan.total_steps)
+        log.info("launcher=%s world_size=%d device=%s cpus=%d global_batch=%d total_steps=%d%s", info.launcher,
+                 info.world_size, self.device, cpus, self.plan.global_batch, self.plan.total_steps, self.plan.note)
         if cfg.system.workers + 1 > cpus:
             log.warning(
                 "this process may run on %d CPU(s) but starts %d loader worker(s) besides the trainer: the loader "

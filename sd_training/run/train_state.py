@@ -64,6 +64,10 @@ def check_train_state(sd, step: int | None = None) -> dict:
     return sd
 
 
+# cfg.__dict__ entry set by configure.apply_step_cap when SD_TRAINING_MAX_STEPS shortened the run: its log line.
+STEP_CAP = "_step_cap"
+
+
 @dataclass
 class Plan:
     """Numbers derived once from the config and the world size."""
@@ -72,6 +76,7 @@ class Plan:
     total_steps: int
     checkpoint_every: int
     accumulation: int  # micro-batches per optimizer step on each rank
+    note: str = ""  # said after the run's size in the start-up log: the SD_TRAINING_MAX_STEPS cap, if it applied
 
     @classmethod
     def make(cls, cfg: TrainConfig, world_size: int) -> Plan:
@@ -96,6 +101,7 @@ class Plan:
             total_steps=math.ceil(cfg.experiment.num_examples_to_see / gb),
             checkpoint_every=cfg.experiment.checkpoint_every or cfg.experiment.save_every,
             accumulation=accum,
+            note=f" ({cfg.__dict__[STEP_CAP]})" if STEP_CAP in cfg.__dict__ else "",
         )
 
 
