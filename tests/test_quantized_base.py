@@ -221,7 +221,8 @@ def test_every_family_net_quantises_and_its_lora_preset_wraps_the_quantised_laye
     from sd_training import adapters
     from sd_training.families.registry import FAMILIES
 
-    assert set(FAMILIES) == set(_tiny_nets()) | {"sd", "flux"}  # a new family is added here (or run end to end)
+    # a new family is added here (or run end to end); Flux Kontext trains Flux's transformer, run end to end as flux
+    assert set(FAMILIES) == set(_tiny_nets()) | {"sd", "flux", "flux_kontext"}
     cls_name, params = _tiny_nets()[family]
     torch.manual_seed(0)
     net = getattr(diffusers, cls_name)(**params).to(torch.bfloat16)

@@ -68,6 +68,12 @@ class FluxKontext(Flux):
         tokens = activations.image_tokens(conf, sample.latent, sample.latent, channels) * (1 + cls.reference_images[1])
         return activations.transformer_activation_elements(conf, tokens, sample.text_tokens, checkpointing)
 
+    @classmethod
+    def reference_models(cls) -> dict:
+        """None of its own: FLUX.1 Kontext [dev]'s transformer is shaped as FLUX.1-dev's (the memory table's
+        Flux.1-dev row), its step carrying the reference's tokens too."""
+        return {}
+
     def flops_inputs(self, config, h: int, w: int) -> dict:
         """Flux's inputs with the reference's tokens (the target's size) after the target's."""
         inputs = super().flops_inputs(config, h, w)
