@@ -31,6 +31,11 @@ from test_restarts import ranks_of
 from sd_training.checkpoint import Checkpointer, complete_steps
 from sd_training.distributed import probe_env
 
+try:
+    from netns_hosts import NetnsHosts, netns_available
+except ImportError:  # pragma: no cover
+    from tests.netns_hosts import NetnsHosts, netns_available
+
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,16 +60,40 @@ def run_args(tmp_path, pipeline, shards, name, strategy=STRATEGY):
         "distributed.strategy": strategy})
 
 
-def start_nodes(tmp_path, args, tag: str) -> list[subprocess.Popen]:
-    """One torchrun per "node", both pointed at the same c10d rendezvous (a fresh endpoint and id per start)."""
+@pytest.fixture
+def hosts():
+    """Two hosts in network namespaces (tests/netns_hosts.py) where they can be made (root, iproute2): each
+    node's torchrun runs behind its own address, and the rendezvous, the agents' store and gloo cross a network
+    as between machines. Elsewhere (None) both run on 127.0.0.1."""
+    if netns_available() is not None:
+        yield None
+        return
+    with NetnsHosts(["node1", "node2"]) as made:
+        yield made
+
+
+def start_nodes(tmp_path, args, tag: str, hosts) -> list[subprocess.Popen]:
+    """One torchrun per node, both pointed at the same c10d rendezvous on node1 (a fresh port and id per start).
+    ``--local-addr``: the address the workers are given as MASTER_ADDR when this node's agent is the
+    rendezvous's rank 0 (else its host name, which names 127.0.0.1 on every fake host here). ``is_host``: node1
+    serves the rendezvous store; torch guesses that from the host name's addresses, and an address of another
+    interface (10.200.x here, a second NIC on a cluster) is not among them: no agent would serve it."""
     port, procs = free_port(), []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if hosts is not None:
+        env["GLOO_SOCKET_IFNAME"] = "eth0"  # the interface with the host's address, in every namespace
     for node in range(NODES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={PER_NODE}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=multinode-{tag}",
-               "--max-restarts=0", str(ROOT / "train.py"), *args]
+        name = f"node{node + 1}"
+        where = [] if hosts is None else hosts.nsenter(name)
+        local = [] if hosts is None else [f"--local-addr={hosts.addr(name)}"]
+        endpoint = "127.0.0.1" if hosts is None else hosts.addr("node1")
+        cmd = [*where, sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}",
+               f"--nproc-per-node={PER_NODE}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}:{port}",
+               f"--rdzv-id=multinode-{tag}", f"--rdzv-conf=is_host={int(node == 0)}", *local, "--max-restarts=0", str(ROOT / "train.py"), *args]
         out = open(tmp_path / f"torchrun-{tag}-{node}.log", "w")
-        procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, stdout=out,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        # nsenter execs torchrun: the pid is torchrun's (its workers are its children).
+        procs.append(subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
         out.close()
     return procs
 
@@ -73,8 +102,8 @@ def output(tmp_path, tag: str) -> str:
     return "\n".join((tmp_path / f"torchrun-{tag}-{n}.log").read_text()[-3000:] for n in range(NODES))
 
 
-def worker_envs(procs, tmp_path, tag, timeout=300) -> list[dict[str, str]]:
-    """The environment torchrun gave each of its workers (read from /proc while they run), per node."""
+def worker_envs(procs, tmp_path, tag, timeout=300) -> list[tuple[int, dict[str, str]]]:
+    """(node, environment) that torchrun gave each of its workers (read from /proc while they run)."""
     deadline, found = time.monotonic() + timeout, []
     while True:
         found = [ranks_of(p.pid) for p in procs]
@@ -83,10 +112,10 @@ def worker_envs(procs, tmp_path, tag, timeout=300) -> list[dict[str, str]]:
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, output(tmp_path, tag)
         time.sleep(0.1)
     envs = []
-    for ranks in found:
+    for node, ranks in enumerate(found):
         for pid in ranks.values():
             raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-            envs.append(dict(v.split("=", 1) for v in raw if "=" in v))
+            envs.append((node, dict(v.split("=", 1) for v in raw if "=" in v)))
     return envs
 
 
@@ -134,13 +163,13 @@ def finish_nodes(procs, tmp_path, tag, timeout=600) -> None:
         assert p.returncode == 0, output(tmp_path, tag)
 
 
-def test_torchrun_c10d_two_nodes_train_checkpoint_and_resume(tmp_path, tiny_pipeline, shapes_shards):
+def test_torchrun_c10d_two_nodes_train_checkpoint_and_resume(tmp_path, tiny_pipeline, shapes_shards, hosts):
     ref = tmp_path / "runs" / "ref"
     finish(launch(tmp_path, run_args(tmp_path, tiny_pipeline, shapes_shards, "ref", "ddp")))
 
     run = tmp_path / "runs" / "c10d"
     args = run_args(tmp_path, tiny_pipeline, shapes_shards, "c10d")
-    first = start_nodes(tmp_path, args, "first")
+    first = start_nodes(tmp_path, args, "first", hosts)
     try:
         envs = worker_envs(first, tmp_path, "first")
         kill_after_checkpoint(first, run, 2, tmp_path, "first")
@@ -148,20 +177,26 @@ def test_torchrun_c10d_two_nodes_train_checkpoint_and_resume(tmp_path, tiny_pipe
         for p in first:
             kill_tree(p.pid)
 
-    # What c10d's rendezvous tells the workers: the node (GROUP_RANK, assigned by the rendezvous, not by us),
-    # the rank in the node and one node's rank count; global ranks are node-major.
-    layout = sorted((int(e["GROUP_RANK"]), int(e["LOCAL_RANK"]), int(e["RANK"])) for e in envs)
+    # What c10d's rendezvous tells the workers: their node (GROUP_RANK, in the order the agents joined, not the
+    # order of the hosts), the rank in the node and one node's rank count; global ranks are node-major; the store
+    # of the workers is the agent's of node GROUP_RANK 0, at its --local-addr.
+    group = {node: int(e["GROUP_RANK"]) for node, e in envs}
+    assert sorted(group.values()) == list(range(NODES)), envs
+    layout = sorted((int(e["GROUP_RANK"]), int(e["LOCAL_RANK"]), int(e["RANK"])) for _, e in envs)
     assert layout == [(g, l, g * PER_NODE + l) for g in range(NODES) for l in range(PER_NODE)], layout
-    for e in envs:
+    first_node = next(node for node, g in group.items() if g == 0)
+    for node, e in envs:
         assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) == ("4", "2", "2"), e
         assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        if hosts is not None:
+            assert e["MASTER_ADDR"] == hosts.addr(f"node{first_node + 1}"), e
         probed = probe_env(e)  # the trainer's one probe, on that environment
         assert (probed["launcher"], probed["world_size"], probed["local_world_size"]) == ("torchrun", 4, 2), probed
         assert probed["rank"] == int(e["RANK"]) and probed["local_rank"] == int(e["LOCAL_RANK"])
     log = (run / "train.log").read_text()
     assert "launcher=torchrun world_size=4 " in log, log[-3000:]
 
-    second = start_nodes(tmp_path, args, "second")
+    second = start_nodes(tmp_path, args, "second", hosts)
     try:
         finish_nodes(second, tmp_path, "second")
     finally:
