@@ -306,8 +306,8 @@ class ShardWriter:
         shift = shift_factor(self.vae)
         tdtype = text_dtype(self.args, self.encoder)
         mean, std = encode_images(self.vae, to_pixel_values(np.stack([s["pixels"] for s in batch])), self.scale, shift)
-        refs = [encode_images(self.vae, to_pixel_values(np.stack([s["references"][k] for s in batch])), self.scale, shift)
-                for k in range(self.args.references)]  # edit training: each reference as the target, [(mean, std)]
+        refs = [encode_images(self.vae, to_pixel_values(np.stack([s["references"][k] for s in batch])),
+                              self.scale, shift) for k in range(self.args.references)]  # edit training: each reference as the target, [(mean, std)]
         texts, pooled = self.encoder.encode([s["caption"] for s in batch]) if self.encoder else (None, None)
         n = 0
         for i, s in enumerate(batch):

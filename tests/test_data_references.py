@@ -262,16 +262,52 @@ def _mask_of(png: bytes) -> bytes:
     return buf.getvalue()
 
 
-def test_a_paired_stream_resumes_exactly(edit_shards):
-    kw = dict(references=1, resolution=32, center_crop=False, random_flip=0.5, batch_size=3, shuffle_buffer=5,
-              workers=2, seed=3)
-    straight = take(loader(edit_shards, **kw), 8)
-    first = loader(edit_shards, **kw)
-    head = take(first, 3)
-    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint holds it
-    again = loader(edit_shards, **kw)
-    again.load_state_dict(state)
-    for a, b in zip(head + take(again, 5), straight):
+def assert_same_pairs(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
         assert a["keys"] == b["keys"] and a["epochs"] == b["epochs"]
         assert torch.equal(a["pixel_values"], b["pixel_values"])
         assert torch.equal(a["reference_values"], b["reference_values"])
+
+
+def test_a_paired_stream_resumes_exactly_and_on_another_rank_count(edit_shards):
+    kw = dict(references=1, resolution=32, center_crop=False, random_flip=0.5, batch_size=3, shuffle_buffer=5,
+              seed=3, canonical_readers=4)
+    straight = take(loader(edit_shards, workers=2, **kw), 8)
+    first = loader(edit_shards, workers=2, **kw)
+    head = take(first, 4)  # an even count: the micro-batches so far split over 2 ranks
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint holds it
+    again = loader(edit_shards, workers=2, **kw)
+    again.load_state_dict(state)
+    assert_same_pairs(head + take(again, 4), straight)
+    # Elastic: the 4 readers of 1 rank x 2 workers continue on 2 ranks x 1 worker, the same micro-batches.
+    two = [loader(edit_shards, rank=r, world_size=2, workers=1, **kw) for r in range(2)]
+    for ld in two:
+        ld.load_state_dict([state])
+    its = [iter(ld) for ld in two]
+    try:
+        assert_same_pairs(head + [next(its[m % 2]) for m in range(4)], straight)
+    finally:
+        for it in its:
+            it.close()
+
+
+def test_latent_pairs_missing_or_bad_reference_latents_are_skipped(tmp_path):
+    from sd_training.data.latents import npy_bytes
+
+    def sample(key, *refs):
+        s = {"__key__": key, "latents.npy": npy_bytes(np.ones((8, 4, 4), np.float16)), "txt": "c",
+             "json": {"latent_store": "mean_std"}}
+        s.update({name: npy_bytes(arr) for name, arr in zip(("ref.latents.npy", "ref2.latents.npy"), refs)})
+        return s
+
+    good = np.full((8, 4, 4), 2, np.float16)
+    shard = write_tar(str(tmp_path / "lat.tar"), [
+        sample("no_ref"), sample("one_ref", good), sample("wrong_shape", good, np.ones((8, 2, 2), np.float16)),
+        *(sample(f"g{i}", good, good) for i in range(4))])
+    ld = loader(shard, type="latents", references=2, batch_size=4, shuffle_buffer=1, latent_sampling="mean")
+    batch = take(ld, 1)[0]
+    assert sorted(batch["keys"]) == ["g0", "g1", "g2", "g3"]
+    assert batch["reference_latents"].shape == (4, 2, 4, 4, 4) and (batch["reference_latents"] == 2).all()
+    stats = ld.stats()
+    assert stats["skipped/missing_reference"] == 2 and stats["skipped/bad_reference_latents"] == 1

@@ -171,8 +171,8 @@ def test_reference_latents_are_the_encoding_of_the_cropped_references(tmp_path, 
 
     shards = write_edit_shards(str(tmp_path / "in"), 8, 2, size=(48, 32), references=2, seed=0)
     out = tmp_path / "out"
-    summary = precompute(["--input", shards, "--pipeline", str(tiny_pipeline), "--output", str(out), "--references", "2",
-                          "--dtype", "fp32", *FAST])
+    summary = precompute(["--input", shards, "--pipeline", str(tiny_pipeline), "--output", str(out),
+                          "--references", "2", "--dtype", "fp32", *FAST])
     assert summary["complete"] and summary["samples"] == 8 and not summary["skipped"]
     info = json.loads((out / "latents_info.json").read_text())
     assert info["references"] == 2 and info["reference_crop"] == "aligned"
@@ -182,7 +182,8 @@ def test_reference_latents_are_the_encoding_of_the_cropped_references(tmp_path, 
 
     def build(typ=None, **params):
         kw = dict(type=typ) if typ else {}
-        cfg = make_cfg(shards if typ is None else str(out), resolution=32, batch_size=4, shuffle_buffer=1, **kw, **params)
+        cfg = make_cfg(shards if typ is None else str(out), resolution=32, batch_size=4, shuffle_buffer=1,
+                       **kw, **params)
         return build_train_loader(cfg, tokenizer=tokenizer(), rank=0, world_size=1, seed=3)
 
     vae = AutoencoderKL.from_pretrained(tiny_pipeline, subfolder="vae").eval()

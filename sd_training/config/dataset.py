@@ -19,7 +19,7 @@ from .fields import ConfigError, check_fields, f
 # What an entry of dataset.params.sources may set: the mixture's own keys, and the per-source reading keys.
 SOURCE_OWN_KEYS = ("path", "weight", "name", "exhausted")
 SOURCE_PARAM_KEYS = ("filters", "caption_key", "image_keys", "metadata_key", "image_column", "caption_column",
-                     "image_root", "cls_key", "mask_key", "mask_column")
+                     "image_root", "cls_key", "mask_key", "mask_column", "reference_key", "reference_column")
 EXHAUSTED = ("restart", "drop")
 
 

@@ -8,6 +8,8 @@
         batch["sample_seeds"]  # int64 [B]: each sample's seed for the step's noise and timesteps
         # dataset.params.masked_loss: batch["loss_weight"] float32 [B, 1, H/8, W/8] when a sample has a mask,
         # and batch["zero_weight_samples"]: how many of its samples have weight 0 everywhere (an int)
+        # dataset.params.references=R (edit training): batch["reference_values"] uint8 [B, R, 3, H, W], each
+        # reference through its target's crop (see data/references.py); latent shards: batch["reference_latents"]
         # dataset.type=latents: batch["latents"] (scaled) instead of pixel_values, and with
         # dataset.params.text_embeddings batch["encoder_hidden_states"]; see data/latents.py
     ckpt["data"] = loader.state_dict()      # ... later: loader.load_state_dict([every rank's saved state])

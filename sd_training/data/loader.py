@@ -101,6 +101,9 @@ class TrainLoader:
       ``epochs``: the data epoch each sample was read in; ``sample_seeds``: int64 [B], the seed of each
       sample's draws in the training step (a function of the seed and the sample's position only).
 
+    ``dataset.params.references`` = R (edit training, see :mod:`.references`): ``reference_values`` uint8
+    [B, R, 3, H, W] beside ``pixel_values`` (``reference_latents`` float32 [B, R, C, h, w] from latent shards).
+
     ``dataset.type=latents`` (see :mod:`.latents`): ``latents`` float32 [B, C, h, w], already multiplied
     by the VAE scaling factor, replaces ``pixel_values``; with ``text_embeddings`` the batch also holds
     ``encoder_hidden_states`` float32 [B, L, D]. ``latent_scaling_factor`` is the shards' factor and

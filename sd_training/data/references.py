@@ -143,7 +143,8 @@ class ReferenceSettings:
                 try:
                     data = read(path, timeout)
                 except Exception as exn:  # a missing file, an HTTP error, a timeout: skip the sample
-                    raise ImageError("reference_unreadable", f"cannot read the reference {name} {path} ({exn})") from exn
+                    raise ImageError("reference_unreadable",
+                                     f"cannot read the reference {name} {path} ({exn})") from exn
             try:
                 img = open_image(data)
                 size = shown_size(img)

@@ -181,7 +181,8 @@ class SampleProcessor:
                 return None
             # The bucket of the picture as shown: a phone photo stored landscape with an EXIF turn is portrait.
             mask = self._open_mask(s, shown_size(img))  # before the decode: a bad mask costs no decode
-            refs = self.refs.open(s["references"], shown_size(img), read_image_path, self.timeout) if self.refs.count else []
+            refs = (self.refs.open(s["references"], shown_size(img), read_image_path, self.timeout)
+                    if self.refs.count else [])  # headers only, before the decode: a bad pair costs no decode
             bucket = self.buckets[0] if len(self.buckets) == 1 else assign_bucket(*shown_size(img), self.buckets)
             decoded = decode_cropped(
                 img,

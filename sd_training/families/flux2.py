@@ -14,6 +14,15 @@ As the FLUX.2 pipelines (and diffusers' ``train_dreambooth_lora_flux2*.py``) see
 * timestep: sigma (the transformer multiplies by 1000); a guidance-distilled transformer
   (``guidance_embeds``: FLUX.2 dev) gets ``model.guidance_embed``, klein none.
 
+Reference images (``dataset.params.references``, 0 to ``reference_images[1]``: the pipelines' ``image=[...]``),
+through FlowFamily's ``join_references`` hook: each reference's latents as the target's (the same VAE encode
+and batch-norm normalisation), patchified and packed, concatenated after the target's tokens in order, with
+ids (10 + 10k, row, column, 0) for the k-th (``flux2_latents.reference_tokens``: ``prepare_image_latents`` and
+``_prepare_image_ids``); the prediction is cut to the target's tokens (the loss is the target's alone) and the
+resolution shift counts the target's tokens, as the pipelines' ``image_seq_len``. The references arrive at the
+target's size (``reference_crop``: ``center`` resizes each on its own, ``aligned`` crops it with the target);
+the pipelines resize a reference on its own only above 1024 x 1024 px of area (and floor its sides to 16 px).
+
 The loss is flow matching around the transformer (``flow_family.FlowFamily``), with the shift that grows with
 the image's token count (the scheduler's ``use_dynamic_shifting``, as Flux.1) unless ``flow_matching`` sets
 another: diffusers' example trains on the unshifted table, the pipelines sample with an empirical shift.
@@ -36,14 +45,14 @@ from ..loading import load_component
 from ..memory import activations
 from ..outputs.comfy_lora import ComfyLoraNames, Rule, fused
 from ..outputs.export import unwrap
-from .base import PixelGrid, SampleSettings
+from .base import LossOut, PixelGrid, SampleSettings
 from .components import llm_text
 from .components import vae as vae_encoding
 from .components.text import TextEncoding
 from .components.transformer import build_transformer, load_schedulers, load_vae_of, source
 from .components.unet import Components
 from .flow_family import FlowFamily, llm_text_refusals, patch_grid_refusal
-from .flux2_latents import (TINY_FLUX2_VAE, NormalizedVAE, image_ids, text_ids,
+from .flux2_latents import (TINY_FLUX2_VAE, NormalizedVAE, image_ids, reference_tokens, text_ids,
                             tokens, untokens)
 
 # FLUX.2's scheduler (scheduler/scheduler_config.json of FLUX.2-dev and klein): Flux.1's, dynamic shifting.
@@ -83,6 +92,33 @@ FLUX2_COMFY = ComfyLoraNames(rules=(
 # The published transformers' config.json, what the memory table plans (``reference_models``)
 FLUX2_REFERENCE = dict(patch_size=1, in_channels=128, attention_head_dim=128, timestep_guidance_channels=256,
                        mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000)
+
+
+# The pipelines refuse a reference image under 64 px a side (Flux2ImageProcessor.check_image_input).
+PIPELINE_MIN_REFERENCE_SIDE = 64
+
+
+def sample_reference(image):
+    """A reference image for the pipeline (RGB): scaled up (aspect kept) to at least its 64 px a side, so
+    sample grids at the small sizes of CPU runs and tests work; a larger one as it is."""
+    from PIL import Image
+
+    image = image.convert("RGB")
+    w, h = image.size
+    scale = PIPELINE_MIN_REFERENCE_SIDE / min(w, h)
+    if scale <= 1:
+        return image
+    return image.resize((max(PIPELINE_MIN_REFERENCE_SIDE, round(w * scale)), max(PIPELINE_MIN_REFERENCE_SIDE, round(h * scale))),
+                        Image.Resampling.LANCZOS)
+
+
+def batch_references(batch: dict) -> int:
+    """Reference images per sample in a batch: ``reference_latents`` (latent shards) or ``reference_values``
+    (images), [B, R, ...]; 0 without."""
+    for key in ("reference_latents", "reference_values"):
+        if key in batch:
+            return int(batch[key].shape[1])
+    return 0
 
 
 # -- components ----------------------------------------------------------------------------------------------
@@ -312,12 +348,40 @@ class Flux2Family(FlowFamily):
     def image_seq_len(self, latents: torch.Tensor) -> int:
         return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
 
+    # -- reference images (edit training: FlowFamily's join_references hook) -----------------------------------
+    def join_references(self, latents: torch.Tensor, refs: list[torch.Tensor],
+                        inputs: dict) -> tuple[torch.Tensor, dict]:
+        """Each reference patchified and packed, in order, with ids (10 + 10k, row, column, 0) after the target's
+        (``flux2_latents.reference_tokens``: the pipelines' ``prepare_image_latents``)."""
+        ref_tokens, ref_ids = reference_tokens(refs)
+        return ref_tokens, dict(inputs, img_ids=torch.cat([inputs["img_ids"], ref_ids], dim=1))
+
+    def loss(self, model, batch, autocast, fixed=None, validation=False) -> LossOut:
+        """FlowFamily's step (references joined by :meth:`join_references`), after checking that the batch has
+        the references the run asks for: FLUX.2 takes 0 or more, so the shared step cannot tell a batch that
+        lost them (latent shards made without references) from a text-to-image one."""
+        want, have = int(self.cfg.dataset.params.references), batch_references(batch)
+        if have != want:
+            raise ValueError(f"dataset.params.references={want} but the batch has {have} reference image(s) "
+                             "(reference_values, or reference_latents in latent shards): make the shards with the "
+                             "references, or set dataset.params.references to what they hold")
+        return super().loss(model, batch, autocast, fixed, validation)
+
+    @classmethod
+    def reference_call(cls, images: list) -> dict:
+        """``image=[...]``: the prompt's references (at the sample's size: ``outputs.sample_references``), each
+        raised to the pipeline's least 64 px a side where the sample size is smaller (:func:`sample_reference`);
+        the pipeline then floors each side to 16 px and keeps a reference of at most 1024 x 1024 px as it is."""
+        return {"image": [sample_reference(im) for im in images]}
+
     def validation_timesteps(self, n: int) -> torch.Tensor:
         """Spread over (0, 1000) (the resolution shift's table depends on the image size)."""
         return torch.arange(1, n + 1, dtype=torch.float32) * (self.num_timesteps / (n + 1))
 
     def flops_inputs(self, config, h: int, w: int) -> dict:
-        n, length = (h // 2) * (w // 2), self.max_sequence_length
+        """One sample's forward: the target's patches, each reference's (at the target's size), the text."""
+        n = (h // 2) * (w // 2) * (1 + int(self.cfg.dataset.params.references))
+        length = self.max_sequence_length
         return dict(hidden_states=torch.empty(1, n, config.in_channels, device="meta"),
                     encoder_hidden_states=torch.empty(1, length, config.joint_attention_dim, device="meta"),
                     timestep=torch.ones(1, device="meta"), img_ids=torch.zeros(n, 4, device="meta"),

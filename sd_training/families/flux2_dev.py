@@ -42,6 +42,9 @@ class Flux2Dev(Flux2Family):
     pipeline_classes = ("Flux2Pipeline",)
     text_settings = dev_text_settings()
     text_encoder_name = "Mistral-3"
+    # Reference images (the pipeline's image=[...]): optional; diffusers sets no limit, BFL recommends at most
+    # 6 for FLUX.2 dev (docs.bfl.ml, "Image Editing": reference images per model; its API models take 8-10).
+    reference_images = (0, 6)
 
     @classmethod
     def load_prompt_tokenizer(cls, src: str | None, kw: dict, what: str, length: int) -> llm_text.PromptTokenizer:

@@ -37,6 +37,9 @@ class Flux2Klein(Flux2Family):
     text_settings = KLEIN_TEXT
     text_encoder_name = "Qwen3"
     pipeline_keys = ("is_distilled",)
+    # Reference images (the pipeline's image=[...]): optional; diffusers sets no limit, BFL documents klein 4B
+    # and 9B for up to 4 (docs.bfl.ml, "Image Editing": reference images per model).
+    reference_images = (0, 4)
 
     @classmethod
     def make_tiny_pipeline(cls, out: Path, scaling_factor: float | None = None) -> Path:

@@ -1,7 +1,8 @@
 """FLUX.2's latents, as its pipelines make them: ``AutoencoderKLFlux2``'s posterior in 2x2 patches
 (``_patchify_latents``), each of the 4C patch channels normalised with the VAE's batch-norm running statistics
 (``_encode_vae_image``), the patches packed row by row into tokens (``_pack_latents``) with their 4-axis
-position ids (``_prepare_latent_ids``), and the text tokens' ids (``_prepare_text_ids``). The pipelines' own
+position ids (``_prepare_latent_ids``), the text tokens' ids (``_prepare_text_ids``), and reference images
+(``image=[...]``) as ``prepare_image_latents`` hands them to the transformer (:func:`reference_tokens`). The pipelines' own
 static helpers do the reshaping, so the layout is theirs by construction.
 
 The families keep latents unpatchified ([B, C, h, w]: the VAE's channels and 8x grid, as latent shards and the
@@ -128,3 +129,23 @@ def image_ids(latents: torch.Tensor) -> torch.Tensor:
 def text_ids(states: torch.Tensor) -> torch.Tensor:
     """(0, 0, 0, l) ids [B, L, 4] of the text tokens (``_prepare_text_ids``)."""
     return _pipe()._prepare_text_ids(states).to(states.device)
+
+
+# The pipelines' ``_prepare_image_ids`` default: the k-th reference image (0: the first) sits at time coordinate
+# 10 + 10k, apart from the target's patches (t = 0) and from every other reference.
+REFERENCE_TIME_SCALE = 10
+
+
+def reference_tokens(references: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference images' latents (each [B, C, h, w] in the transformer's units, any size on the 16 px grid) as
+    ``prepare_image_latents`` gives them to the transformer: each patchified and packed row by row, all
+    concatenated along the sequence in order ([B, sum_k h_k/2 * w_k/2, 4C]), and their ids [B, same, 4]
+    (``_prepare_image_ids``: (10 + 10k, row, column, 0) for the k-th). The ids are the same for every sample
+    (the transformer reads the first sample's), as the pipeline repeats them over its batch."""
+    if not references:
+        raise ValueError("reference_tokens needs at least one reference latent")
+    patches = [patchify(r) for r in references]
+    packed = torch.cat([_pipe()._pack_latents(p) for p in patches], dim=1)
+    shapes = [p.new_empty((1, *p.shape[1:]), device="meta") for p in patches]
+    ids = _pipe()._prepare_image_ids(shapes, scale=REFERENCE_TIME_SCALE)
+    return packed, ids.to(packed.device).expand(len(packed), -1, -1)
