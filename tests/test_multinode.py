@@ -3,7 +3,7 @@
 
 What is checked: what torchrun's c10d rendezvous tells each worker (``GROUP_RANK`` = the node, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE`` = one node's ranks) and that the trainer's one environment probe reads from it the
-layout of 2 nodes x 2 ranks (the default shard group of hsdp is one node's ranks); that the run trains,
+layout of 2 nodes x 2 ranks, and hsdp's default shard group of one node's ranks from it; that the run trains,
 checkpoints, and after both nodes are SIGKILLed resumes from its checkpoint on a new rendezvous, each step
 once, on the samples of an uninterrupted one-process run with the same global batch, and ends with the same
 weights as that run (fp32: up to the order in which the ranks' gradients are summed).
@@ -29,7 +29,7 @@ from test_resume import finish, launch
 from test_restarts import ranks_of
 
 from sd_training.checkpoint import Checkpointer, complete_steps
-from sd_training.distributed import probe_env
+from sd_training.distributed import DistInfo, hsdp_shard_size, probe_env
 
 try:
     from netns_hosts import NetnsHosts, netns_available
@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[1]
 NODES, PER_NODE = 2, 2
 STEPS, GLOBAL_BATCH = 4, 4
-STRATEGY = "fsdp"
+STRATEGY = "hsdp"  # one node's 2 ranks shard, the 2 nodes replicate
 # fp32 weights after 4 AdamW steps of the same samples, noise and timesteps: only the summation order of the
 # gradients differs (4 ranks' reduce-scatter against one process's 4 micro-batches); test_distributed's
 # tolerance, with its larger Adam epsilon (near-zero gradients, whose rounding depends on that order, must not
@@ -193,8 +193,11 @@ def test_torchrun_c10d_two_nodes_train_checkpoint_and_resume(tmp_path, tiny_pipe
         probed = probe_env(e)  # the trainer's one probe, on that environment
         assert (probed["launcher"], probed["world_size"], probed["local_world_size"]) == ("torchrun", 4, 2), probed
         assert probed["rank"] == int(e["RANK"]) and probed["local_rank"] == int(e["LOCAL_RANK"])
+        info = DistInfo(rank=probed["rank"], world_size=probed["world_size"], local_world_size=probed["local_world_size"])
+        assert info.nodes == NODES and hsdp_shard_size(0, info.world_size, info.local_world_size) == PER_NODE
     log = (run / "train.log").read_text()
     assert "launcher=torchrun world_size=4 " in log, log[-3000:]
+    assert "hsdp: 2 replica(s) x 2-rank shard groups (distributed.hsdp_shard_size)" in log, log[-3000:]
 
     second = start_nodes(tmp_path, args, "second", hosts)
     try:
@@ -204,6 +207,7 @@ def test_torchrun_c10d_two_nodes_train_checkpoint_and_resume(tmp_path, tiny_pipe
             kill_tree(p.pid)
     log = (run / "train.log").read_text()
     assert " at step 2" in log.split("resumed from", 1)[-1].splitlines()[0], output(tmp_path, "second")
+    assert log.count("hsdp: 2 replica(s) x 2-rank shard groups") == 2 and "resumed an" not in log  # the same mesh
     assert complete_steps(run / "checkpoints")[-1] == STEPS
     losses = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert losses == list(range(1, STEPS + 1)), losses  # every step once, none lost or done twice

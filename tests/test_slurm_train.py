@@ -71,7 +71,8 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_final_step(slurm_cluster, t
 # ranks shard, the two nodes replicate), one job per template, each sent USR1 (what --signal=USR1@N does before
 # the time limit), requeued by rank 0 and resumed from its checkpoint. 32 px and batch 1 per rank: each start
 # is 4 fresh interpreters on the machine's 2 cores.
-STRATEGY = "fsdp"
+STRATEGY = "hsdp"
+MESH_2X2 = "hsdp: 2 replica(s) x 2-rank shard groups (distributed.hsdp_shard_size)"
 NODE_ENV = {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
 
 
@@ -130,6 +131,12 @@ def test_two_nodes_srun_template_preempted_and_requeued_on_one_node(slurm_cluste
     assert ": 4 tasks," in starts[0] and ": 2 tasks," in starts[-1], starts  # the template counts each allocation's
     train_log = (run / "train.log").read_text()
     assert "launcher=srun world_size=4 " in train_log and "launcher=srun world_size=2 " in train_log, train_log[-3000:]
+    # hsdp's default shard group is one node's tasks: 2 x 2 on 2 nodes; on 1 node a single group, which is fsdp.
+    assert MESH_2X2 in train_log, train_log[-3000:]
+    assert "distributed.strategy=hsdp with one shard group of all 2 rank(s) (distributed.hsdp_shard_size=0: the " \
+           "ranks of one node): nothing to replicate, so it runs as fsdp" in train_log, train_log[-3000:]
+    assert "resumed an fsdp checkpoint of 4 ranks under fsdp on 2 ranks: model and optimizer resharded by DCP" \
+           in train_log, train_log[-3000:]
     assert all((run / "logs" / f"rank_{r}.log").exists() for r in (1, 2, 3))  # the second node's ranks too
     assert "resumed on 2 rank(s) x 1 worker(s) from a checkpoint of 4 rank(s) x 1 worker(s) (4 canonical readers); " \
            "global batch 4 = 1 x 2 accumulation x 2 ranks" in train_log, train_log[-3000:]
@@ -155,6 +162,7 @@ def test_two_nodes_torchrun_template_preempted_requeued_and_resumed(slurm_cluste
     assert log.count("2 nodes x 2 workers") == 2, log[-3000:]
     train_log = (run / "train.log").read_text()
     assert train_log.count("launcher=torchrun world_size=4 ") == 2, train_log[-3000:]
+    assert train_log.count(MESH_2X2) == 2, train_log[-3000:]  # torchrun's LOCAL_WORLD_SIZE: GPUS_PER_NODE
     assert all((run / "logs" / f"rank_{r}.log").exists() for r in (1, 2, 3))
     assert "requeued SLURM job" in log and "resumed from" in train_log, log[-3000:]
     assert "resumed on" not in train_log  # the same layout: no reassignment of readers
