@@ -120,7 +120,7 @@ def test_two_nodes_srun_template_preempted_and_requeued_on_one_node(slurm_cluste
     """srun template, 2 nodes x 2 tasks, USR1; while pending the job is set to 1 node (it comes back smaller):
     the template starts 2 tasks, which resume the 4 ranks' checkpoint with the same global batch and samples,
     every step logged once."""
-    cluster, total = slurm_cluster_2nodes, 24
+    cluster, total = slurm_cluster_2nodes, 12
     config = two_node_config(tmp_path, tiny_pipeline, shapes_shards, "srun2x2", total)
     run = tmp_path / "runs" / "srun2x2"
     job = cluster.sbatch(SRUN_TEMPLATE, options=cluster.template_options(nodes=2, ntasks_per_node=2, chdir=REPO),
@@ -152,7 +152,7 @@ def test_two_nodes_torchrun_template_preempted_requeued_and_resumed(slurm_cluste
                                                                    shapes_shards):
     """torchrun template (one torchrun per node, static rendezvous, 2 workers each), USR1 to the step: the workers
     save (torchrun ignores USR1), rank 0 requeues, and the requeued job resumes on the same 2 x 2."""
-    cluster, total = slurm_cluster_2nodes, 24
+    cluster, total = slurm_cluster_2nodes, 12
     config = two_node_config(tmp_path, tiny_pipeline, shapes_shards, "torchrun2x2", total)
     run = tmp_path / "runs" / "torchrun2x2"
     job = cluster.sbatch(TORCHRUN_TEMPLATE,
