@@ -163,7 +163,7 @@ SLURM = {"test_slurm_cluster", "test_slurm_train"}
 BY_FAMILY = {"test_family_conformance"}
 FIRST = ["test_family_conformance", "test_quickstart", "test_quickstart_mmdit", "test_quickstart_edit", "test_docs_run", "test_resume",
          "test_precision_matrix", "test_optimizers",
-         "test_elastic", "test_slurm_train", "test_slurm_cluster", "test_faults", "test_data_mixture", "test_sdxl",
+         "test_elastic", "test_slurm_train", "test_slurm_cluster", "test_multinode", "test_faults", "test_data_mixture", "test_sdxl",
          "test_recipe", "test_reshard", "test_distributed", "test_bench_memory", "test_model_card",
          # Long modules whose names sort late: left to the end they keep one worker busy after the other is done.
          "test_speed_levers", "test_memory_modes", "test_adapters_resume", "test_evaluation", "test_observability",

@@ -67,60 +67,105 @@ def test_usr1_saves_requeues_and_resumes_to_the_same_final_step(slurm_cluster, t
     assert steps == list(range(1, total + 1)), steps  # resumed where it stopped: no step lost or done twice
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_requeued_on_fewer_nodes_continues_the_same_samples(slurm_cluster_2nodes, tmp_path, tiny_pipeline,
-                                                            shapes_shards):
-    """2 nodes x 1 task, USR1, requeued and set to 1 node while pending (a job that comes back smaller): the
-    template starts 1 task, which resumes with the same global batch and samples, every step logged once."""
-    slurm_cluster = slurm_cluster_2nodes
-    total = 30
-    config = write_config(tmp_path, tiny_pipeline, shapes_shards, "shrink", **{
-        "system.batch_size": 2, "system.global_batch_size": 4, "experiment.num_examples_to_see": 4 * total,
+# The 2-node jobs: 2 network-namespace hosts x 2 ranks on gloo under distributed.strategy=STRATEGY (one node's
+# ranks shard, the two nodes replicate), one job per template, each sent USR1 (what --signal=USR1@N does before
+# the time limit), requeued by rank 0 and resumed from its checkpoint. 32 px and batch 1 per rank: each start
+# is 4 fresh interpreters on the machine's 2 cores.
+STRATEGY = "hsdp"
+MESH_2X2 = "hsdp: 2 replica(s) x 2-rank shard groups (distributed.hsdp_shard_size)"
+NODE_ENV = {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
+
+
+def two_node_config(tmp_path, pipeline, shards, name, total):
+    return write_config(tmp_path, pipeline, shards, name, **{
+        "system.batch_size": 1, "system.global_batch_size": 4, "experiment.num_examples_to_see": 4 * total,
         "experiment.checkpoint_every": 1000, "experiment.sample_per_prompt": 0, "experiment.requeue": "true",
-        "system.workers": 1, "experiment.record_sample_keys": "true"})
-    run = tmp_path / "runs" / "shrink"
-    job = slurm_cluster.sbatch(
-        SRUN_TEMPLATE, options=slurm_cluster.template_options(nodes=2, ntasks_per_node=1, chdir=REPO),
-        env={"CONFIG": str(config), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"},
-    )
-    slurm_cluster.wait_until(lambda: (run / "metrics.jsonl").exists() and len(metric_steps(run)) >= 3,
-                             timeout=240, what="3 logged steps", job_id=job)
-    slurm_cluster.send_usr1(job, target="steps")
-    slurm_cluster.speed_up_requeue(job, restarts=1, update=["NumNodes=1", "NumTasks=1"])
-    slurm_cluster.wait_state(job, "COMPLETED", timeout=300)
-    log = (run / "train.log").read_text()
-    assert "resumed on 1 rank(s) x 1 worker(s) from a checkpoint of 2 rank(s) x 1 worker(s) (2 canonical readers); " \
-           "global batch 4 = 2 x 2 accumulation x 1 ranks" in log, log[-3000:]
-    assert metric_steps(run) == list(range(1, total + 1))
+        "system.workers": 1, "experiment.record_sample_keys": "true", "dataset.params.resolution": 32,
+        "distributed.strategy": STRATEGY})
+
+
+def preempt_and_requeue(cluster, job, run: Path, update=()) -> str:
+    """USR1 to the job's steps after 3 logged steps; the requeued job is started at once (``update``: what
+    changes while it waits) and must complete after one restart. Returns the job's output."""
+    cluster.wait_until(lambda: (run / "metrics.jsonl").exists() and len(metric_steps(run)) >= 3,
+                       timeout=300, what="3 logged steps", job_id=job)
+    cluster.send_usr1(job, target="steps")
+    cluster.speed_up_requeue(job, restarts=1, update=update)
+    info = cluster.wait_state(job, "COMPLETED", timeout=400)
+    log = cluster.job_output(job)
+    assert info["Restarts"] == "1", log[-3000:]
+    assert "(restart 0)" in log and "(restart 1)" in log, log[-3000:]
+    return log
+
+
+def samples_per_step(run: Path, total: int) -> int:
+    """Checks that every step 1..total trained on the same number of samples across the requeue (steps written
+    after the USR1 save and before the requeue are redone by the resumed run); returns the step it resumed at."""
     keys = [json.loads(line) for f in (run / "sample_keys").glob("rank_*.jsonl") for line in f.read_text().splitlines()]
     resumed_at = max(r["start_step"] for r in keys)
     assert 0 < resumed_at < total
     per_step = {}
-    for r in keys:  # steps written after the save and before the requeue are redone by the resumed run
+    for r in keys:
         if r["step"] <= resumed_at or r["start_step"] == resumed_at:
             per_step.setdefault(r["step"], []).extend(r["keys"])
-    assert sorted(per_step) == list(range(1, total + 1)) and all(len(v) == 4 for v in per_step.values())
+    assert sorted(per_step) == list(range(1, total + 1)) and all(len(v) == 4 for v in per_step.values()), per_step
+    return resumed_at
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_namespace_hosts_train_with_torchrun_template(slurm_cluster_2nodes, tmp_path, tiny_pipeline, shapes_shards):
-    """2 nodes (network namespaces) x 1 process each, torchrun static rendezvous, gloo across hosts."""
-    config = write_config(tmp_path, tiny_pipeline, shapes_shards, "twonode", **{
-        "system.batch_size": 2, "experiment.num_examples_to_see": 4 * 6, "experiment.sample_per_prompt": 0})
-    run = tmp_path / "runs" / "twonode"
-    cluster = slurm_cluster_2nodes
-    job = cluster.sbatch(
-        TORCHRUN_TEMPLATE, options=cluster.template_options(nodes=2, ntasks_per_node=1, chdir=REPO),
-        env={"CONFIG": str(config), "PYTHON": sys.executable, "GPUS_PER_NODE": "1", "GLOO_SOCKET_IFNAME": "eth0",
-             "OMP_NUM_THREADS": "1"},
-    )
-    cluster.wait_state(job, "COMPLETED", timeout=300)
-    log = cluster.job_output(job)
-    assert "world_size=2" in (run / "train.log").read_text()
-    assert (run / "logs" / "rank_1.log").exists()  # the second node's rank wrote its log
-    assert complete_steps(run / "checkpoints")[-1] == 6, log[-3000:]
-    assert metric_steps(run) == list(range(1, 7))
+def test_two_nodes_srun_template_preempted_and_requeued_on_one_node(slurm_cluster_2nodes, tmp_path, tiny_pipeline,
+                                                                   shapes_shards):
+    """srun template, 2 nodes x 2 tasks, USR1; while pending the job is set to 1 node (it comes back smaller):
+    the template starts 2 tasks, which resume the 4 ranks' checkpoint with the same global batch and samples,
+    every step logged once."""
+    cluster, total = slurm_cluster_2nodes, 12
+    config = two_node_config(tmp_path, tiny_pipeline, shapes_shards, "srun2x2", total)
+    run = tmp_path / "runs" / "srun2x2"
+    job = cluster.sbatch(SRUN_TEMPLATE, options=cluster.template_options(nodes=2, ntasks_per_node=2, chdir=REPO),
+                         env={"CONFIG": str(config), **NODE_ENV})
+    # All three: NumNodes=1 alone lowers only the minimum, and the job's 4 CPUs would not fit one 2-CPU node.
+    log = preempt_and_requeue(cluster, job, run, update=["NumNodes=1-1", "NumTasks=2", "NumCPUs=2"])
+    starts = [line for line in log.splitlines() if "(restart " in line]
+    assert ": 4 tasks," in starts[0] and ": 2 tasks," in starts[-1], starts  # the template counts each allocation's
+    train_log = (run / "train.log").read_text()
+    assert "launcher=srun world_size=4 " in train_log and "launcher=srun world_size=2 " in train_log, train_log[-3000:]
+    # hsdp's default shard group is one node's tasks: 2 x 2 on 2 nodes; on 1 node a single group, which is fsdp.
+    assert MESH_2X2 in train_log, train_log[-3000:]
+    assert "distributed.strategy=hsdp with one shard group of all 2 rank(s) (distributed.hsdp_shard_size=0: the " \
+           "ranks of one node): nothing to replicate, so it runs as fsdp" in train_log, train_log[-3000:]
+    assert "resumed an fsdp checkpoint of 4 ranks under fsdp on 2 ranks: model and optimizer resharded by DCP" \
+           in train_log, train_log[-3000:]
+    assert all((run / "logs" / f"rank_{r}.log").exists() for r in (1, 2, 3))  # the second node's ranks too
+    assert "resumed on 2 rank(s) x 1 worker(s) from a checkpoint of 4 rank(s) x 1 worker(s) (4 canonical readers); " \
+           "global batch 4 = 1 x 2 accumulation x 2 ranks" in train_log, train_log[-3000:]
+    assert metric_steps(run) == list(range(1, total + 1))
+    saved = complete_steps(run / "checkpoints")
+    assert saved[-1] == total and len(saved) == 2 and saved[0] == samples_per_step(run, total), saved
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_torchrun_template_preempted_requeued_and_resumed(slurm_cluster_2nodes, tmp_path, tiny_pipeline,
+                                                                   shapes_shards):
+    """torchrun template (one torchrun per node, static rendezvous, 2 workers each), USR1 to the step: the workers
+    save (torchrun ignores USR1), rank 0 requeues, and the requeued job resumes on the same 2 x 2."""
+    cluster, total = slurm_cluster_2nodes, 12
+    config = two_node_config(tmp_path, tiny_pipeline, shapes_shards, "torchrun2x2", total)
+    run = tmp_path / "runs" / "torchrun2x2"
+    job = cluster.sbatch(TORCHRUN_TEMPLATE,
+                         options=cluster.template_options(nodes=2, ntasks_per_node=1, cpus_per_task=2, chdir=REPO),
+                         env={"CONFIG": str(config), "GPUS_PER_NODE": "2", **NODE_ENV})
+    log = preempt_and_requeue(cluster, job, run)
+    assert log.count("2 nodes x 2 workers") == 2, log[-3000:]
+    train_log = (run / "train.log").read_text()
+    assert train_log.count("launcher=torchrun world_size=4 ") == 2, train_log[-3000:]
+    assert train_log.count(MESH_2X2) == 2, train_log[-3000:]  # torchrun's LOCAL_WORLD_SIZE: GPUS_PER_NODE
+    assert all((run / "logs" / f"rank_{r}.log").exists() for r in (1, 2, 3))
+    assert "requeued SLURM job" in log and "resumed from" in train_log, log[-3000:]
+    assert "resumed on" not in train_log  # the same layout: no reassignment of readers
+    assert metric_steps(run) == list(range(1, total + 1))
+    saved = complete_steps(run / "checkpoints")
+    assert saved[-1] == total and len(saved) == 2 and saved[0] == samples_per_step(run, total), saved
