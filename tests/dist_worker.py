@@ -3,7 +3,7 @@
     python tests/dist_worker.py OUT.pt key=value ... [-- OUT2.pt key=value ...]   (the tiny-run overrides the tests use)
 
 Every rank builds the same global batch (latents, token ids, noise, timesteps; an edit family's reference
-latents) from a fixed seed and
+latents and pixels) from a fixed seed and
 takes its slice, so 1 rank x batch 2b and 2 ranks x batch b see exactly the same samples. Rank 0 saves
 the final UNet parameters to OUT.pt and the parameters before the first step to OUT.init.pt. Runs
 separated by ``--`` train one after the other in the same processes (one start-up of torch and the
@@ -47,6 +47,9 @@ def train(out: str, argv: list[str], info) -> None:
         refs = t.family.reference_images[0]  # an edit family's reference latents, as latent shards give them
         if refs:
             full["reference_latents"] = torch.randn(GLOBAL_BATCH, refs, channels, 8, 8, generator=g)
+            # and their pixels, which Qwen-Image-Edit's text encoder reads with the instruction
+            full["reference_values"] = torch.randint(0, 256, (GLOBAL_BATCH, refs, 3, 64, 64), generator=g,
+                                                     dtype=torch.uint8)
         # Global index layout: micro-batch m of rank r holds rows [(m * W + r) * b, ... + b).
         for m in range(accum):
             lo = (m * info.world_size + info.rank) * b

@@ -208,10 +208,13 @@ def _tiny_nets():
         "flux2_klein": ("Flux2Transformer2DModel", dict(flux2.TINY_FLUX2_TRANSFORMER, guidance_embeds=False)),
         "flux2_dev": ("Flux2Transformer2DModel", dict(flux2.TINY_FLUX2_TRANSFORMER, guidance_embeds=True)),
         "qwen_image": ("QwenImageTransformer2DModel", qwen_image_parts.TINY_QWEN_TRANSFORMER),
+        # the edit families train Qwen-Image's transformer (their tiny pipelines use the same params)
+        "qwen_image_edit": ("QwenImageTransformer2DModel", qwen_image_parts.TINY_QWEN_TRANSFORMER),
+        "qwen_image_edit_plus": ("QwenImageTransformer2DModel", qwen_image_parts.TINY_QWEN_TRANSFORMER),
     }
 
 
-@pytest.mark.parametrize("family", ["sdxl", "sd3", "zimage", "flux2_klein", "flux2_dev", "qwen_image"])
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "zimage", "flux2_klein", "flux2_dev", "qwen_image", "qwen_image_edit"])
 def test_every_family_net_quantises_and_its_lora_preset_wraps_the_quantised_layers(family):
     import diffusers
 

@@ -86,12 +86,14 @@ def hidden_size(encoder) -> int:
     return int(getattr(encoder.config, "text_config", encoder.config).hidden_size)
 
 
-def load_prompt_tokenizer(src: str | None, kw: dict, what: str, length: int) -> llm_text.PromptTokenizer:
-    """The pipeline's tokenizer with its template, ``length`` tokens after the prefix; padding on the right, so
-    the prefix is the first 34 positions (the pipeline finds the real tokens by the mask on either side)."""
+def load_prompt_tokenizer(src: str | None, kw: dict, what: str, length: int,
+                          settings: llm_text.LLMTextSettings | None = None) -> llm_text.PromptTokenizer:
+    """The pipeline's tokenizer with its template (``settings``, None: Qwen-Image's), ``length`` tokens after the
+    prefix; padding on the right, so the prefix is the first positions (the pipeline finds the real tokens by the
+    mask on either side)."""
     if src is None:
         raise ConfigError("Qwen-Image's tokenizer has no source: set model.pretrained or model.tokenizer.pretrained")
-    tok = llm_text.load_tokenizer(src, "tokenizer", what, QWEN_IMAGE_TEXT, length, **kw)
+    tok = llm_text.load_tokenizer(src, "tokenizer", what, settings or QWEN_IMAGE_TEXT, length, **kw)
     tok.text_tokenizer.padding_side = "right"
     return tok
 
@@ -154,6 +156,7 @@ class QwenImage(FlowFamily):
     net_class = "QwenImageTransformer2DModel"
     adapter_presets = ADAPTER_PRESETS
     comfy_lora_names = QWEN_IMAGE_COMFY
+    text_settings = QWEN_IMAGE_TEXT  # how its encode_prompt formats and cuts the text (Qwen-Image-Edit: its own)
 
     def build_models(self) -> QwenImageModels:
         from diffusers import QwenImageTransformer2DModel
@@ -168,7 +171,7 @@ class QwenImage(FlowFamily):
         noise_scheduler, inference_scheduler = load_schedulers(cfg)
         models = QwenImageModels(
             tokenizer=load_prompt_tokenizer(*source(cfg, "tokenizer"), "model.tokenizer.pretrained",
-                                            self.text_tokens(self.cfg)),
+                                            self.text_tokens(self.cfg), self.text_settings),
             text_encoder=load_text_encoder(cfg, self.text_device, llm_text.frozen_dtype(cfg.text_encoder.dtype,
                                                                                     cfg.mixed_precision)),
             vae=parts.QwenLatentVAE(load_vae_of("AutoencoderKLQwenImage", cfg, self.device)),
@@ -184,13 +187,13 @@ class QwenImage(FlowFamily):
 
     @classmethod
     def text_limits(cls, cfg: TrainConfig) -> dict[str, tuple[int, str]]:
-        return {"model.llm.max_length": (QWEN_IMAGE_TEXT.limit, "QwenImagePipeline's tokenizer_max_length "
-                                                                "(max_sequence_length)")}
+        why = f"{cls.pipeline_classes[0]}'s tokenizer_max_length (max_sequence_length)"
+        return {"model.llm.max_length": (cls.text_settings.limit, why)}
 
     @classmethod
     def text_tokens(cls, cfg: TrainConfig) -> int:
         """Text tokens per caption at most (after the prefix): ``model.llm.max_length``, else the pipeline's 512."""
-        return int(cfg.model.llm.max_length or QWEN_IMAGE_TEXT.max_length)
+        return int(cfg.model.llm.max_length or cls.text_settings.max_length)
 
     @classmethod
     def pixel_grid(cls, net_conf: dict, vae_factor: int) -> PixelGrid:
@@ -246,7 +249,7 @@ class QwenImage(FlowFamily):
         return llm_text.text_encoding(cls.text_tag, tokenizer, encoder, QWEN_IMAGE_TEXT)
 
     def stored_text(self) -> StoredText:
-        width = llm_text.stored_width(hidden_size(self.models.text_encoder), QWEN_IMAGE_TEXT)
+        width = llm_text.stored_width(hidden_size(self.models.text_encoder), self.text_settings)
         return StoredText(self.max_sequence_length, width, 1, self.text_tag)
 
     # -- latents and the transformer's forward ----------------------------------------------------

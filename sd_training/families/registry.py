@@ -20,6 +20,7 @@ from .flux_kontext import FluxKontext
 from .flux2_dev import Flux2Dev
 from .flux2_klein import Flux2Klein
 from .qwen_image import QwenImage
+from .qwen_image_edit import QwenImageEdit, QwenImageEditPlus
 from .sd import StableDiffusion
 from .sd3 import StableDiffusion3
 from .sdxl import StableDiffusionXL
@@ -28,7 +29,8 @@ from .zimage import ZImage
 # model.family -> the family; adding one is a module and a line here.
 FAMILIES: dict[str, type[Family]] = {"sd": StableDiffusion, "sdxl": StableDiffusionXL, "sd3": StableDiffusion3, "flux": Flux,
                                      "flux_kontext": FluxKontext, "zimage": ZImage,
-                                     "flux2_klein": Flux2Klein, "flux2_dev": Flux2Dev, "qwen_image": QwenImage}
+                                     "flux2_klein": Flux2Klein, "flux2_dev": Flux2Dev, "qwen_image": QwenImage,
+                                     "qwen_image_edit": QwenImageEdit, "qwen_image_edit_plus": QwenImageEditPlus}
 DEFAULT_FAMILY = "sd"  # the family of components set one by one (no pipeline root to read)
 
 
