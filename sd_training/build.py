@@ -14,7 +14,7 @@ from . import adapters
 from .speed import compile_cache
 from .speed import block_swap, fp8
 from .checkpoint import init_weights_from, load_weights_checked
-from .config.schema import TrainConfig
+from .config.schema import SHARDED_STRATEGIES, TrainConfig
 from .distributed import DistInfo
 from .ema import EMA, decay_from_strength
 from .families import registry
@@ -77,9 +77,9 @@ def build_model(cfg: TrainConfig, info: DistInfo, plan: Plan, run_dir: RunDir) -
         log.info("%s", quantized_base_store.prepare(cfg, family, dtype, run_dir.quantized_base, info.is_main))
     if adapters.enabled(cfg):
         # The frozen base in the training precision (FSDP2 shards a unit's parameters in one dtype: fp32 there).
-        family.adapters = adapters.apply(cfg, family, dtype if cfg.distributed.strategy != "fsdp" else None)
+        family.adapters = adapters.apply(cfg, family, dtype if cfg.distributed.strategy not in SHARDED_STRATEGIES else None)
     # Only the trained module (and its EMA) is wrapped; the frozen components never are.
-    strategy = Strategy(cfg.distributed.strategy, info.has_group, device, dtype, cfg.distributed)
+    strategy = Strategy(cfg.distributed.strategy, info.has_group, device, dtype, cfg.distributed, info)
     # Before the EMA and the wrapper: both then see the swapped blocks' weights where they live (the host).
     swap = block_swap.install(cfg, family, net, device, info.world_size, strategy.name)
     ema = _build_ema(cfg, net, family.net_name, plan.total_steps, device)
@@ -166,6 +166,7 @@ def _log_memory_plan(cfg: TrainConfig, info: DistInfo, family: Family, net: torc
         cfg.distributed.fsdp_unit, replicated=replicated,
         activations=micro_batch_activations(cfg, net, text_tokens=family.text_tokens(cfg), family=type(family)),
         ema_bytes=module_bytes(ema.shadow) if ema is not None else None, in_backward=cfg.optimizer.in_backward,
+        shard_size=strategy.shard_size if strategy.name == "hsdp" else 0,
     )
     check_plan(rows, strategy.plan_name, info.device.type, cfg)  # a batch that cannot fit stops here
     if info.is_main:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from . import distributed
+from .distributed import heartbeat
 from .run import preemption
 from .run import progress
 from .build import build_model, build_optimizer_parts
@@ -20,7 +21,7 @@ from .checkpoint import CheckpointManager, ModelState, complete_steps
 from .checkpoint.layout import GRAD_SCALER, LR_SCHEDULER
 from .config import ConfigError
 from .config.loading import public_dict, to_yaml
-from .config.schema import TrainConfig
+from .config.schema import SHARDED_STRATEGIES, TrainConfig
 from .data import build_train_loader
 from .outputs.metrics import LogWindow, StepMetrics
 from .optim import clip_gradients
@@ -42,15 +43,27 @@ def main(cfg: TrainConfig, stop: StopFlag | None = None, prepare: Callable | Non
     ``stop``: a flag installed by the entry point before set-up (else installed here). ``prepare(info)``:
     called on every rank once the process group is up, before anything is built (generated inputs)."""
     info = distributed.setup(cfg.system.device, cfg.distributed.dist_backend, cfg.distributed.dist_url,
-                             cfg.distributed.timeout_minutes, one_rank_group=cfg.distributed.strategy == "fsdp")
+                             cfg.distributed.timeout_minutes, one_rank_group=cfg.distributed.strategy in SHARDED_STRATEGIES,
+                             hsdp_shard=cfg.distributed.hsdp_shard_size if cfg.distributed.strategy == "hsdp" else None)
+    # From here a peer that dies or stops unnoticed ends this rank with PEER_LOST_EXIT (75) for a requeue.
+    beat = heartbeat.start(cfg.distributed.peer_timeout_s, info.rank, info.world_size, cfg.experiment.requeue)
     failed = True
     try:
         if prepare is not None:
             prepare(info)
-        summary = Trainer(cfg, info).run(stop)  # a failure in it arms the exit deadline (train.py's processes)
+        trainer = Trainer(cfg, info)
+        if beat is not None:
+            beat.follow(lambda: trainer.state.step)
+        summary = trainer.run(stop)  # a failure in it arms the exit deadline (train.py's processes)
         failed = False
         return summary
+    except BaseException as e:
+        if beat is not None:
+            beat.judge(e)  # a collective that failed because a peer died: 75, not 1
+        raise
     finally:
+        if beat is not None:
+            beat.stop(failed=failed)
         distributed.teardown(failed=failed)
 
 

@@ -222,6 +222,9 @@ class InBackward:
         self.optimizer = optimizer
         self.fused = any(g.get("fused") for g in optimizer.param_groups)
         self._sq: torch.Tensor | None = None  # sum of the squared gradient norms of this backward
+        # The ranks whose shards make up one gradient: FSDP2's mesh (all ranks), or hsdp's "shard" dimension
+        # (the other groups hold the same shards: summing over every rank would count each replica)
+        self._group = None
         self._done: set[int] = set()
         self.handles = []
         for index, group in enumerate(optimizer.param_groups):
@@ -237,6 +240,9 @@ class InBackward:
                 "gradient. Set optimizer.in_backward=false")
         self._done.add(id(p))
         grad = p.grad
+        if self._group is None and hasattr(grad, "device_mesh"):
+            mesh = grad.device_mesh
+            self._group = mesh.get_group("shard") if "shard" in (mesh.mesh_dim_names or ()) else dist.group.WORLD
         sq = torch.linalg.vector_norm(grad.to_local() if hasattr(grad, "to_local") else grad,
                                       dtype=torch.float32).square()
         self._sq = sq if self._sq is None else self._sq + sq
@@ -262,7 +268,7 @@ class InBackward:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl" and sq.device.type == "cpu":  # shards offloaded to the CPU
                 sq = sq.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(sq)  # the shards' squares (FSDP2): every rank gets the same norm
+            dist.all_reduce(sq, group=self._group)  # the shards' squares (FSDP2, hsdp): every rank gets the same norm
         return sq.sqrt()
 
 
@@ -290,5 +296,6 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float | None) -> 
         return in_backward.grad_norm()
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-    # FSDP2's sharded gradients give a DTensor norm (replicated): the guards read it as a plain tensor
+    # FSDP2's sharded gradients give a DTensor norm (replicated; under hsdp reduced over the "shard" dimension
+    # of the 2-D mesh only, each replica group holding the same shards): the guards read it as a plain tensor
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

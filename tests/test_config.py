@@ -296,7 +296,7 @@ def test_choices_are_declared_in_the_field_shown_by_help_and_checked_once(tmp_pa
 
     text = help_text()
     assert "mixed_precision: 'no'  # (no | bf16 | fp16) " in text
-    assert "strategy: 'ddp'  # (ddp | fsdp) " in text
+    assert "strategy: 'ddp'  # (ddp | fsdp | hsdp) " in text
     declared = [(path, meta, default) for path, _tp, default, meta, section in schema_entries()
                 if not section and "choices" in meta]
     assert len(declared) >= 19  # the former hand-written _choice(...) calls, and more
@@ -304,7 +304,7 @@ def test_choices_are_declared_in_the_field_shown_by_help_and_checked_once(tmp_pa
         assert default is None or default in meta["choices"], path  # every default is one of its choices
         assert " | ".join(meta["choices"][:2]) not in meta["help"], f"{path}'s help repeats its choices"
     path = write(tmp_path, MINIMAL)
-    with pytest.raises(ConfigError, match=r"distributed.strategy='fsdq': expected one of ddp or fsdp; did you mean 'fsdp'\?"):
+    with pytest.raises(ConfigError, match=r"distributed.strategy='fsdq': expected one of ddp, fsdp or hsdp; did you mean 'fsdp'\?"):
         load([f"config={path}", "distributed.strategy=fsdq"])
     with pytest.raises(ConfigError, match=r"model.vae.dtype='fp8': expected one of auto, fp32, bf16 or fp16"):
         load([f"config={path}", "model.vae.dtype=fp8"])

@@ -9,14 +9,15 @@ The two layouts:
   ``optimizer.pt`` (a plain ``optimizer.state_dict()``: state keyed by parameter index, counted through
   the optimizer's groups in order, ``optim.param_groups`` then the family's extra groups) and ``ema.pt``
   (the shadow's state dict and the EMA's scalars);
-- DCP shards (``fsdp``): ``sharded/`` with the net, the optimizer (keyed by parameter name, as
+- DCP shards (``fsdp``, ``hsdp``): ``sharded/`` with the net, the optimizer (keyed by parameter name, as
   ``get_optimizer_state_dict`` writes it) and the EMA shadow, plus ``ema_meta.pt`` (the scalars).
 
 DCP (``torch.distributed.checkpoint``, about a second of import time) is imported where a sharded
 checkpoint is written or read, so one-process and DDP runs never load it.
 
 Shards load into any run through DCP, which reshards as it reads: into this rank's DTensor shards under
-fsdp, into full tensors under ddp or in one process. Full tensors load as they are under ddp; under fsdp
+fsdp and hsdp (a 2-D mesh: each replica group reads the same shards), into full tensors under ddp or in
+one process. Full tensors load as they are under ddp; under fsdp and hsdp
 every rank keeps its slice of them, the optimizer state renamed from parameter indices to parameter
 names first (:func:`indexed_to_named`).
 """
@@ -258,7 +259,8 @@ class ModelState:
                 self.optimizer.load_state_dict(shared[OPTIMIZER])
             if self.ema is not None:
                 self.ema.load_state_dict(shared[EMA])
-        return describe(saved, self.strategy.sharded, world_size, self.ema is not None, optimizer)
+        return describe(saved, self.strategy.sharded, world_size, self.ema is not None, optimizer,
+                        getattr(self.strategy, "name", None))
 
     def _load_sharded(self, folder: Path, optimizer: bool = True) -> None:
         """DCP shards, written on any number of ranks, into this run's own layout: each rank's DTensor shards
@@ -389,8 +391,11 @@ def indexed_to_named(osd: dict, names: list[list[str]], params: dict[str, torch.
     return {"state": state, "param_groups": [{**g, "params": n} for g, n in zip(groups, names)]}
 
 
-def describe(saved: Layout, sharded: bool, world_size: int, ema: bool, optimizer: bool = True) -> str | None:
-    """The log line of a resume across layouts or rank counts; None when nothing changed."""
+def describe(saved: Layout, sharded: bool, world_size: int, ema: bool, optimizer: bool = True,
+             strategy: str | None = None) -> str | None:
+    """The log line of a resume across layouts or rank counts; None when nothing changed. ``strategy``: the
+    resuming run's (hsdp is named as such; a sharded checkpoint is called fsdp's, whichever mesh wrote it:
+    DCP holds the same global tensors either way)."""
     if saved.sharded == sharded and saved.world_size == world_size:
         return None
     parts = ["model"] + ["optimizer"] * optimizer + ["EMA"] * ema
@@ -400,7 +405,8 @@ def describe(saved: Layout, sharded: bool, world_size: int, ema: bool, optimizer
     else:
         how = "sharded from full tensors" if sharded else "loaded as full tensors (nothing to convert)"
     now = Layout(sharded, world_size)
-    where = "in one process" if world_size == 1 else f"under {now.kind} on {world_size} ranks"
+    kind = strategy if sharded and strategy in ("fsdp", "hsdp") else now.kind
+    where = "in one process" if world_size == 1 else f"under {kind} on {world_size} ranks"
     article = "an" if saved.sharded else "a"  # "an fsdp", "a ddp", "a one-process"
     ranks = f"{saved.world_size} rank{'s' if saved.world_size != 1 else ''}"
     return f"resumed {article} {saved.kind} checkpoint of {ranks} {where}: {what} {how}"

@@ -38,7 +38,7 @@ MAY_CHANGE = (
     "distributed.flag_sync_every", "experiment.progress_bar", "experiment.record_sample_keys", "experiment.model_card_",
     # How the same training is laid out over the ranks (elastic resume: checkpoints reshard between them).
     "distributed.strategy", "distributed.bucket_cap_mb", "distributed.static_graph", "distributed.fsdp_unit",
-    "distributed.fsdp_cpu_offload", "distributed.reshard_after_forward",
+    "distributed.fsdp_cpu_offload", "distributed.reshard_after_forward", "distributed.hsdp_shard_size",
     # How the same computation is laid out and compiled (the memory format, the compiled regions, their cache).
     "model.channels_last", "model.compile_scope", "model.compile_mode", "model.compile_cache",
     # Where the frozen text encoders live (they compute the same states wherever they run).

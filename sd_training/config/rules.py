@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from .dataset import check_dataset, is_latent_type
 from .fields import ConfigError, check_fields
-from .schema import OptimizerConfig, OptimizerParams, TrainConfig, train_config_class
+from .schema import SHARDED_STRATEGIES, OptimizerConfig, OptimizerParams, TrainConfig, train_config_class
 
 # Keys of optimizer.params each optimizer reads (learning_rate, weight_decay, max_grad_norm: all).
 _OPTIMIZER_KEYS = {
@@ -78,8 +78,10 @@ def validate(cfg: TrainConfig) -> None:
         for key in ("export_weights", "sample_from"):
             if getattr(cfg.experiment, key) in ("ema", "both"):
                 raise ConfigError(f"'experiment.{key}={getattr(cfg.experiment, key)}' needs model.use_ema=true")
-    if cfg.model.use_ema and cfg.model.ema.device == "cpu" and cfg.distributed.strategy == "fsdp":
-        raise ConfigError("'model.ema.device=cpu' is not supported with distributed.strategy=fsdp (the EMA is sharded like the UNet)")
+    strategy = cfg.distributed.strategy
+    if cfg.model.use_ema and cfg.model.ema.device == "cpu" and strategy in SHARDED_STRATEGIES:
+        raise ConfigError(f"'model.ema.device=cpu' is not supported with distributed.strategy={strategy} (the EMA is "
+                          "sharded like the UNet)")
     if cfg.model.ema.strength_target is not None and not 0 < cfg.model.ema.strength_target < 1:
         raise ConfigError("'model.ema.strength_target' must be within (0, 1)")
     if cfg.lr_scheduler.scheduler == "Constant" and cfg.lr_scheduler.params.warmup_length > 0:
@@ -91,14 +93,19 @@ def validate(cfg: TrainConfig) -> None:
                               "~lr_scheduler.params.min_lr_ratio)")
     _check_model_sources(cfg)
     _check_evaluation(cfg)
-    if cfg.model.text_encoder.train and cfg.distributed.strategy == "fsdp":
-        raise ConfigError("'model.text_encoder.train' is not supported with distributed.strategy=fsdp (use ddp): the "
-                          "text encoder is not sharded, and one gradient norm cannot mix sharded and plain gradients")
-    if cfg.distributed.fsdp_cpu_offload and cfg.distributed.strategy != "fsdp":
-        raise ConfigError("'distributed.fsdp_cpu_offload' applies to distributed.strategy=fsdp; set the strategy or remove it")
-    if cfg.model.mixed_precision == "fp16" and cfg.distributed.strategy == "fsdp":
-        raise ConfigError("'model.mixed_precision=fp16' is not supported with distributed.strategy=fsdp: each rank "
-                          "would find fp16 overflows in its own shards and skip steps the others take. Use "
+    if cfg.model.text_encoder.train and strategy in SHARDED_STRATEGIES:
+        raise ConfigError(f"'model.text_encoder.train' is not supported with distributed.strategy={strategy} (use "
+                          "ddp): the text encoder is not sharded, and one gradient norm cannot mix sharded and plain "
+                          "gradients")
+    if cfg.distributed.fsdp_cpu_offload and strategy not in SHARDED_STRATEGIES:
+        raise ConfigError("'distributed.fsdp_cpu_offload' applies to distributed.strategy=fsdp or hsdp; set the "
+                          "strategy or remove it")
+    if cfg.distributed.hsdp_shard_size and strategy != "hsdp":
+        raise ConfigError(f"'distributed.hsdp_shard_size' applies to distributed.strategy=hsdp, not {strategy}; set "
+                          "the strategy or remove it")
+    if cfg.model.mixed_precision == "fp16" and strategy in SHARDED_STRATEGIES:
+        raise ConfigError(f"'model.mixed_precision=fp16' is not supported with distributed.strategy={strategy}: each "
+                          "rank would find fp16 overflows in its own shards and skip steps the others take. Use "
                           "model.mixed_precision=bf16 (GPUs since A100), or distributed.strategy=ddp for fp16")
 
 
@@ -171,11 +178,12 @@ def _check_optimizer_modes(cfg: TrainConfig) -> None:
     if name == "prodigy" and o.scale_lr:
         raise ConfigError("'optimizer.scale_lr' does not apply to optimizer.name=prodigy (it estimates the step size "
                           "from the gradients, whatever the batch); remove it")
-    if name in _NOT_UNDER_FSDP and cfg.distributed.strategy == "fsdp":
-        raise ConfigError(f"optimizer.name={name} cannot train under distributed.strategy=fsdp: "
+    strategy = cfg.distributed.strategy
+    if name in _NOT_UNDER_FSDP and strategy in SHARDED_STRATEGIES:
+        raise ConfigError(f"optimizer.name={name} cannot train under distributed.strategy={strategy}: "
                           f"{_NOT_UNDER_FSDP[name]}, and pytorch-optimizer's {name} does not run on FSDP2's sharded "
                           "parameters. Use distributed.strategy=ddp (or one process), or optimizer.name=adamw, lion or "
-                          "adamw_schedulefree under fsdp")
+                          f"adamw_schedulefree under {strategy}")
     if name == "adamw_schedulefree" and cfg.lr_scheduler.scheduler not in ("Constant", "ConstantWithWarmup"):
         raise ConfigError(f"optimizer.name=adamw_schedulefree replaces the LR decay by averaging the weights: "
                           f"'lr_scheduler.scheduler={cfg.lr_scheduler.scheduler}' would decay it on top. Use "

@@ -26,6 +26,8 @@ from .fields import ComponentConfig, f
 PRECISIONS = ("no", "bf16", "fp16")  # model.mixed_precision: the step's compute precision
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")  # a frozen component's stored weights (besides auto)
 TEXT_PLACEMENTS = ("auto", "device", "cpu", "offload")  # model.text_encoder_placement
+STRATEGIES = ("ddp", "fsdp", "hsdp")  # distributed.strategy
+SHARDED_STRATEGIES = ("fsdp", "hsdp")  # FSDP2: sharded parameters (DTensors), DCP checkpoints
 SCHEDULERS = ("Constant", "ConstantWithWarmup", "CosineWithWarmup", "LinearWithWarmup")
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd", "prodigy", "lion", "adamw_schedulefree", "came")
 
@@ -96,13 +98,15 @@ class DistributedConfig:
     dist_backend: str = f("auto", "auto: nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
     dist_url: str = f("env://", "process-group init method; env:// reads MASTER_ADDR/MASTER_PORT")
     timeout_minutes: float = f(30.0, "minutes a collective may wait before the job fails", gt=0)
-    strategy: str = f("ddp", "ddp: replicated UNet; fsdp: FSDP2 fully_shard per UNet block, sharded checkpoints", choices=("ddp", "fsdp"))
+    strategy: str = f("ddp", "ddp: replicated UNet; fsdp: FSDP2 fully_shard per UNet block over all ranks, sharded checkpoints; hsdp: FSDP2 on a 2-D mesh: sharded inside groups of distributed.hsdp_shard_size ranks (one node), replicated across them (gradients all-reduced between nodes)", choices=STRATEGIES)
+    hsdp_shard_size: int = f(0, "hsdp: ranks per shard group; must divide the rank count (0: the ranks of one node, torchrun's LOCAL_WORLD_SIZE or SLURM's tasks per node)", ge=0)
+    peer_timeout_s: float = f(300.0, "seconds a rank may send no heartbeat (died or stopped without the launcher noticing) before every other rank exits with code 75 for a requeue; saves, exports and waits in collectives keep beating (0: off)", ge=0)
     bucket_cap_mb: float = f(25.0, "ddp: gradient bucket size in MB (larger: fewer, bigger all-reduces)", gt=0)
     static_graph: bool = f(False, "ddp: the graph is the same every step (no unused parameters): lets DDP overlap more")
-    grad_reduce_dtype: str = f("fp32", "dtype gradients are reduced in (bf16: half the traffic; ddp: a compression hook, fsdp: reduce_dtype)", choices=("fp32", "bf16"))
-    fsdp_unit: str = f("layer", "fsdp: shard units: layer: each resnet and transformer block; block: each down/mid/up block", choices=("layer", "block"))
-    fsdp_cpu_offload: bool = f(False, "fsdp: keep the weight, gradient, optimizer and EMA shards in pinned CPU memory (CPUOffloadPolicy; the optimizer steps on the CPU): fits larger models in less GPU memory, slower")
-    reshard_after_forward: bool = f(True, "fsdp: free the gathered parameters after the forward (less memory; False: no re-gather in backward)")
+    grad_reduce_dtype: str = f("fp32", "dtype gradients are reduced in (bf16: half the traffic; ddp: a compression hook, fsdp and hsdp: reduce_dtype)", choices=("fp32", "bf16"))
+    fsdp_unit: str = f("layer", "fsdp, hsdp: shard units: layer: each resnet and transformer block; block: each down/mid/up block", choices=("layer", "block"))
+    fsdp_cpu_offload: bool = f(False, "fsdp, hsdp: keep the weight, gradient, optimizer and EMA shards in pinned CPU memory (CPUOffloadPolicy; the optimizer steps on the CPU): fits larger models in less GPU memory, slower")
+    reshard_after_forward: bool = f(True, "fsdp, hsdp: free the gathered parameters after the forward (less memory; False: no re-gather in backward)")
     flag_sync_every: int = f(10, "optimizer steps between the host checks: the ranks agree on a stop signal or a timed save, the non-finite counters are read (1: every step)", ge=1)
 
 

@@ -52,6 +52,11 @@ class DistInfo:
         return self.world_size > 1
 
     @property
+    def nodes(self) -> int:
+        """Nodes of the job (the launcher's ranks per node: torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node)."""
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @property
     def has_group(self) -> bool:
         """A process group is up: several ranks, or one rank that FSDP2 asked for (``setup(one_rank_group)``)."""
         return self.backend is not None
@@ -148,13 +153,16 @@ def configure_math(device: torch.device, tf32: bool) -> None:
 
 
 def setup(device: str = "auto", backend: str = "auto", init_method: str = "env://", timeout_minutes: float = 30.0,
-          one_rank_group: bool = False) -> DistInfo:
+          one_rank_group: bool = False, hsdp_shard: int | None = None) -> DistInfo:
     """Start the process group (when there is more than one process) and pick this rank's device.
 
     ``one_rank_group``: one process starts a process group of its own too (``distributed.strategy=fsdp``:
     FSDP2 and its CPU offload on one GPU). Its store is in this process (``HashStore``): no address or
-    port is opened, and nothing else can join it."""
+    port is opened, and nothing else can join it. ``hsdp_shard``: ``distributed.hsdp_shard_size`` under
+    hsdp, checked against the rank layout before any rendezvous (every rank raises the same ConfigError)."""
     layout = probe_env()
+    if hsdp_shard is not None:
+        hsdp_shard_size(hsdp_shard, layout["world_size"], layout["local_world_size"])
     dev = pick_device(device, layout["local_rank"], backend)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -202,7 +210,8 @@ def _one_rank_group(dev: torch.device, backend: str, launcher: str, timeout: dat
     """A process group of this one process (rank 0 of 1), its rendezvous in an in-process store."""
     kwargs = {"device_id": dev} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
-    log.info("one process with a process group of its own (%s): distributed.strategy=fsdp on one rank", backend)
+    log.info("one process with a process group of its own (%s): FSDP2 (distributed.strategy=fsdp or hsdp) on one "
+             "rank", backend)
     return DistInfo(launcher=launcher, device=dev, backend=backend)
 
 
@@ -237,6 +246,31 @@ def teardown(failed: bool = False) -> None:
             log.warning("aborting the process group failed (%s); destroying it", e)
     dist.destroy_process_group()
     EXITS.stage(None)
+
+
+def hsdp_shard_size(configured: int, world_size: int, local_world_size: int) -> int:
+    """Ranks per shard group of ``distributed.strategy=hsdp``: ``configured`` (``distributed.hsdp_shard_size``),
+    or 0 for the ranks of one node. A ConfigError when it does not divide the rank count: HSDP's mesh is
+    (world / shard) replicas x shard ranks, every replica the same size."""
+    size = configured or local_world_size
+    if size >= 1 and world_size % size == 0:
+        return size
+    given = (f"distributed.hsdp_shard_size={configured}" if configured else
+             f"distributed.hsdp_shard_size=0 (the ranks of one node: {local_world_size})")
+    raise ConfigError(f"{given} does not divide the {world_size} ranks of this job: distributed.strategy=hsdp "
+                      "shards inside groups of that many ranks and replicates across groups of equal size. Set "
+                      "distributed.hsdp_shard_size to a divisor of the rank count (the GPUs of one node; the same "
+                      "number of ranks on every node), or use distributed.strategy=fsdp")
+
+
+def hsdp_mesh(device_type: str, world_size: int, shard_size: int):
+    """The 2-D device mesh of hsdp: dims ("replicate", "shard"), consecutive ranks (one node's, as torchrun
+    and srun number them) in one shard group, so weights are gathered and gradients reduce-scattered inside
+    a node and only the gradient all-reduce of each shard crosses nodes (collective: every rank calls it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size // shard_size, shard_size),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def world_size() -> int:

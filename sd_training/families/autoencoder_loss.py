@@ -369,8 +369,9 @@ def validate_vae_stage(cfg) -> None:
         check_vae_precision(cfg.model.mixed_precision)
     except ValueError as e:
         raise ConfigError(f"'model.mixed_precision': {e}") from None
-    if cfg.distributed.strategy == "fsdp":
-        raise ConfigError("model.train_target=vae trains with distributed.strategy=ddp (autoencoders fit one device)")
+    if cfg.distributed.strategy in ("fsdp", "hsdp"):
+        raise ConfigError(f"model.train_target=vae trains with distributed.strategy=ddp, not "
+                          f"{cfg.distributed.strategy} (autoencoders fit one device)")
     if cfg.model.vae.dtype not in ("auto", "fp32"):
         raise ConfigError("model.train_target=vae keeps the trained VAE in fp32: set model.vae.dtype=fp32 (or auto)")
     for key in ("text_encoder.train", "compile", "channels_last"):

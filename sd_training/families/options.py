@@ -257,8 +257,8 @@ def check_base_quantization(cfg) -> None:
     if cfg.model.fp8:
         raise ConfigError(f"{key} with model.fp8: model.fp8 trains the blocks' own Linear layers in float8, a "
                           "quantised base stores them frozen; set model.fp8=false")
-    if cfg.distributed.strategy == "fsdp":
-        raise ConfigError(f"{key} with distributed.strategy=fsdp: FSDP2 shards parameters as DTensors of one "
+    if cfg.distributed.strategy in ("fsdp", "hsdp"):
+        raise ConfigError(f"{key} with distributed.strategy={cfg.distributed.strategy}: FSDP2 shards parameters as DTensors of one "
                           "dtype, and the quantised weights (bitsandbytes' packed bytes with their statistics, "
                           "torchao's and GGUF's tensor subclasses) do not shard that way. The quantised base is "
                           "a quarter to a half of bf16's size, so it is replicated: use distributed.strategy=ddp")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -150,11 +151,18 @@ class Setting:
     optimizer: str
     in_backward: bool
     ema_on_device: bool
-    strategy: str  # ddp | fsdp | fsdp_offload
+    strategy: str  # ddp | fsdp | hsdp | fsdp_offload
     world: int
     text_on_device: bool = True  # the frozen text encoders stay on the device (model.text_encoder_placement)
     swap: int = 0  # model.block_swap: the net's last blocks in host memory
     quant: str = "none"  # model.adapter.base_quantization
+    shard: int = 0  # hsdp: the ranks of one shard group (what a copy of the state is sharded over)
+
+    @property
+    def divisor(self) -> int:
+        """The ranks each GPU's share of the trained state is counted over: all under fsdp, the shard
+        group under hsdp (the other groups are replicas), one otherwise."""
+        return {"fsdp": self.world, "hsdp": self.shard or self.world}.get(self.strategy, 1)
 
 
 @dataclass
@@ -182,10 +190,10 @@ class LoadPlan:
             planned = self.planned_adapter
             if s.quant not in (self.quant, "none"):  # a lever's backend (the run's own is in planned.base_bytes)
                 planned = replace(planned, base_bytes=quantized_base_bytes(s.quant, planned.base, planned.quantizable))
-            return adapter_state_bytes(planned, per, s.strategy, s.world)
+            return adapter_state_bytes(planned, per, s.strategy, s.divisor)
         if s.strategy == "fsdp_offload":
             return 0.0
-        return self.params * per / (s.world if s.strategy == "fsdp" else 1)
+        return self.params * per / s.divisor
 
     def swapped_bytes(self, s: Setting) -> float:
         """What ``s.swap`` blocks take off the device: their weights in host memory, less the two largest of
@@ -206,11 +214,13 @@ class LoadPlan:
 
 def current_setting(cfg) -> Setting:
     m, d = cfg.model, cfg.distributed
-    strategy = "fsdp_offload" if d.strategy == "fsdp" and d.fsdp_cpu_offload else d.strategy
+    strategy = "fsdp_offload" if d.strategy in ("fsdp", "hsdp") and d.fsdp_cpu_offload else d.strategy
+    world = _world_size()
     return Setting(cfg.system.batch_size, bool(m.gradient_checkpointing), cfg.optimizer.name,
                    bool(cfg.optimizer.in_backward), bool(m.use_ema and m.ema.device != "cpu"), strategy,
-                   _world_size(), text_encoder_placement(cfg) == "device", int(m.block_swap),
-                   m.adapter.base_quantization if m.adapter.enabled else "none")
+                   world, text_encoder_placement(cfg) == "device", int(m.block_swap),
+                   m.adapter.base_quantization if m.adapter.enabled else "none",
+                   _shard_size(d.hsdp_shard_size, world) if strategy == "hsdp" else 0)
 
 
 def swap_unit_params(fam, conf: dict, class_name: str) -> tuple[int, ...]:
@@ -311,6 +321,8 @@ def _levers(cfg, s: Setting, swap_blocks: int = 0) -> list[tuple[str, dict, int]
         out.append(("model.ema.device=cpu", dict(ema_on_device=False), 1))
     if s.strategy == "ddp" and s.world > 1:
         out.append(("distributed.strategy=fsdp", dict(strategy="fsdp"), 1))
+    if s.strategy == "hsdp" and s.divisor < s.world:  # shard over every rank: gathers cross nodes (slower)
+        out.append(("distributed.strategy=fsdp", dict(strategy="fsdp"), 2))
     if s.strategy != "fsdp_offload":
         keys = ("distributed.strategy=fsdp " if s.strategy == "ddp" else "") + "distributed.fsdp_cpu_offload=true"
         out.append((keys, dict(strategy="fsdp_offload"), 5))
@@ -465,12 +477,26 @@ def _world_size() -> int:
     return 1
 
 
+def _shard_size(configured: int, world: int) -> int:
+    """hsdp's shard group as the launcher's variables say before the process group is up (the key, else the
+    ranks of one node: torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node), at most the rank count. One that
+    does not divide it is refused at start-up (``distributed.hsdp_shard_size``), not here."""
+    local = 0
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        m = re.match(r"\d+", os.environ.get(var, ""))
+        if m and int(m.group(0)) > 0:
+            local = int(m.group(0))
+            break
+    return max(1, min(configured or local or world, world))
+
+
 def describe(plan: LoadPlan, cfg) -> str:
     s = current_setting(cfg)
     per_batch, swapped = plan.activations(s), plan.swapped_bytes(s)
     state = plan.state(s) - swapped
     ema = " and EMA" if s.ema_on_device else ""
-    over = f" over {s.world} ranks" if s.strategy == "fsdp" else ""
+    over = {"fsdp": f" over {s.world} ranks", "hsdp": f" over a shard group of {s.divisor} of the {s.world} ranks"
+            }.get(s.strategy, "")
     over += f"; {swapped / GIB:,.2f} GiB of it in host memory (model.block_swap={s.swap})" if swapped else ""
     text = plan.frozen_text if s.text_on_device else 0.0
     frozen = f", plus {text / GIB:,.2f} GiB of frozen text encoders ({plan.frozen_what})" if text else ""

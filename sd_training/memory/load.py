@@ -152,7 +152,7 @@ def plan_adapter(cfg, conf: dict, class_name: str, presets: dict[str, str], net_
     except ConfigError:
         return None
     total = sum(p.numel() for p in net.parameters())
-    half = cfg.model.mixed_precision in ("bf16", "fp16") and cfg.distributed.strategy != "fsdp"
+    half = cfg.model.mixed_precision in ("bf16", "fp16") and cfg.distributed.strategy not in ("fsdp", "hsdp")
     trained = lora_params(net, targets, a.rank, a.use_dora, a.type, a.lokr_factor, a.decompose_both)
     from ..families.components.quantized_base import quantizable_weights
 
@@ -167,4 +167,4 @@ def adapter_state_bytes(planned: PlannedAdapter, per_trained: int, strategy: str
     if strategy == "fsdp_offload":
         return 0.0
     both = planned.trained * per_trained + planned.base * planned.base_bytes
-    return both / (world_size if strategy == "fsdp" else 1)
+    return both / (world_size if strategy in ("fsdp", "hsdp") else 1)  # hsdp: world_size is the shard group's

@@ -19,8 +19,11 @@ counted from its weight files (refusing a batch that cannot fit, and saying whic
 - ``ddp``: every GPU holds the fp32 weights, their fp32 gradients, the optimizer state and the EMA.
 - ``fsdp``: each of the ``world_size`` GPUs holds 1/world_size of each, plus the largest shard unit
   gathered in the compute dtype (two in flight: one computing, the next prefetched).
+- ``hsdp`` (a row when the shard group is smaller than the job): as fsdp over the ``shard_size`` ranks
+  of one shard group (one node): each GPU holds 1/shard_size of each, plus the gathered units; the
+  other groups hold the same shards (replicas), so more nodes lower nothing per GPU.
 - ``fsdp_offload`` (``distributed.fsdp_cpu_offload``): weights, gradients, optimizer state and EMA
-  shards live in pinned CPU memory; the GPU holds only the gathered units.
+  shards live in pinned CPU memory; the GPU holds only the gathered units (under hsdp too).
 
 With ``model.adapter`` only the adapter's parameters train (weights, gradients, optimizer state and EMA
 rows: the adapter's); the net's frozen base is its own column (``base``: stored in the training
@@ -48,7 +51,7 @@ GIB = 2**30
 # into rows and columns for matrices: counted as 0, as Adafactor's). SGD: its momentum buffer.
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 4, "adafactor": 0, "prodigy": 16, "lion": 4,
                    "adamw_schedulefree": 8, "came": 4}
-STRATEGIES = ("ddp", "fsdp", "fsdp_offload")
+STRATEGIES = ("ddp", "fsdp", "fsdp_offload")  # the rows of every plan; hsdp's comes with a shard group (after fsdp)
 GPU_SIZES_GB = (24, 40, 80)
 # The reference table's LoRA rows: rank 32 on every family's ``attention_ffn`` preset (attention and feed-forward
 # layers of the blocks), one setting for all so the rows compare; the LoRA templates train less (rank 16 on
@@ -112,7 +115,7 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
                 ema: bool, ema_on_cpu: bool, compute_bytes: int,
                 shard_units: Callable[[torch.nn.Module, str], list[torch.nn.Module]] | None,
                 unit_level: str, replicated: Iterable[torch.nn.Module] = (), activations: float = 0.0,
-                ema_bytes: int | None = None, in_backward: bool = False) -> list[MemoryRow]:
+                ema_bytes: int | None = None, in_backward: bool = False, shard_size: int = 0) -> list[MemoryRow]:
     """One row per strategy (GiB per GPU). The trained module's parameters that train (all of them, or an
     adapter's with ``model.adapter``) hold fp32 weights, gradients and optimizer state; its frozen ones (the
     adapter's base, in the training precision) only their stored bytes (``base``), sharded under FSDP like
@@ -122,7 +125,8 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
     ``activations``: bytes of one micro-batch's activations (``activations.activation_bytes`` x the batch);
     ``ema_bytes``: what the EMA's copy holds when known (None: a copy of the trained module);
     ``in_backward`` (``optimizer.in_backward``): each gradient is freed once its parameter is updated, so the
-    gradients column is the largest trained tensor's."""
+    gradients column is the largest trained tensor's. ``shard_size``: hsdp's shard group (a row of its own when
+    it is smaller than ``world_size``; 0: no hsdp row)."""
     opt = OPTIMIZER_BYTES.get(optimizer, 8)
     n, weights, base = _trained_bytes(trained, 4)  # trained weights are kept in fp32
     grads = n * 4
@@ -138,7 +142,8 @@ def memory_plan(trained: torch.nn.Module, frozen: Iterable[torch.nn.Module], opt
     state = TrainedState(n, weights, grads, n * opt, ema_b, base)
     counts = dict(trained_params=n, base_params=sum(p.numel() for p in trained.parameters()) - n,
                   encoder_trained_params=n_rep)
-    return strategy_rows(state, 2 * largest * compute_bytes, frozen_b + rep, world_size, activations, counts)
+    return strategy_rows(state, 2 * largest * compute_bytes, frozen_b + rep, world_size, activations, counts,
+                         shard_size)
 
 
 def largest_unit(net: torch.nn.Module, units: list[torch.nn.Module], extra: dict[int, int] | None = None) -> int:
@@ -172,17 +177,21 @@ class TrainedState:
 
 
 def strategy_rows(state: TrainedState, gathered: int, frozen: int, world_size: int, activations: float,
-                  counts: dict) -> list[MemoryRow]:
+                  counts: dict, shard_size: int = 0) -> list[MemoryRow]:
     """One row per strategy (GiB per GPU): ``ddp`` holds ``state`` whole, ``fsdp`` 1/world_size of it plus
-    ``gathered`` bytes of units, ``fsdp_offload`` the gathered units only; ``frozen`` bytes (whole on every
-    GPU) and ``activations`` under all three."""
+    ``gathered`` bytes of units, ``hsdp`` (when ``0 < shard_size < world_size``) 1/shard_size of it plus the
+    gathered units, ``fsdp_offload`` the gathered units only; ``frozen`` bytes (whole on every GPU) and
+    ``activations`` under all of them."""
     s = state
     rows = []
-    for strategy in STRATEGIES:
+    names = list(STRATEGIES)
+    if 0 < shard_size < world_size:
+        names.insert(names.index("fsdp") + 1, "hsdp")
+    for strategy in names:
         if strategy == "ddp":
             parts = (s.weights, s.grads, s.optimizer, s.ema, 0, s.base)
-        elif strategy == "fsdp":
-            w = world_size
+        elif strategy in ("fsdp", "hsdp"):
+            w = world_size if strategy == "fsdp" else shard_size
             parts = (s.weights / w, s.grads / w, s.optimizer / w, s.ema / w, gathered, s.base / w)
         else:
             parts = (0, 0, 0, 0, gathered, 0)
@@ -228,11 +237,12 @@ def per_trained_param(optimizer: str, ema: bool, in_backward: bool = False) -> i
 def trained_state_bytes(n_params: int, optimizer: str, ema: bool, strategy: str, world_size: int,
                         in_backward: bool = False) -> float:
     """Per device: the trained module's fp32 weights and gradients, its optimizer state and the EMA (on
-    the device), under ``strategy`` (fsdp: 1/world_size of each; fsdp_offload: none on the device)."""
+    the device), under ``strategy`` (fsdp: 1/world_size of each, hsdp: ``world_size`` is its shard group's;
+    fsdp_offload: none on the device)."""
     per_param = per_trained_param(optimizer, ema, in_backward)
     if strategy == "fsdp_offload":
         return 0.0
-    return n_params * per_param / (world_size if strategy == "fsdp" else 1)
+    return n_params * per_param / (world_size if strategy in ("fsdp", "hsdp") else 1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 # A run that stopped early (a signal) and was not requeued: EX_TEMPFAIL, "try again later". SLURM then
 # records the job FAILED, not COMPLETED, so `afterok` dependents do not start on an unfinished model.
 EXIT_STOPPED_NOT_REQUEUED = 75
+# A peer died or stopped without the launcher noticing (distributed.heartbeat): EX_TEMPFAIL too; the sbatch
+# templates requeue on the line the heartbeat writes to $SD_TRAINING_PEER_LOST_FILE.
+PEER_LOST_EXIT = 75
 EXIT_FAILED = 1
 # A failed run's whole shutdown gets this long (the bound: exit within a minute of the error).
 FAILED_EXIT_S = 30.0

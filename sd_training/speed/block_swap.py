@@ -342,9 +342,9 @@ def check_config(cfg) -> None:
         return
     adapter = bool(getattr(getattr(m, "adapter", None), "enabled", False))
     why = None
-    if cfg.distributed.strategy == "fsdp":
-        why = ("distributed.strategy=fsdp: FSDP already shards the blocks over the ranks (and can keep its shards "
-               "in host memory itself). Use one or the other")
+    if cfg.distributed.strategy in ("fsdp", "hsdp"):
+        why = (f"distributed.strategy={cfg.distributed.strategy}: FSDP already shards the blocks over the ranks (and "
+               "can keep its shards in host memory itself). Use one or the other")
     elif not m.gradient_checkpointing:
         why = ("model.gradient_checkpointing=false: autograd would keep every block's device weights for its "
                "backward, so nothing would leave the device. Set model.gradient_checkpointing=true")
