@@ -27,7 +27,7 @@ def main(argv=None) -> int:
         print(
             f"error: could not download '{args.model}' from the hub: {str(e).splitlines()[0]}\n"
             "Check the model id and your network access (HF_HUB_OFFLINE must be unset), or log in with "
-            "`huggingface-cli login` for gated models.",
+            "`hf auth login` for gated models.",
             file=sys.stderr,
         )
         return 1

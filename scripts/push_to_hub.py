@@ -6,7 +6,7 @@
         --revision step-2000 --commit-message "step 2000"
 
 The token comes from the environment: ``HF_TOKEN``, else huggingface_hub's own lookup (the file that
-``huggingface-cli login`` / ``hf auth login`` writes). The repository is created when missing (``--private``
+``hf auth login`` writes). The repository is created when missing (``--private``
 applies then), and the folder's files are sent in one commit with huggingface_hub's ``create_commit`` (what
 ``upload_folder`` does), the model card's loading snippet pointing at the repo instead of the local folder.
 ``--dry-run`` lists the files and their sizes and the repo, with no token and no network.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sd_training.outputs.model_card import CARD_FILE, LORA_WEIGHTS, PIPELINE_INDEX, export_kind, for_repo  # noqa: E402
 
-LOGIN_HINT = "set HF_TOKEN (a write token from https://huggingface.co/settings/tokens) or run `huggingface-cli login`"
+LOGIN_HINT = "set HF_TOKEN (a write token from https://huggingface.co/settings/tokens) or run `hf auth login`"
 
 
 class PushError(Exception):

@@ -1,7 +1,7 @@
 """Train the quickstart's autoencoder with this project's own autoencoder stage and write it to
 ``sd_training/assets/quickstart_vae`` (config.json, diffusion_pytorch_model.safetensors, provenance.json).
 
-    python scripts/train_quickstart_vae.py                 # ~4 minutes on 2 CPU cores
+    python scripts/train_quickstart_vae.py                 # its time on 2 CPU cores: docs/quickstarts.md
     python scripts/train_quickstart_vae.py --check         # rebuild in a scratch folder, compare bytes
 
 Everything is fixed: the generated-shapes data (seed 0), the tiny random-weight starting point (seed 0),

@@ -50,7 +50,8 @@ def test_shapes_dataset_is_real_and_deterministic(tmp_path):
                 meta = json.loads(data)
                 caption = ma[member.replace(".json", ".txt")].decode()
                 assert meta["shape"] in SHAPES and meta["colour"] in COLOURS
-                assert caption.endswith(f"{meta['colour']} {meta['shape']} on a {meta['background']} background")
+                article = "an" if meta["background"] == "orange" else "a"  # "on an orange background"
+                assert caption.endswith(f"{meta['colour']} {meta['shape']} on {article} {meta['background']} background")
                 assert (meta["width"], meta["height"]) == (48, 48)
 
 

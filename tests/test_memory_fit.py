@@ -5,7 +5,7 @@ gave, within 90% of the GPU, and dropping any one of its keys no longer fits (th
 Nothing is built but the UNet on the meta device; no GPU is needed."""
 
 import itertools
-import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +20,8 @@ from sd_training.memory.plan import GIB
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
 SDXL = yaml.safe_load((ROOT / "benchmarks" / "memory_models.yaml").read_text())["sdxl"]
-ARGS = ["experiment.name=x", "experiment.num_examples_to_see=64", "dataset.params.path=/data/{0..3}.tar",
-        "model.family=sdxl", "model.pretrained=/models/sdxl", f"model.unet.params={json.dumps(SDXL['net'])}",
-        "model.mixed_precision=bf16", "dataset.params.resolution=1024", "system.batch_size=1", "model.use_ema=true"]
+# The shipped planning config (configs/plan/sdxl.yaml): the docs' plan_memory.py example
+ARGS = [f"config={ROOT / 'configs' / 'plan' / 'sdxl.yaml'}"]
 
 
 def _plan(changes):
@@ -39,6 +38,7 @@ def test_a_full_sdxl_fine_tune_is_advised_settings_that_fit_24_gib(sdxl):
     cfg, plan = sdxl
     memory = 24 * GIB
     n = SDXL["net_params"]
+    assert dict(cfg.model.unet.params) == SDXL["net"]  # the shipped planning config is the benchmarks' SDXL UNet
     assert plan.params == n
     # AdamW, fp32 weights and gradients, the EMA on the GPU: 4 + 4 + 8 + 4 bytes per parameter
     assert need_bytes(plan, cfg) == pytest.approx(n * 20 + plan.per_sample[False])
@@ -92,6 +92,11 @@ def test_plan_memory_script_says_what_fits_which_gpu():
     assert "the GPU has 24 GiB" in text and "It does not fit. Settings that would fit in 90% of it" in text
     assert "optimizer.name=adamw8bit" in text and "the GPU has 80 GiB" in text and "It fits" in text
     assert "[" in text and "about free" in text  # each advised set says what it costs in speed
+    # the figures docs/memory.md states for this command are the ones it prints
+    docs = (ROOT / "docs" / "memory.md").read_text()
+    answer = docs[docs.index("For a full SDXL fine-tune"):].split("\n\n")[0]
+    figures = re.findall(r"about \d+(?:\.\d+)? GiB", answer)
+    assert len(figures) >= 3 and all(f in text for f in figures), (figures, text)
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_memory.py"), *ARGS, "optimizer.nmae=adamw"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "optimizer.nmae" in bad.stderr

@@ -269,7 +269,7 @@ def test_push_errors_are_clear_without_token_offline_unreachable_and_for_a_non_e
     folder = Path(tiny_pipeline)  # a real pipeline folder, as an export is
     out = push(folder, "--repo", "me/m", HF_HOME=tmp_path)  # no HF_TOKEN, no stored login
     assert out.returncode == 2 and "no Hugging Face token found: set HF_TOKEN" in out.stderr
-    assert "huggingface-cli login" in out.stderr and "Traceback" not in out.stderr
+    assert "hf auth login" in out.stderr and "Traceback" not in out.stderr
     out = push(folder, "--repo", "me/m", HF_HOME=tmp_path, HF_TOKEN="hf_not_a_token", HF_HUB_OFFLINE="1")
     assert out.returncode == 3 and "offline: HF_HUB_OFFLINE is set" in out.stderr and "Traceback" not in out.stderr
     out = push(folder, "--repo", "me/m", HF_HOME=tmp_path, HF_TOKEN="hf_not_a_token", HF_HUB_OFFLINE="0",

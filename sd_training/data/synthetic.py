@@ -66,6 +66,12 @@ def _outline(d: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, rx: float
         raise ValueError(f"unknown shape {shape!r}; one of {SHAPES}")
 
 
+def a_or_an(word: str) -> str:
+    """The article before ``word`` in a caption: "an orange", "a red" (the colour and word names here start
+    with their sound's letter)."""
+    return "an" if word[:1] in ("a", "e", "i", "o", "u") else "a"
+
+
 def shape_sample(index: int, size, seed: int = 0, fmt: str = "jpg", radius: Tuple[float, float] = RADIUS,
                  offset: float = OFFSET):
     """(key, image bytes, caption, metadata) of sample ``index``; ``size`` is an int or (width, height);
@@ -84,8 +90,7 @@ def shape_sample(index: int, size, seed: int = 0, fmt: str = "jpg", radius: Tupl
         img.save(buf, format="JPEG", quality=92)
     else:
         img.save(buf, format=fmt.upper())
-    article = "an" if colour[0] in "aeiou" else "a"
-    caption = f"{article} {colour} {shape} on a {background} background"
+    caption = f"{a_or_an(colour)} {colour} {shape} on {a_or_an(background)} {background} background"
     meta = {"width": width, "height": height, "shape": shape, "colour": colour, "background": background, "index": index}
     return f"{index:08d}", buf.getvalue(), caption, meta
 
@@ -126,10 +131,9 @@ def word_sample(index: int, word: str, shape: str, colour: str, backgrounds: Seq
     img = draw_shape(shape, colour, background, size, size, rng, radius, offset)
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=92)
-    article = "an" if word[0] in "aeiou" else "a"
     meta = {"width": size, "height": size, "shape": shape, "colour": colour, "background": background,
             "word": word, "index": index}
-    return f"{index:08d}", buf.getvalue(), f"{article} {word} on a {background} background", meta
+    return f"{index:08d}", buf.getvalue(), f"{a_or_an(word)} {word} on {a_or_an(background)} {background} background", meta
 
 
 def write_word_shards(out_dir: str, word: str, shape: str, colour: str, backgrounds: Sequence[str],
@@ -233,7 +237,7 @@ def masked_square_sample(index: int, size, seed: int = 0, alpha: bool = False):
     img.save(buf, format="PNG")
     mask.save(mbuf, format="PNG")
     meta = {"width": width, "height": height, "square": [x0, y0, side], "background": background, "index": index}
-    return f"{index:08d}", buf.getvalue(), f"a red square on a {background} background", meta, mbuf.getvalue()
+    return f"{index:08d}", buf.getvalue(), f"a red square on {a_or_an(background)} {background} background", meta, mbuf.getvalue()
 
 
 def write_masked_shards(out_dir: str, n_samples: int, n_shards: int, sizes=(64,), seed: int = 0, *,
