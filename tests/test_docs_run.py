@@ -24,7 +24,7 @@ from sd_training.configure import MAX_STEPS_ENV, apply_step_cap, load
 from sd_training.data.synthetic import write_shapes_shards
 from sd_training.run.train_state import Plan
 
-from docs_runner import (ROOT, Block, DocsCommandFailed, MarkError, extract, make_copy, manual_pages, run_pages,
+from docs_runner import (ROOT, DocsCommandFailed, MarkError, extract, make_copy, manual_pages, run_pages,
                          untracked_outputs)
 
 PAGES = manual_pages()
