@@ -1,7 +1,12 @@
 """Helpers the test modules share: tiny-run arguments with a module's defaults, a Trainer in this process,
-and the largest difference of two state dicts. (Fixtures stay in conftest.py; these are plain functions.)"""
+the largest difference of two state dicts, and a family's step checked against a diffusers example's
+(``step_equals_example``; the examples themselves: example_steps.py). (Fixtures stay in conftest.py; these
+are plain functions.)"""
 
 from __future__ import annotations
+
+import contextlib
+import types
 
 from conftest import train_args
 
@@ -102,3 +107,66 @@ def example_timesteps(fm, seeds):
     return torch.cat([compute_density_for_timestep_sampling(fm.timestep_sampling, 1, fm.logit_mean, fm.logit_std,
                                                             fm.mode_scale, generator=g)
                       for g in sample_generators(seeds, "timesteps", "cpu")])
+
+
+@contextlib.contextmanager
+def without_forward_hooks(module):
+    """``module`` with its forward hooks off for the block (an example script's transformer, without a family's
+    hooks on it), then back."""
+    hooks = dict(module._forward_hooks)
+    module._forward_hooks.clear()
+    try:
+        yield module
+    finally:
+        module._forward_hooks.update(hooks)
+
+
+@contextlib.contextmanager
+def step_equals_example(family, batch, noise_shape, example, unused_in=None, other=None):
+    """One step of ``family`` on ``batch`` against ``example(u, noise) -> (loss, timesteps)``, a step written as a
+    diffusers training example computes it on ``family.net``, with the same u and noise (drawn from the batch's
+    sample seeds' streams as the family draws them; the noise ``[B, *noise_shape]``) and the example's sigma
+    table (the scheduler's own, unshifted): the timesteps equal (and not all one), the loss and every gradient
+    within 1e-5 relative (float32: summation orders differ). ``unused_in``: the prefix of the parameters the
+    example leaves without a gradient (there must be some; the family gives them zeros), None: none is.
+    ``other()``: another loss of the family's (no gradient; on the same table), as ``.other``, to show what
+    conditions the step.
+    Yields ``.ours`` (the family's LossOutput) and ``.other`` with the example's gradients still on the net,
+    for the caller's own checks; they are cleared after the block."""
+    import torch
+
+    from sd_training.families.components.ddpm import sample_generators
+
+    fm, net = family.cfg.flow_matching, family.net
+    plain = torch.autocast("cpu", enabled=False)
+    fm.shift, fm.resolution_shift = 1.0, False  # the examples' table: the scheduler's own, unshifted
+    try:
+        seeds = batch["sample_seeds"]
+        u = example_timesteps(fm, seeds)
+        noise = torch.cat([torch.randn(1, *noise_shape, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
+        net.zero_grad(set_to_none=True)
+        ours = family.loss(net, batch, plain)
+        ours.loss.backward()
+        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+        net.zero_grad(set_to_none=True)
+        want, timesteps = example(u, noise)
+        want.backward()
+        if other is not None:
+            with torch.no_grad():
+                other = other()
+    finally:
+        fm.shift, fm.resolution_shift = None, None
+    try:
+        assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
+        torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
+        unused = {n for n, p in net.named_parameters() if p.grad is None}
+        if unused_in is None:
+            assert not unused, sorted(unused)[:5]
+        else:
+            assert unused and all(n.startswith(unused_in) for n in unused), sorted(unused)[:5]
+        for n, p in net.named_parameters():
+            torch.testing.assert_close(grads[n], torch.zeros_like(grads[n]) if n in unused else p.grad, rtol=1e-5,
+                                       atol=1e-7, msg=n)
+        yield types.SimpleNamespace(ours=ours, other=other)
+    finally:
+        net.zero_grad(set_to_none=True)

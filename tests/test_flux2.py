@@ -6,13 +6,13 @@ test_family_conformance.py."""
 
 import pytest
 import torch
-from helpers import args_with, example_timesteps
+from example_steps import flux2_step
+from helpers import args_with, step_equals_example
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.families import flux2_latents as flux2
 from sd_training.families import registry as families
-from sd_training.families.components.ddpm import sample_generators
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMES = [n for n in ("flux2_klein", "flux2_dev") if n in families.FAMILIES]
@@ -138,74 +138,23 @@ def test_blocks_are_the_fsdp_and_compile_units_and_lora_targets_exist(family):
             "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_out.0"} <= set(attention)
 
 
-def reference_step(pipe, transformer, pixels, prompts, u, noise, weighting_scheme, guidance_scale, length):
-    """One step as diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py (and _flux2.py) computes
-    it, given u and the noise (in its patchified layout): the posterior mode, the batch-norm normalisation,
-    the scheduler's unshifted table, the guidance embedding where the transformer has one."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    cls, vae = type(pipe), pipe.vae
-    latents_bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    latents_bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    with torch.no_grad():
-        prompt_embeds, text_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=length)
-        model_input = vae.encode(pixels).latent_dist.mode()
-    model_input = cls._patchify_latents(model_input)
-    model_input = (model_input - latents_bn_mean) / latents_bn_std
-    model_input_ids = cls._prepare_latent_ids(model_input)
-    bsz = model_input.shape[0]
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
-    indices = (u * scheduler.config.num_train_timesteps).long()
-    timesteps = scheduler.timesteps[indices]
-    step_indices = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
-    sigmas = scheduler.sigmas[step_indices].flatten().view(bsz, 1, 1, 1)
-    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-    packed = cls._pack_latents(noisy_model_input)
-    guidance = torch.full([1], guidance_scale).expand(bsz) if transformer.config.guidance_embeds else None
-    model_pred = transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                             encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=model_input_ids,
-                             return_dict=False)[0]
-    model_pred = model_pred[:, : packed.size(1):]
-    model_pred = cls._unpack_latents_with_ids(model_pred, model_input_ids)
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
-    target = noise - model_input
-    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(bsz, -1), 1).mean()
-    return loss, timesteps
-
-
 def test_one_step_equals_diffusers_training_example(family, pipe, length):
-    """Loss and gradients of one step equal the example's for the same batch, u and noise (drawn from the
-    sample seeds' streams as the family draws them, the noise patchified for the example), with its unshifted
-    sigma table and cosmap weighting: within 1e-5 relative (float32; only summation order differs)."""
-    fm = family.cfg.flow_matching
-    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
+    """Loss and gradients of one step equal the example's (``example_steps.flux2_step``) for the same batch, u and
+    noise (the noise patchified for the example), with its unshifted sigma table and cosmap weighting: within 1e-5
+    relative (float32; only summation order differs)."""
     captions = ["a red circle", "", "a blue square on green", "a yellow triangle"]
-    seeds = torch.arange(10, 14)
     pixels = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    batch = {"pixel_values": pixels, "input_ids": family.tokenizers[0](captions).input_ids, "sample_seeds": seeds}
-    c = pipe.vae.config.latent_channels
-    try:
-        u = example_timesteps(fm, seeds)
-        noise = torch.cat([torch.randn(1, c, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
-        net = family.net
-        net.zero_grad(set_to_none=True)
-        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
-        ours.loss.backward()
-        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
-        net.zero_grad(set_to_none=True)
-        want, timesteps = reference_step(pipe, net, pixels, captions, u, flux2.patchify(noise), "cosmap",
-                                         family.cfg.model.guidance_embed, length)
-        want.backward()
-    finally:
-        fm.shift, fm.resolution_shift = None, None
-    assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
-    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
-    if net.config.guidance_embeds:  # dev: the guidance path trains
-        assert net.time_guidance_embed.guidance_embedder.linear_1.weight.grad.abs().sum() > 0
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
-    net.zero_grad(set_to_none=True)
+    batch = {"pixel_values": pixels, "input_ids": family.tokenizers[0](captions).input_ids,
+             "sample_seeds": torch.arange(10, 14)}
+    net = family.net
+
+    def example(u, noise):
+        return flux2_step(pipe, net, pixels, captions, u, flux2.patchify(noise), family.cfg.model.guidance_embed,
+                          length, weighting_scheme="cosmap")
+
+    with step_equals_example(family, batch, (pipe.vae.config.latent_channels, 4, 4), example):
+        if net.config.guidance_embeds:  # dev: the guidance path trains
+            assert net.time_guidance_embed.guidance_embedder.linear_1.weight.grad.abs().sum() > 0
 
 
 def test_step_flops_count_the_transformer_over_image_and_text_tokens(family, length):

@@ -5,45 +5,30 @@ computes it (several references joined as the pipeline joins them), the limits o
 ``dataset.params.references``, a batch that lost its references refused, the sample grid with each prompt's
 references, a step from latent shards with stored reference latents equal to the online step, and a short klein
 LoRA run on paired shards whose export loads with ``load_lora_weights`` and generates with ``image=``. FLUX.2
-without references: test_flux2.py (unchanged)."""
+without references: test_flux2.py."""
 
 import numpy as np
 import pytest
 import torch
 from conftest import assert_shard_step_equals_online, run_precompute
-from helpers import args_with, example_timesteps, run_trainer
+from example_steps import flux2_step, pil
+from helpers import args_with, run_trainer, step_equals_example
 from PIL import Image
+# test_flux2.py's families, text lengths (the template and a short caption fit) and fixtures: name (each FLUX.2
+# family in turn), its tiny pipeline folder and the pipeline loaded
+from test_flux2 import LLM_LEN, name, pipe, pipeline  # noqa: F401
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.families import flux2_latents as flux2
 from sd_training.families import registry as families
-from sd_training.families.components.ddpm import reference_seeds, sample_generators
+from sd_training.families.components.ddpm import reference_seeds
 from sd_training.families.flux2 import sample_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-NAMES = [n for n in ("flux2_klein", "flux2_dev") if n in families.FAMILIES]
-LLM_LEN = {"flux2_klein": 48, "flux2_dev": 160}  # as test_flux2.py: the template and a short caption fit
 MOST = {"flux2_klein": 4, "flux2_dev": 6}  # BFL's documented limits (docs.bfl.ml, "Image Editing")
 
 args = args_with({"dataset.params.resolution": 32})
-
-
-@pytest.fixture(scope="module", params=NAMES)
-def name(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def pipeline(name, family_pipeline):
-    return family_pipeline(name)
-
-
-@pytest.fixture(scope="module")
-def pipe(pipeline):
-    from diffusers import DiffusionPipeline
-
-    return DiffusionPipeline.from_pretrained(pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +43,6 @@ def family(name, pipeline, shapes_shards, tmp_path_factory):
 def pixels(b, r, h, w, seed):
     """uint8 reference_values [b, r, 3, h, w] of random pixels (the loader's layout)."""
     return torch.randint(0, 256, (b, r, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-
-
-def pil(values: torch.Tensor) -> Image.Image:
-    return Image.fromarray(values.permute(1, 2, 0).numpy())
 
 
 def test_references_are_optional_up_to_the_documented_limit(name, pipeline, shapes_shards, tmp_path):
@@ -103,84 +84,34 @@ def test_references_of_other_sizes_pack_as_the_pipeline(pipe, family):
     torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
 
 
-def example_step(pipe, transformer, target, conds, prompts, u, noise, guidance_scale, length):
-    """One step as diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein_img2img.py computes it (and
-    train_dreambooth_lora_flux2_img2img.py for dev's guidance), given u and the noise (patchified): the posterior
-    mode of target and condition, batch-norm normalised; the condition's tokens packed after the target's with
-    ``_prepare_image_ids`` ids from the first sample, expanded over the batch; the prediction cut to the target's
-    tokens; the unshifted table, uniform weighting. Several conditions are joined as ``prepare_image_latents``
-    joins them (the script takes one: ``_prepare_image_ids([cond[0:1]])``, the list of one)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    cls, vae = type(pipe), pipe.vae
-    mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    with torch.no_grad():
-        prompt_embeds, text_ids = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=length)
-        model_input = vae.encode(target).latent_dist.mode()
-        cond_inputs = [vae.encode(c).latent_dist.mode() for c in conds]
-    model_input = (cls._patchify_latents(model_input) - mean) / std
-    cond_inputs = [(cls._patchify_latents(c) - mean) / std for c in cond_inputs]
-    model_input_ids = cls._prepare_latent_ids(model_input)
-    bsz = model_input.shape[0]
-    cond_ids = cls._prepare_image_ids([c[0:1] for c in cond_inputs]).expand(bsz, -1, -1)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
-    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
-    step_indices = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
-    sigmas = scheduler.sigmas[step_indices].flatten().view(bsz, 1, 1, 1)
-    noisy = (1.0 - sigmas) * model_input + sigmas * noise
-    packed = cls._pack_latents(noisy)
-    n = packed.shape[1]
-    packed = torch.cat([packed, *[cls._pack_latents(c) for c in cond_inputs]], dim=1)
-    ids = torch.cat([model_input_ids, cond_ids], dim=1)
-    guidance = torch.full([1], guidance_scale).expand(bsz) if transformer.config.guidance_embeds else None
-    model_pred = transformer(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                             encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=ids, return_dict=False)[0]
-    model_pred = cls._unpack_latents_with_ids(model_pred[:, :n, :], ids[:, :n, :])
-    target_v = noise - model_input
-    loss = torch.mean(((model_pred.float() - target_v.float()) ** 2).reshape(bsz, -1), 1).mean()
-    return loss, timesteps
-
-
 def test_one_step_with_references_equals_diffusers_img2img_example(name, family, pipe):
-    """Loss and gradients of one step with two references equal the example's for the same batch, u and noise
-    (drawn from the sample seeds' streams as the family draws them): within 1e-5 relative (float32). The
+    """Loss and gradients of one step with two references equal the img2img example's (``example_steps.flux2_step``
+    with the references as its conditions) for the same batch, u and noise: within 1e-5 relative (float32). The
     references change the step (the transformer attends to them)."""
-    fm = family.cfg.flow_matching
-    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
     captions = ["make the background blue", "", "a red circle", "make it green"]
-    seeds = torch.arange(20, 24)
     target = pixels(4, 1, 32, 32, seed=1)[:, 0]
     refs = pixels(4, 2, 32, 32, seed=2)
-    batch = {"pixel_values": target, "reference_values": refs, "sample_seeds": seeds,
+    batch = {"pixel_values": target, "reference_values": refs, "sample_seeds": torch.arange(20, 24),
              "input_ids": family.tokenizers[0](captions).input_ids}
-    c = pipe.vae.config.latent_channels
     net = family.net
-    try:
-        u = example_timesteps(fm, seeds)
-        noise = torch.cat([torch.randn(1, c, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
-        net.zero_grad(set_to_none=True)
-        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
-        ours.loss.backward()
-        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
-        net.zero_grad(set_to_none=True)
-        unit = lambda x: x.float() / 127.5 - 1  # noqa: E731 -- the loader's uint8 -> [-1, 1]
-        want, timesteps = example_step(pipe, net, unit(target), [unit(refs[:, k]) for k in range(2)], captions, u,
-                                       flux2.patchify(noise), family.cfg.model.guidance_embed, LLM_LEN[name])
-        want.backward()
+
+    def unit(x):  # the loader's uint8 -> [-1, 1]
+        return x.float() / 127.5 - 1
+
+    def example(u, noise):
+        return flux2_step(pipe, net, unit(target), captions, u, flux2.patchify(noise), family.cfg.model.guidance_embed,
+                          LLM_LEN[name], conds=[unit(refs[:, k]) for k in range(2)])
+
+    def alone():  # the same batch without its references
         family.cfg.dataset.params.references = 0
-        with torch.no_grad():
-            alone = family.loss(net, {k: v for k, v in batch.items() if k != "reference_values"},
-                                torch.autocast("cpu", enabled=False))
-    finally:
-        fm.shift, fm.resolution_shift = None, None
-        family.cfg.dataset.params.references = 2
-    assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
-    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
-    net.zero_grad(set_to_none=True)
-    assert abs(alone.loss.item() - ours.loss.item()) > 1e-6, "the references changed nothing"
+        try:
+            return family.loss(net, {k: v for k, v in batch.items() if k != "reference_values"},
+                               torch.autocast("cpu", enabled=False))
+        finally:
+            family.cfg.dataset.params.references = 2
+
+    with step_equals_example(family, batch, (pipe.vae.config.latent_channels, 4, 4), example, other=alone) as step:
+        assert abs(step.other.loss.item() - step.ours.loss.item()) > 1e-6, "the references changed nothing"
 
 
 def test_a_batch_without_its_references_is_refused(family):

@@ -8,7 +8,8 @@ import re
 
 import pytest
 import torch
-from helpers import args_with, example_timesteps
+from example_steps import qwen_step
+from helpers import args_with, step_equals_example, without_forward_hooks
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
@@ -16,7 +17,6 @@ from sd_training.data.latents import TEXT_STATES_KEY
 from sd_training.families import qwen_image_parts as parts
 from sd_training.families import registry as families
 from sd_training.families.components import llm_text
-from sd_training.families.components.ddpm import sample_generators
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LLM_LEN = 12  # model.llm.max_length of the tests (the pipeline's default is 512): the long caption is cut
@@ -131,86 +131,25 @@ def test_blocks_are_the_units_and_lora_presets_hit_layers(family):
     assert {f"transformer_blocks.0.attn.{k}" for k in ("to_q", "to_k", "to_v", "to_out.0")} <= attention
 
 
-def reference_step(pipe, transformer, pixels, prompts, u, noise, weighting_scheme, length):
-    """One step as examples/dreambooth/train_dreambooth_lora_qwen_image.py computes it, given u and the noise (in
-    its [B, C, 1, h, w] layout): each prompt's ``encode_prompt``, padded to the longest with the masks
-    materialised (``concat_prompt_embedding_batches``), the posterior mode normalised per channel, the
-    scheduler's unshifted table, the frame axis moved before packing."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    cls, vae = type(pipe), pipe.vae
-    z, vsf = vae.config.z_dim, 2 ** len(vae.temperal_downsample)
-    latents_mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
-    latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
-    with torch.no_grad():
-        pairs = [pipe.encode_prompt(p, device="cpu", max_sequence_length=length) for p in prompts]
-        model_input = vae.encode(pixels.unsqueeze(2)).latent_dist.mode()
-    n = max(e.shape[1] for e, _ in pairs)
-    masks = [torch.ones(e.shape[:2], dtype=torch.long) if m is None else m for e, m in pairs]
-    prompt_embeds = torch.cat([torch.cat([e, e.new_zeros(1, n - e.shape[1], e.shape[2])], 1) for e, _ in pairs])
-    prompt_embeds_mask = torch.cat([torch.cat([m, m.new_zeros(1, n - m.shape[1])], 1) for m in masks])
-    model_input = (model_input - latents_mean) * latents_std
-    bsz = model_input.shape[0]
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
-    indices = (u * scheduler.config.num_train_timesteps).long()
-    timesteps = scheduler.timesteps[indices]
-    step_indices = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
-    sigmas = scheduler.sigmas[step_indices].flatten().view(bsz, 1, 1, 1, 1)
-    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-    h, w = model_input.shape[3], model_input.shape[4]
-    img_shapes = [(1, h // 2, w // 2)] * bsz
-    packed = cls._pack_latents(noisy_model_input.permute(0, 2, 1, 3, 4), bsz, z, h, w)
-    model_pred = transformer(hidden_states=packed, encoder_hidden_states=prompt_embeds,
-                             encoder_hidden_states_mask=prompt_embeds_mask, timestep=timesteps / 1000,
-                             img_shapes=img_shapes, return_dict=False)[0]
-    model_pred = cls._unpack_latents(model_pred, h * vsf, w * vsf, vsf)
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
-    target = noise - model_input
-    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(bsz, -1), 1).mean()
-    return loss, timesteps
-
-
 def test_one_step_equals_diffusers_training_example(family, pipe):
-    """Loss and gradients of one step equal the example's for the same batch, u and noise (drawn from the sample
-    seeds' streams as the family draws them), with its unshifted sigma table and cosmap weighting: within 1e-5
-    relative (float32; the example's all-ones mask rows and summation order differ)."""
-    fm = family.cfg.flow_matching
-    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
-    seeds = torch.arange(10, 14)
+    """Loss and gradients of one step equal the example's (``example_steps.qwen_step``) for the same batch, u and
+    noise, with its unshifted sigma table and cosmap weighting: within 1e-5 relative (float32; the example's
+    all-ones mask rows and summation order differ). The last block's text-stream output feeds nothing: the example
+    leaves those parameters without a gradient, the family gives them zeros (tie_last_text_output: DDP needs every
+    trained parameter to have one)."""
     pixels = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    batch = {"pixel_values": pixels, "input_ids": family.tokenizers[0](CAPTIONS).input_ids, "sample_seeds": seeds}
-    z = pipe.vae.config.z_dim
-    try:
-        u = example_timesteps(fm, seeds)
-        noise = torch.cat([torch.randn(1, z, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
-        net = family.net
-        net.zero_grad(set_to_none=True)
-        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
-        ours.loss.backward()
-        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
-        net.zero_grad(set_to_none=True)
-        last = net.transformer_blocks[-1]
-        hooks = dict(last._forward_hooks)  # the example's transformer: without the family's tie (see below)
-        last._forward_hooks.clear()
-        try:
-            want, timesteps = reference_step(pipe, net, pixels, CAPTIONS, u, noise.unsqueeze(2), "cosmap", LLM_LEN)
-            want.backward()
-        finally:
-            last._forward_hooks.update(hooks)
-    finally:
-        fm.shift, fm.resolution_shift = None, None
-    assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
-    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
-    # the last block's text-stream output feeds nothing: the example leaves those parameters without a gradient,
-    # the family gives them zeros (tie_last_text_output: DDP needs every trained parameter to have one)
-    unused = {n for n, p in net.named_parameters() if p.grad is None}
-    assert unused and all(n.startswith(f"transformer_blocks.{len(net.transformer_blocks) - 1}.") for n in unused)
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(grads[n], torch.zeros_like(grads[n]) if n in unused else p.grad, rtol=1e-5,
-                                   atol=1e-7, msg=n)
-    assert net.txt_in.weight.grad.abs().sum() > 0  # the text conditions the step
-    net.zero_grad(set_to_none=True)
+    batch = {"pixel_values": pixels, "input_ids": family.tokenizers[0](CAPTIONS).input_ids,
+             "sample_seeds": torch.arange(10, 14)}
+    net = family.net
+    last = len(net.transformer_blocks) - 1
+
+    def example(u, noise):
+        with without_forward_hooks(net.transformer_blocks[last]):  # the example's transformer: without the tie
+            return qwen_step(pipe, net, pixels, CAPTIONS, u, noise.unsqueeze(2), "cosmap", length=LLM_LEN)
+
+    with step_equals_example(family, batch, (pipe.vae.config.z_dim, 4, 4), example,
+                             unused_in=f"transformer_blocks.{last}."):
+        assert net.txt_in.weight.grad.abs().sum() > 0  # the text conditions the step
 
 
 def test_step_flops_count_the_transformer_over_image_and_text_tokens(family):

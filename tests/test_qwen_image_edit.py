@@ -9,7 +9,9 @@ and the refusals. What every family does: test_family_conformance.py."""
 import numpy as np
 import pytest
 import torch
-from helpers import args_with, example_timesteps
+from example_steps import pil as image_of
+from example_steps import qwen_step
+from helpers import args_with, step_equals_example, without_forward_hooks
 from PIL import Image
 
 from sd_training.config import ConfigError
@@ -17,7 +19,6 @@ from sd_training.configure import load
 from sd_training.families import qwen_image_edit_parts as eparts
 from sd_training.families import qwen_image_parts as parts
 from sd_training.families import registry as families
-from sd_training.families.components.ddpm import sample_generators
 from sd_training.families.qwen_image_edit import QwenImageEdit, reference_size
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +39,7 @@ def references(n: int, seed: int, size: int = RES, k: int = 1) -> torch.Tensor:
 
 def pil(refs: torch.Tensor) -> list[Image.Image]:
     """Each sample's first reference as a PIL image."""
-    return [Image.fromarray(r[0].permute(1, 2, 0).numpy()) for r in refs]
+    return [image_of(r[0]) for r in refs]
 
 
 @pytest.fixture(scope="module")
@@ -143,100 +144,31 @@ def test_reference_latents_tokens_and_img_shapes_are_the_pipelines(family, pipe)
     assert torch.equal(eparts.target_tokens(joint, noisy.shape), noisy)
 
 
-def reference_step(pipe, transformer, target, refs, prompts, u, noise, weighting_scheme, vl_images=None):
-    """One step as the edit pipelines' forward and examples/dreambooth/train_dreambooth_lora_qwen_image.py compute
-    it, given u and the noise (in the [B, C, 1, h, w] layout): each prompt's ``encode_prompt(prompt, image=...)``
-    (``vl_images(refs of the prompt)``, None: the references themselves), padded to the longest with the masks
-    materialised (the example's ``concat_prompt_embedding_batches``), the target's posterior mode normalised per
-    channel, each reference's ``_encode_vae_image`` packed after the noisy target's tokens in order (``prepare_latents``
-    and the denoising loop), ``img_shapes`` [target, each reference], the prediction's target tokens
-    (``noise_pred[:, : latents.size(1)]``), the scheduler's unshifted table, the example's loss."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    cls, vae = type(pipe), pipe.vae
-    z, vsf = vae.config.z_dim, 2 ** len(vae.temperal_downsample)
-    latents_mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
-    latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
-    per_prompt = [[pil(refs[i:i + 1, k:k + 1])[0] for k in range(refs.shape[1])] for i in range(len(prompts))]
-    with torch.no_grad():
-        pairs = [pipe.encode_prompt(p, image=(vl_images or (lambda x: x))(ims), device="cpu")
-                 for p, ims in zip(prompts, per_prompt)]
-        model_input = vae.encode(target.unsqueeze(2)).latent_dist.mode()
-        image_latents = [pipe._encode_vae_image(refs[:, k].float().div(127.5).sub(1).unsqueeze(2), generator=None)
-                         for k in range(refs.shape[1])]
-    n = max(e.shape[1] for e, _ in pairs)
-    masks = [torch.ones(e.shape[:2], dtype=torch.long) if m is None else m for e, m in pairs]
-    prompt_embeds = torch.cat([torch.cat([e, e.new_zeros(1, n - e.shape[1], e.shape[2])], 1) for e, _ in pairs])
-    prompt_embeds_mask = torch.cat([torch.cat([m, m.new_zeros(1, n - m.shape[1])], 1) for m in masks])
-    model_input = (model_input - latents_mean) * latents_std
-    bsz = model_input.shape[0]
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
-    indices = (u * scheduler.config.num_train_timesteps).long()
-    timesteps = scheduler.timesteps[indices]
-    step_indices = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
-    sigmas = scheduler.sigmas[step_indices].flatten().view(bsz, 1, 1, 1, 1)
-    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
-    h, w = model_input.shape[3], model_input.shape[4]
-    img_shapes = [[(1, h // 2, w // 2), *[(1, x.shape[3] // 2, x.shape[4] // 2) for x in image_latents]]] * bsz
-    packed = cls._pack_latents(noisy_model_input.permute(0, 2, 1, 3, 4), bsz, z, h, w)
-    packed_images = [cls._pack_latents(x, bsz, z, x.shape[3], x.shape[4]) for x in image_latents]
-    model_pred = transformer(hidden_states=torch.cat([packed, *packed_images], dim=1),
-                             encoder_hidden_states=prompt_embeds, encoder_hidden_states_mask=prompt_embeds_mask,
-                             timestep=timesteps / 1000, img_shapes=img_shapes, return_dict=False)[0]
-    model_pred = cls._unpack_latents(model_pred[:, : packed.size(1)], h * vsf, w * vsf, vsf)
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
-    target = noise - model_input
-    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(bsz, -1), 1).mean()
-    return loss, timesteps
-
-
 def check_step(family, pipe, refs, vl_images=None):
-    """The family's step against :func:`reference_step` on one batch (4 targets, ``refs``, the instructions), the
-    same u and noise (the sample seeds' streams, as the family draws them), the unshifted sigma table, cosmap
-    weighting: loss and gradients within 1e-5 relative (float32; padded lengths and summation order differ). The
-    references condition the step: other references, another loss."""
-    fm = family.cfg.flow_matching
-    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
-    seeds = torch.arange(10, 14)
+    """The family's step against the edit pipelines' forward in diffusers' training step
+    (``example_steps.qwen_step`` with ``refs``, each prompt read with ``vl_images(its references)``) on one batch
+    (4 targets, ``refs``, the instructions), the same u and noise, the unshifted sigma table, cosmap weighting: loss
+    and gradients within 1e-5 relative (float32; padded lengths and summation order differ; the last block's
+    text-stream output feeds nothing, as in test_qwen_image.py). The references condition the step: other
+    references, another loss."""
     target = torch.rand(4, 3, RES, RES, generator=torch.Generator().manual_seed(1)) * 2 - 1
     batch = {"pixel_values": target, "reference_values": refs, "input_ids": family.tokenizers[0](CAPTIONS).input_ids,
-             "sample_seeds": seeds}
-    z, side = pipe.vae.config.z_dim, RES // pipe.vae_scale_factor
+             "sample_seeds": torch.arange(10, 14)}
     net = family.net
-    try:
-        u = example_timesteps(fm, seeds)
-        noise = torch.cat([torch.randn(1, z, side, side, generator=g)
-                           for g in sample_generators(seeds, "noise", "cpu")])
-        net.zero_grad(set_to_none=True)
-        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
-        ours.loss.backward()
-        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
-        net.zero_grad(set_to_none=True)
-        last = net.transformer_blocks[-1]
-        hooks = dict(last._forward_hooks)  # the reference's transformer: without the family's tie (qwen_image.py)
-        last._forward_hooks.clear()
-        try:
-            want, timesteps = reference_step(pipe, net, target, refs, CAPTIONS, u, noise.unsqueeze(2), "cosmap",
-                                             vl_images)
-            want.backward()
-        finally:
-            last._forward_hooks.update(hooks)
-        with torch.no_grad():
-            other = family.loss(net, {**batch, "reference_values": references(4, 5, k=refs.shape[1])},
-                                torch.autocast("cpu", enabled=False))
-    finally:
-        fm.shift, fm.resolution_shift = None, None
-    assert torch.equal(ours.timesteps, timesteps.long()) and len(set(timesteps.tolist())) > 1
-    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
-    assert abs(float(other.loss) - float(ours.loss.detach())) > 1e-4
-    unused = {n for n, p in net.named_parameters() if p.grad is None}
-    assert all(n.startswith(f"transformer_blocks.{len(net.transformer_blocks) - 1}.") for n in unused)
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(grads[n], torch.zeros_like(grads[n]) if n in unused else p.grad, rtol=1e-5,
-                                   atol=1e-7, msg=n)
-    assert net.txt_in.weight.grad.abs().sum() > 0 and net.img_in.weight.grad.abs().sum() > 0
-    net.zero_grad(set_to_none=True)
+    last = len(net.transformer_blocks) - 1
+
+    def example(u, noise):
+        with without_forward_hooks(net.transformer_blocks[last]):  # the reference's transformer: without the tie
+            return qwen_step(pipe, net, target, CAPTIONS, u, noise.unsqueeze(2), "cosmap", refs=refs,
+                             vl_images=vl_images)
+
+    side = RES // pipe.vae_scale_factor
+    other = {**batch, "reference_values": references(4, 5, k=refs.shape[1])}
+    with step_equals_example(family, batch, (pipe.vae.config.z_dim, side, side), example,
+                             unused_in=f"transformer_blocks.{last}.",
+                             other=lambda: family.loss(net, other, torch.autocast("cpu", enabled=False))) as step:
+        assert abs(float(step.other.loss) - float(step.ours.loss.detach())) > 1e-4
+        assert net.txt_in.weight.grad.abs().sum() > 0 and net.img_in.weight.grad.abs().sum() > 0
 
 
 def test_one_step_equals_the_edit_pipelines_forward_in_diffusers_training_step(family, pipe):
@@ -376,7 +308,7 @@ def test_plus_conditioning_equals_encode_prompt_with_its_images(plus, plus_pipe)
     refs = references(len(CAPTIONS), 0, k=2)
     states, mask = plus.condition({"input_ids": plus.tokenizers[0](CAPTIONS).input_ids, "reference_values": refs})
     for i, caption in enumerate(CAPTIONS):
-        images = [Image.fromarray(r.permute(1, 2, 0).numpy()) for r in refs[i]]
+        images = [image_of(r) for r in refs[i]]
         assert condition_images(images)[0].size == (384, 384)
         with torch.no_grad():
             want, want_mask = plus_pipe.encode_prompt(caption, image=condition_images(images), device="cpu")
@@ -399,7 +331,7 @@ def test_plus_samples_size_the_references_as_training(plus):
     original = module.calculate_dimensions
     pipe = plus.inference_pipeline(plus.net)
     pipe.set_progress_bar_config(disable=True)
-    images = [Image.fromarray(r.permute(1, 2, 0).numpy()) for r in references(1, 8, k=2)[0]]
+    images = [image_of(r) for r in references(1, 8, k=2)[0]]
     kw = plus.reference_call(images)
     assert kw == {"image": images}
     with torch.no_grad():
