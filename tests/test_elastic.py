@@ -7,16 +7,12 @@ EMA, loader workers. The reference trains on 4 ranks without a stop. The elastic
 rank and step instead of 3), is SIGKILLed after step 4 and finishes on 3 ranks under DDP (4 per rank and step).
 """
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import train_args
+from elastic_runs import drop_checkpoints_after, elastic_args, full_checkpoint, steps_keys
 from helpers import largest, max_diff
-from test_resume import finish, kill_after_checkpoint, launch
-
-from sd_training.checkpoint import Checkpointer, complete_steps
+from test_resume import finish, kill_after_checkpoint, launch, losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -33,59 +29,19 @@ TOL = {"no": {"unet": 1e-6, "ema": 1e-6, "optimizer": 1e-7, "loss": 1e-5}}
 
 
 def args(tmp_path, pipeline, shards, name, workers, precision="bf16", strategy="ddp"):
-    return train_args(
-        tmp_path, pipeline, shards, name=name,
-        **{
-            "experiment.num_examples_to_see": STEPS * GLOBAL_BATCH,
-            "experiment.checkpoint_every": 2,
-            "experiment.keep_last_checkpoints": 10,
-            "experiment.sample_per_prompt": 0,
-            "experiment.record_sample_keys": "true",
-            "experiment.checkpoint_async": "false",
-            "system.batch_size": 1,
-            "system.global_batch_size": GLOBAL_BATCH,
-            "system.workers": workers,
-            "dataset.params.canonical_readers": 12,
-            "dataset.params.shuffle_buffer": 4,
-            "model.mixed_precision": precision,
-            "distributed.strategy": strategy,
-            "model.use_ema": "true",
-            "model.ema.decay": 0.9,
-        },
-    )
-
-
-def steps_keys(run: Path, global_batch: int = GLOBAL_BATCH) -> dict[int, set[str]]:
-    """Step -> the samples it trained on, over every rank, from the attempt that wrote the step last
-    (the one that started from the newest checkpoint at or before it); each step must have trained on
-    ``global_batch`` samples."""
-    rows = [json.loads(line) for f in sorted((run / "sample_keys").glob("rank_*.jsonl"))
-            for line in f.read_text().splitlines()]
-    out = {}
-    for step in sorted({r["step"] for r in rows}):
-        mine = [r for r in rows if r["step"] == step]
-        newest = max(mine, key=lambda r: (r["start_step"], r["started"]))
-        attempt = {r["rank"]: r for r in mine  # per rank its last line of that attempt (rows are in file order)
-                   if (r["start_step"], r["world_size"]) == (newest["start_step"], newest["world_size"])}
-        chosen = list(attempt.values())
-        assert sorted(attempt) == list(range(newest["world_size"])), f"step {step}: not every rank recorded it"
-        keys = [k for r in chosen for k in r["keys"]]
-        assert len(keys) == global_batch, f"step {step} trained on {len(keys)} samples"
-        out[step] = sorted(keys)
-    return out
+    return elastic_args(tmp_path, pipeline, shards, name, STEPS, GLOBAL_BATCH, **{
+        "system.workers": workers, "dataset.params.canonical_readers": 12, "model.mixed_precision": precision,
+        "distributed.strategy": strategy})
 
 
 def kill_at(p, run: Path, step: int) -> None:
-    """SIGKILL once checkpoint ``step`` is complete; later checkpoints (a slow kill) are dropped, so the
-    next start resumes from ``step``."""
+    """SIGKILL once checkpoint ``step`` is complete; the next start resumes from ``step``."""
     kill_after_checkpoint(p, run / "checkpoints", step)
-    for s in complete_steps(run / "checkpoints"):
-        if s > step:
-            shutil.rmtree(run / "checkpoints" / f"step_{s:08d}")
+    drop_checkpoints_after(run, step)
 
 
 def final(run: Path) -> dict:
-    shared, _, ts = Checkpointer.load(run / "checkpoints" / f"step_{STEPS:08d}", 0)
+    shared, ts = full_checkpoint(run, STEPS)
     assert ts["step"] == STEPS and ts["images_seen"] == STEPS * GLOBAL_BATCH
     return shared
 
@@ -111,9 +67,9 @@ def test_killed_run_resumed_on_2_then_3_ranks_trains_on_the_same_samples(tmp_pat
            "; global batch 12 = 1 x 4 accumulation x 3 ranks" in log, out[-3000:]
     assert "approximate" not in log
 
-    expected = steps_keys(ref_run)
+    expected = steps_keys(ref_run, GLOBAL_BATCH)
     assert sorted(expected) == list(range(1, STEPS + 1))
-    assert steps_keys(run) == expected
+    assert steps_keys(run, GLOBAL_BATCH) == expected
 
     # Same samples and the same per-sample noise and timesteps: only the order in which gradients are summed
     # differs (4, 6 or 4 micro-batches per rank, all-reduced over 4, 2 or 3 ranks).
@@ -122,11 +78,8 @@ def test_killed_run_resumed_on_2_then_3_ranks_trains_on_the_same_samples(tmp_pat
         diff, scale = max_diff(a[name], b[name], strict=True), largest(a[name])
         print(f"{name}: max abs difference {diff:.3g} (largest magnitude {scale:.3g})")
         assert diff <= TOL[precision][name], f"{name} differs by {diff:.3g} > {TOL[precision][name]}"
-    ref_losses = {r["step"]: r["loss"] for r in map(json.loads, (ref_run / "metrics.jsonl").read_text().splitlines())
-                  if "loss" in r}
-    losses = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-              if "loss" in r}
-    assert sorted(losses) == sorted(ref_losses)
+    ref_losses, got = losses(ref_run), losses(run)
+    assert sorted(got) == sorted(ref_losses)
     for s in ref_losses:
-        print(f"step {s}: loss {losses[s]:.6f} (reference {ref_losses[s]:.6f})")
-        assert abs(losses[s] - ref_losses[s]) <= TOL[precision]["loss"] * abs(ref_losses[s]), (s, ref_losses[s])
+        print(f"step {s}: loss {got[s]:.6f} (reference {ref_losses[s]:.6f})")
+        assert abs(got[s] - ref_losses[s]) <= TOL[precision]["loss"] * abs(ref_losses[s]), (s, ref_losses[s])

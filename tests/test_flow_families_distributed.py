@@ -5,18 +5,13 @@ with the same per-sample noise and timesteps, so its weights differ only by the 
 are summed."""
 
 import functools
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import train_args
+from elastic_runs import drop_checkpoints_after, elastic_args, full_checkpoint, steps_keys
 from helpers import largest, max_diff
-from test_elastic import steps_keys
-from test_resume import assert_same, finish, kill_after_checkpoint, launch
-
-from sd_training.checkpoint import Checkpointer, complete_steps
+from test_resume import assert_same, finish, kill_after_checkpoint, launch, losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -28,46 +23,20 @@ TOL = {"net": 3e-3, "loss": 2e-3}
 
 
 def run_args(tmp_path, pipeline, shards, name, references=0):
-    return train_args(
-        tmp_path, pipeline, shards, name=name,
-        **{
-            "dataset.params.references": references,
-            "experiment.num_examples_to_see": STEPS * GLOBAL_BATCH,
-            "experiment.checkpoint_every": 2,
-            "experiment.keep_last_checkpoints": 10,
-            "experiment.sample_per_prompt": 0,
-            "experiment.record_sample_keys": "true",
-            "experiment.checkpoint_async": "false",
-            "system.batch_size": 1,
-            "system.global_batch_size": GLOBAL_BATCH,
-            "system.workers": 1,
-            "dataset.params.resolution": 32,
-            "dataset.params.resampled": "false",
-            "dataset.params.canonical_readers": 4,
-            "dataset.params.shuffle_buffer": 4,
-            "model.mixed_precision": "bf16",
-            "distributed.strategy": "fsdp",
-            "model.use_ema": "true",
-            "model.ema.decay": 0.9,
-        },
-    )
+    return elastic_args(tmp_path, pipeline, shards, name, STEPS, GLOBAL_BATCH, **{
+        "dataset.params.references": references,
+        "system.workers": 1,
+        "dataset.params.resolution": 32,
+        "dataset.params.resampled": "false",
+        "dataset.params.canonical_readers": 4,
+        "model.mixed_precision": "bf16",
+        "distributed.strategy": "fsdp",
+    })
 
 
 def final(run: Path) -> tuple[dict, dict]:
     """The last checkpoint as full tensors (FSDP's DCP shards gathered) and its train state."""
-    folder = run / "checkpoints" / f"step_{STEPS:08d}"
-    shared, _, ts = Checkpointer.load(folder, 0)
-    if (folder / "sharded").is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        dcp_to_torch_save(str(folder / "sharded"), str(folder.parent / "full.pt"))
-        shared.update(torch.load(folder.parent / "full.pt", weights_only=False))
-    return shared, ts
-
-
-def losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
+    return full_checkpoint(run, STEPS)
 
 
 # klein stands for dev too; Flux Kontext trains on paired shards (an edit family: its references go through the
@@ -84,9 +53,7 @@ def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank
 
     run = tmp_path / "runs" / "resumed"
     kill_after_checkpoint(launch(tmp_path, args(tmp_path, pipeline, shards, "resumed"), 2), run / "checkpoints", 2)
-    for s in complete_steps(run / "checkpoints"):  # a slow kill may have let a later one complete
-        if s > 2:
-            shutil.rmtree(run / "checkpoints" / f"step_{s:08d}")
+    drop_checkpoints_after(run, 2)  # a slow kill may have let a later one complete
     # The same killed run, resumed on 1 rank below: a copy under another log_dir (the name is part of the config).
     elastic = tmp_path / "elastic_runs" / "resumed"
     shutil.copytree(run, elastic)

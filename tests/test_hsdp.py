@@ -19,13 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import train_args
+from elastic_runs import drop_checkpoints_after, elastic_args, full_checkpoint, steps_keys
 from helpers import largest, max_diff
-from test_elastic import steps_keys
-from test_flow_families_distributed import final as gathered_final
-from test_flow_families_distributed import losses
-from test_resume import assert_same, finish, kill_after_checkpoint, launch
+from test_resume import assert_same, finish, kill_after_checkpoint, launch, losses
 
-from sd_training.checkpoint import complete_steps
 from sd_training.config import ConfigError
 
 STEPS = 4
@@ -38,47 +35,24 @@ TOL = {"unet": 1e-6, "ema": 1e-6, "loss": 1e-5}
 
 
 def run_args(tmp_path, pipeline, shards, name, strategy="hsdp", workers=2, **more):
-    return train_args(
-        tmp_path, pipeline, shards, name=name,
-        **{
-            "experiment.num_examples_to_see": STEPS * GLOBAL_BATCH,
-            "experiment.checkpoint_every": 2,
-            "experiment.keep_last_checkpoints": 10,
-            "experiment.sample_per_prompt": 0,
-            "experiment.record_sample_keys": "true",
-            "experiment.checkpoint_async": "false",
-            "system.batch_size": 1,
-            "system.global_batch_size": GLOBAL_BATCH,
-            "system.workers": workers,
-            "dataset.params.resolution": 32,
-            "dataset.params.canonical_readers": 8,
-            "dataset.params.shuffle_buffer": 4,
-            "model.mixed_precision": "no",
-            "distributed.strategy": strategy,
-            "model.use_ema": "true",
-            "model.ema.decay": 0.9,
-            # A larger Adam epsilon keeps near-zero gradients (whose fp32 rounding depends on the summation
-            # order) from turning into full-size updates of different sign (test_distributed's setting).
-            "optimizer.params.epsilon": 1e-4,
-            "lr_scheduler.params.warmup_length": 0,
-            **({"distributed.hsdp_shard_size": 2} if strategy == "hsdp" else {}),
-            **more,
-        },
-    )
+    return elastic_args(tmp_path, pipeline, shards, name, STEPS, GLOBAL_BATCH, **{
+        "system.workers": workers,
+        "dataset.params.resolution": 32,
+        "dataset.params.canonical_readers": 8,
+        "model.mixed_precision": "no",
+        "distributed.strategy": strategy,
+        # A larger Adam epsilon keeps near-zero gradients (whose fp32 rounding depends on the summation
+        # order) from turning into full-size updates of different sign (test_distributed's setting).
+        "optimizer.params.epsilon": 1e-4,
+        "lr_scheduler.params.warmup_length": 0,
+        **({"distributed.hsdp_shard_size": 2} if strategy == "hsdp" else {}),
+        **more,
+    })
 
 
 def state_at(run: Path, step: int) -> dict:
     """Checkpoint ``step`` of ``run`` as full tensors (DCP shards gathered)."""
-    from sd_training.checkpoint import Checkpointer
-
-    folder = run / "checkpoints" / f"step_{step:08d}"
-    shared, _, _ = Checkpointer.load(folder, 0)
-    if (folder / "sharded").is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        dcp_to_torch_save(str(folder / "sharded"), str(folder.parent / f"full_{step}.pt"))
-        shared.update(torch.load(folder.parent / f"full_{step}.pt", weights_only=False))
-    return shared
+    return full_checkpoint(run, step)[0]
 
 
 _FINAL: dict = {}
@@ -88,7 +62,7 @@ def final(run: Path) -> tuple[dict, dict]:
     """The last checkpoint of ``run`` as full tensors and its train state, gathered from DCP once per run
     (the checks share the runs)."""
     if run not in _FINAL:
-        _FINAL[run] = gathered_final(run)
+        _FINAL[run] = full_checkpoint(run, STEPS)
     return _FINAL[run]
 
 
@@ -223,9 +197,7 @@ def runs(tmp_path_factory, tiny_pipeline, shapes_shards):
     out = {"straight": finish(launch(tmp, args("straight"), 4))}
     run = tmp / "runs" / "killed"
     kill_after_checkpoint(launch(tmp, args("killed"), 4), run / "checkpoints", 2)
-    for s in complete_steps(run / "checkpoints"):  # a slow kill may have let a later one complete
-        if s > 2:
-            shutil.rmtree(run / "checkpoints" / f"step_{s:08d}")
+    drop_checkpoints_after(run, 2)  # a slow kill may have let a later one complete
     # The same step-2 checkpoint resumed elsewhere: copies under other log_dirs (the name is part of the config)
     for where in ("fsdp2", "one"):
         shutil.copytree(run, tmp / where / "killed")

@@ -14,7 +14,6 @@ tests/test_slurm_train.py's.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -22,13 +21,13 @@ from pathlib import Path
 
 import pytest
 from conftest import kill_tree, train_args
+from elastic_runs import drop_checkpoints_after, full_checkpoint, steps_keys
 from helpers import alive, max_diff
 from test_distributed import free_port
-from test_elastic import steps_keys
 from test_resume import finish, launch
 from test_restarts import ranks_of
 
-from sd_training.checkpoint import Checkpointer, complete_steps
+from sd_training.checkpoint import complete_steps
 from sd_training.distributed import DistInfo, hsdp_shard_size, probe_env
 
 try:
@@ -134,22 +133,12 @@ def kill_after_checkpoint(procs, run: Path, step: int, tmp_path, tag, timeout=60
     while any(alive(pid) for pid in trees):
         assert time.monotonic() < gone_by
         time.sleep(0.05)
-    for s in complete_steps(run / "checkpoints"):
-        if s > step:
-            shutil.rmtree(run / "checkpoints" / f"step_{s:08d}")
+    drop_checkpoints_after(run, step)
 
 
 def saved_state(run: Path, step: int = STEPS) -> tuple[dict, dict]:
     """Checkpoint ``step``'s state as full tensors: plain files (one process) or DCP shards (FSDP2)."""
-    folder = run / "checkpoints" / f"step_{step:08d}"
-    shared, _, ts = Checkpointer.load(folder, 0)
-    if (folder / "sharded").is_dir():
-        import torch
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        dcp_to_torch_save(str(folder / "sharded"), str(folder.parent / "full.pt"))
-        shared.update(torch.load(folder.parent / "full.pt", weights_only=False))
-    return shared, ts
+    return full_checkpoint(run, step)
 
 
 def finish_nodes(procs, tmp_path, tag, timeout=600) -> None:
