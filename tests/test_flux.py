@@ -6,7 +6,7 @@ test_family_conformance.py."""
 
 import pytest
 import torch
-from helpers import args_with, example_timesteps
+from helpers import args_with, step_equals_example
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
@@ -15,7 +15,6 @@ from sd_training.families import registry as families
 from sd_training.families.components.packing import image_ids, image_seq_len, pack, unpack
 from sd_training.families.flux import encode_prompts
 from sd_training.loop import main
-from sd_training.families.components.ddpm import sample_generators
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T5_LEN = 16  # model.t5.max_length of the tests (Flux's default is 512)
@@ -186,29 +185,13 @@ def test_one_step_equals_diffusers_flux_training_example(family, pipe):
     """Loss and gradients of one step equal the example's for the same batch, u and noise (drawn from the
     sample seeds' streams, as the family draws them) with the example's unshifted sigma table, guidance
     embedding and cosmap weighting: within 1e-5 relative (float32; only summation order differs)."""
-    fm = family.cfg.flow_matching
-    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
-    try:
-        batch = _batch(family)
-        seeds = batch["sample_seeds"]
-        u = example_timesteps(fm, seeds)
-        noise = torch.cat([torch.randn(1, 16, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
-        net = family.net
-        net.zero_grad(set_to_none=True)
-        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
-        ours.loss.backward()
-        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
-        net.zero_grad(set_to_none=True)
-        want, timesteps = reference_step(pipe, net, batch, u, noise, "cosmap", family.cfg.model.guidance_embed)
-        want.backward()
-    finally:
-        fm.shift, fm.resolution_shift = None, None
-    assert torch.equal(ours.timesteps, timesteps.long())
-    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
-    assert net.time_text_embed.guidance_embedder.linear_1.weight.grad.abs().sum() > 0  # the guidance path trains
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
-    net.zero_grad(set_to_none=True)
+    batch, net = _batch(family), family.net
+
+    def example(u, noise):
+        return reference_step(pipe, net, batch, u, noise, "cosmap", family.cfg.model.guidance_embed)
+
+    with step_equals_example(family, batch, (16, 4, 4), example):
+        assert net.time_text_embed.guidance_embedder.linear_1.weight.grad.abs().sum() > 0  # the guidance path trains
 
 
 def test_loss_is_independent_of_the_batch_split(family):

@@ -8,14 +8,13 @@ test_family_conformance.py."""
 import numpy as np
 import pytest
 import torch
-from helpers import args_with, example_timesteps
+from helpers import args_with, step_equals_example
 from PIL import Image
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
 from sd_training.families import registry
 from sd_training.families.base import SampleSettings
-from sd_training.families.components.ddpm import sample_generators
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T5_LEN, RES = 16, 32
@@ -174,32 +173,17 @@ def test_one_step_equals_diffusers_kontext_training_example(family, pipe):
     (drawn from the sample seeds' streams, as the family draws them), with its unshifted sigma table, guidance
     embedding and cosmap weighting: within 1e-5 relative (float32; only summation order differs). The reference
     reaches the prediction (another reference changes the loss)."""
-    fm = family.cfg.flow_matching
-    fm.shift, fm.resolution_shift = 1.0, False  # the example's table: the scheduler's own, unshifted
-    net = family.net
-    try:
-        batch = batch_of(family)
-        seeds = batch["sample_seeds"]
-        u = example_timesteps(fm, seeds)
-        noise = torch.cat([torch.randn(1, 16, 4, 4, generator=g) for g in sample_generators(seeds, "noise", "cpu")])
-        net.zero_grad(set_to_none=True)
-        ours = family.loss(net, batch, torch.autocast("cpu", enabled=False))
-        ours.loss.backward()
-        grads = {n: p.grad.clone() for n, p in net.named_parameters()}
-        net.zero_grad(set_to_none=True)
-        want, timesteps = example_step(pipe, net, batch, u, noise, "cosmap", family.cfg.model.guidance_embed)
-        want.backward()
-        with torch.no_grad():
-            other = family.loss(net, {**batch, "reference_values": batch["reference_values"].flip(0)},
-                                torch.autocast("cpu", enabled=False))
-    finally:
-        fm.shift, fm.resolution_shift = None, None
-    assert torch.equal(ours.timesteps, timesteps.long())
-    torch.testing.assert_close(ours.loss, want, rtol=1e-5, atol=0)
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
-    net.zero_grad(set_to_none=True)
-    assert abs(float(other.loss) - float(ours.loss.detach())) > 1e-6
+    batch, net = batch_of(family), family.net
+
+    def example(u, noise):
+        return example_step(pipe, net, batch, u, noise, "cosmap", family.cfg.model.guidance_embed)
+
+    def other():  # the references of other samples
+        return family.loss(net, {**batch, "reference_values": batch["reference_values"].flip(0)},
+                           torch.autocast("cpu", enabled=False))
+
+    with step_equals_example(family, batch, (16, 4, 4), example, other=other) as step:
+        assert abs(float(step.other.loss) - float(step.ours.loss.detach())) > 1e-6
 
 
 def test_the_sample_grid_and_eval_images_pass_each_prompts_reference(family, tmp_path):
