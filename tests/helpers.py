@@ -170,3 +170,30 @@ def step_equals_example(family, batch, noise_shape, example, unused_in=None, oth
         yield types.SimpleNamespace(ours=ours, other=other)
     finally:
         net.zero_grad(set_to_none=True)
+
+
+def train_config(config, work, timeout: int = 2000) -> None:
+    """``train.py config=CONFIG`` as a user runs a shipped config, from the folder ``work`` (its data/ and runs/
+    land there), forked (tests/forked.py), wandb off. Two threads when it has the machine; one beside parallel
+    test workers (two threads that share a busy core wait on each other at every small op)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import forked
+
+    threads = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"}
+    train = Path(__file__).resolve().parents[1] / "train.py"
+    res = forked.run([sys.executable, str(train), f"config={config}", "wandb.mode=disabled"], cwd=work, env=env,
+                     capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+
+
+def val_losses(run) -> dict[int, float]:
+    """Step -> the held-out loss (``val/loss``) of a run folder's metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}

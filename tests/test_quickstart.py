@@ -13,6 +13,7 @@ from pathlib import Path
 import forked
 import numpy as np
 import pytest
+from helpers import train_config, val_losses
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -86,14 +87,7 @@ def quickstart_run(tmp_path_factory):
     scope: a parallel worker that waits for its next test tears module fixtures down, and this one takes
     minutes."""
     work = tmp_path_factory.mktemp("quickstart")
-    # Two threads when it has the machine; one beside parallel test workers (two threads that share a
-    # busy core wait on each other at every small op).
-    threads = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"}
-    res = forked.run([sys.executable, str(ROOT / "train.py"), f"config={ROOT / 'configs' / 'quickstart.yaml'}",
-                      "wandb.mode=disabled"],  # its VAE is ${asset:quickstart_vae}, found from any folder
-                     cwd=work, env=env, capture_output=True, text=True, timeout=2000)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    train_config(ROOT / "configs" / "quickstart.yaml", work)  # its VAE is ${asset:quickstart_vae}, found from any folder
     return work / "runs" / "quickstart"
 
 
@@ -117,8 +111,7 @@ def test_quickstart_samples_draw_the_shapes_and_colours_of_their_prompts(quickst
     assert final["background"] + final["colour"] >= 1.5 and final["shape"] >= 0.5, final
     # Held-out loss (fixed noise and timesteps) falls clearly below the untrained model's (measured: 1.195
     # -> 0.086).
-    rows = [json.loads(line) for line in (quickstart_run / "metrics.jsonl").read_text().splitlines()]
-    val = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
+    val = val_losses(quickstart_run)
     assert val[steps] < 0.25 * val[0], val
     # The run directory says where the VAE came from.
     sources = json.loads((quickstart_run / "sources.json").read_text())
@@ -178,11 +171,7 @@ def test_a_lora_teaches_the_quickstart_a_new_word(quickstart_run):
     config = ROOT / "configs" / "quickstart_lora.yaml"
     cfg = OmegaConf.load(config)
     work = quickstart_run.parents[1]
-    threads = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
-    res = forked.run([sys.executable, str(ROOT / "train.py"), f"config={config}", "wandb.mode=disabled"],
-                     cwd=work, env={**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"},
-                     capture_output=True, text=True, timeout=2400)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    train_config(config, work, timeout=2400)
     q = cfg.quickstart
     held = sorted(set(COLOURS) - set(q.word_backgrounds) - {q.word_colour})
     assert held == ["green", "white"]

@@ -5,11 +5,10 @@ the shape's colour, read back from the pixels (``synthetic.score_edit``); the sa
 
 import json
 import os
-import sys
 
-import forked
 import numpy as np
 import pytest
+from helpers import train_config, val_losses
 from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,11 +20,7 @@ HELD_OUT = range(4, 36)  # edit_sample(i, 64, seed=1): seed 1 is no shard's (0..
 def edit_run(tmp_path_factory):
     """The shipped config, run from a scratch folder (its data/ and runs/ land there)."""
     work = tmp_path_factory.mktemp("quickstart_edit")
-    threads = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"}
-    res = forked.run([sys.executable, os.path.join(ROOT, "train.py"), f"config={CONFIG}", "wandb.mode=disabled"],
-                     cwd=work, env=env, capture_output=True, text=True, timeout=2000)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    train_config(CONFIG, work)
     return work / "runs" / "quickstart_edit"
 
 
@@ -86,8 +81,7 @@ def test_the_edit_quickstart_edits_held_out_references(edit_run):
           for c in range(per)]
     assert np.mean(ok) >= 0.6, ok
     # Held-out flow-matching loss (fixed noise and t) falls well below the untrained model's.
-    rows = [json.loads(line) for line in (edit_run / "metrics.jsonl").read_text().splitlines()]
-    val = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
+    val = val_losses(edit_run)
     assert val[steps] < 0.3 * val[0], val
 
 

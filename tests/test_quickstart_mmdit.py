@@ -2,12 +2,10 @@
 (a tiny MMDiT from scratch, SD3's family, rectified flow), exports a StableDiffusion3Pipeline that draws
 the background, colour and shape of held-out captions; the same pipeline untrained does not."""
 
-import json
 import os
-import sys
 
-import forked
 import pytest
+from helpers import train_config, val_losses
 from omegaconf import OmegaConf
 from test_quickstart import follow_rate, held_out_captions, meets_the_bar, prompts_of, read_grid
 
@@ -20,11 +18,7 @@ NO_T5 = dict(text_encoder_3=None, tokenizer_3=None)
 def mmdit_run(tmp_path_factory):
     """The shipped config, run from a scratch folder (its data/ and runs/ land there)."""
     work = tmp_path_factory.mktemp("quickstart_mmdit")
-    threads = "1" if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else "2"
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "WANDB_MODE": "disabled"}
-    res = forked.run([sys.executable, os.path.join(ROOT, "train.py"), f"config={CONFIG}", "wandb.mode=disabled"],
-                     cwd=work, env=env, capture_output=True, text=True, timeout=2000)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    train_config(CONFIG, work)
     return work / "runs" / "quickstart_mmdit"
 
 
@@ -51,8 +45,7 @@ def test_the_mmdit_quickstart_draws_the_shapes_and_colours_of_held_out_captions(
     final = read_grid(mmdit_run / "samples" / f"step_{steps:08d}.png", prompts_of(CONFIG))
     assert final["background"] + final["colour"] >= 1.5, final
     # Held-out flow-matching loss (fixed noise and t) falls well below the untrained model's.
-    rows = [json.loads(line) for line in (mmdit_run / "metrics.jsonl").read_text().splitlines()]
-    val = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
+    val = val_losses(mmdit_run)
     assert val[steps] < 0.25 * val[0], val
 
 
