@@ -62,6 +62,13 @@ TRANSFORMER_KEYS = [("flow_matching.shift", 2.0, "flow_matching"), ("model.t5.ma
                     ("model.transformer.params", "{num_layers: 2}", "model.transformer")]
 LORA = {"model.adapter.type": "lora", "model.adapter.rank": 4, "model.adapter.alpha": 8}
 ATOL = 1e-5  # images in [0, 1]: plain diffusers + exported LoRA against the run's own pipeline (measured: 0)
+# A family that is another's subclass differing only in how it reads the text and the references leaves the
+# trainer's checks to the other family's runs (the CI minutes: 3 of its 5 runs): kill-and-resume and 2 ranks =
+# 1 rank go through the same data path, seeds and step, which its conditioning does not touch. Its own runs
+# here: the bf16 run and its exports (its pipeline class loads and generates), the LoRA export (loads on its
+# pipeline). Qwen-Image-Edit-Plus: the per-sample template and the VL images at ~384^2; each sample's states
+# equal encode_prompt of that sample alone (test_qwen_image_edit.py), so no batch split can change them.
+TRAINER_CHECKS_BY = {"qwen_image_edit_plus": "qwen_image_edit"}
 
 plain_args = args_with({"dataset.params.resolution": RES})
 
@@ -179,11 +186,13 @@ def bf16_args(tmp, pipeline, shards, keys, run_name, outputs=True):
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(pipeline, shards, keys, tmp_path_factory):
+def bf16_runs(name, pipeline, shards, keys, tmp_path_factory):
     """The bf16 run straight through, and the same run (without validation and samples) killed after checkpoint
     2 and restarted: (runs folder, the killed run's complete checkpoints before the restart, the restart's output)."""
     tmp = tmp_path_factory.mktemp("bf16")
     finish(launch(tmp, bf16_args(tmp, pipeline, shards, keys, "straight")))
+    if name in TRAINER_CHECKS_BY:  # the killed run's checks are another family's
+        return tmp / "runs", None, None
     resumed = bf16_args(tmp, pipeline, shards, keys, "resumed", outputs=False)
     run = tmp / "runs" / "resumed"
     kill_after_checkpoint(launch(tmp, resumed), run / "checkpoints", CKPT)
@@ -203,10 +212,12 @@ def test_a_bf16_run_with_a_loader_worker_trains_validates_and_samples(bf16_runs,
         assert (run / "samples" / f"step_{step:08d}.png").is_file()
         assert len(list((run / "eval" / f"step_{step:08d}").glob("*.png"))) == 2
     # Its text encoders stay in host memory (model.text_encoder_placement=cpu): the memory plan counts only the
-    # VAE among the frozen parts, less than the run that keeps them on the device.
-    frozen = {r: json.loads((bf16_runs[0] / r / "memory_plan.json").read_text())["rows"][0]["frozen"]
-              for r in ("straight", "resumed")}
-    assert 0 < frozen["straight"] < frozen["resumed"], frozen
+    # VAE among the frozen parts, less than the run that keeps them on the device (the killed run's: a family
+    # in TRAINER_CHECKS_BY has none, its base's encoders and placement are the same).
+    if name not in TRAINER_CHECKS_BY:
+        frozen = {r: json.loads((bf16_runs[0] / r / "memory_plan.json").read_text())["rows"][0]["frozen"]
+                  for r in ("straight", "resumed")}
+        assert 0 < frozen["straight"] < frozen["resumed"], frozen
 
 
 @pytest.mark.slow
@@ -238,6 +249,12 @@ def test_the_exports_load_in_plain_diffusers_and_generate(bf16_runs, name, pipel
                 assert all(torch.equal(v, want[k]) for k, v in got.items()), f"{name}: {part} changed"
 
 
+def leave_trainer_checks(name):
+    """Skip a trainer check for a family whose runs leave it to another's (``TRAINER_CHECKS_BY``)."""
+    if name in TRAINER_CHECKS_BY:
+        pytest.skip(f"{name}: the trainer's checks run on {TRAINER_CHECKS_BY[name]}, its base (TRAINER_CHECKS_BY)")
+
+
 def final_state(run: Path):
     shared, _, ts = Checkpointer.load(run / "checkpoints" / f"step_{STEPS:08d}", 0)
     return shared, ts
@@ -247,6 +264,7 @@ def final_state(run: Path):
 def test_kill_and_resume_is_bit_identical(bf16_runs, name):
     from diffusers import DiffusionPipeline
 
+    leave_trainer_checks(name)
     runs, first, out = bf16_runs
     assert CKPT in first and max(first) < STEPS, first  # the killed run left steps for the restart to train
     assert "resumed from" in out
@@ -273,6 +291,7 @@ def test_kill_and_resume_is_bit_identical(bf16_runs, name):
 def test_two_ranks_equal_one_rank_with_the_batch_doubled(name, pipeline, shards, keys, tmp_path):
     """tests/dist_worker.py: 3 AdamW steps on a fixed global batch of 8 (latents, token ids, noise, timesteps),
     1 rank x 8 against 2 ranks x 4 and 2 ranks x 2 micro-batches x 2 (DDP, fp32, gloo)."""
+    leave_trainer_checks(name)
     common = {**short_text(keys), "optimizer.params.learning_rate": 1e-3, "lr_scheduler.params.warmup_length": 0,
               "optimizer.params.epsilon": 1e-4, "distributed.strategy": "ddp"}
 

@@ -1,4 +1,4 @@
-"""SD3, Flux, Flux Kontext (on paired shards), Z-Image, FLUX.2 and Qwen-Image on two ranks under FSDP2 (transformer blocks as shard units, bf16, loader workers, EMA):
+"""SD3, Flux (as Flux Kontext, on paired shards), Z-Image, FLUX.2 and Qwen-Image on two ranks under FSDP2 (transformer blocks as shard units, bf16, loader workers, EMA):
 a run killed after a checkpoint and resumed on 2 ranks ends bit-identical to one that was never killed,
 and the same checkpoint resumed on 1 rank (elastic 2 -> 1) trains every later step on the same samples
 with the same per-sample noise and timesteps, so its weights differ only by the order in which gradients
@@ -40,8 +40,11 @@ def final(run: Path) -> tuple[dict, dict]:
 
 
 # klein stands for dev too; Flux Kontext trains on paired shards (an edit family: its references go through the
-# same per-sample streams, so a resumed 2-rank run is bit-identical too)
-@pytest.mark.parametrize("family", ["sd3", "flux", "flux_kontext", "zimage", "flux2_klein", "qwen_image"])
+# same per-sample streams, so a resumed 2-rank run is bit-identical too) and stands for Flux: a subclass of the
+# Flux family that adds only the reference tokens (the same transformer, shard units, text encoders, guidance
+# and loss), so its run is Flux's under FSDP2 and more. Flux itself: 1 rank kill-and-resume and 2 DDP ranks in
+# test_family_conformance.py.
+@pytest.mark.parametrize("family", ["sd3", "flux_kontext", "zimage", "flux2_klein", "qwen_image"])
 def test_fsdp_two_ranks_kill_and_resume_is_bit_identical_and_resumes_on_one_rank(tmp_path, family, request,
                                                                                  family_pipeline):
     pipeline = family_pipeline(family)

@@ -224,11 +224,10 @@ def test_a_klein_lora_run_with_references_loads_with_load_lora_weights_and_gener
                model__llm__max_length=length, dataset__params__reference_crop="center",
                experiment__num_examples_to_see=8, system__batch_size=2, experiment__sample_per_prompt=0,
                optimizer__params__learning_rate=1e-2, validation__path=shards, validation__num_batches=1)
+    # That the references reach the steps needs no second run on the targets alone: a batch without them is
+    # refused (test_a_batch_without_its_references_is_refused) and other references give another loss (the
+    # step test's), so this run trained on them.
     t = run_trainer(load(args(tmp_path, pipeline, shards, dataset__params__references=2, **run)))
-    # the same run on the targets alone trains another LoRA: the references reached the steps
-    alone = run_trainer(load(args(tmp_path, pipeline, shards, name="alone", **run)))
-    lora = {n: p for n, p in t.net.named_parameters() if "lora_B" in n}
-    assert any(not torch.equal(p, dict(alone.net.named_parameters())[n]) for n, p in lora.items())
     trained = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
     assert trained and all("lora_" in n for n, p in t.net.named_parameters() if id(p) in trained)
     out = t.run_dir.pipeline(None)
