@@ -85,6 +85,15 @@ def end(p):
     p.wait(60)
 
 
+def wait_all(procs, timeout=300) -> list[int]:
+    """The exit codes of ``procs``; any still running after ``timeout`` is killed (and the wait fails)."""
+    try:
+        return [p.wait(timeout) for p in procs]
+    finally:
+        for p in procs:
+            end(p)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 def test_a_lost_peer_ends_the_survivor_with_75_and_the_requeued_job_resumes(tmp_path, tiny_pipeline, shapes_shards, sig):
@@ -113,12 +122,7 @@ def test_a_lost_peer_ends_the_survivor_with_75_and_the_requeued_job_resumes(tmp_
     if sig == signal.SIGKILL:
         return  # the requeued job is the same after either: started again once (below), after SIGSTOP
     saved = max(complete_steps(run / "checkpoints"))
-    again = start_ranks(tmp_path, args, "requeued")  # the requeued job: both ranks again
-    try:
-        codes = [p.wait(300) for p in again]
-    finally:
-        for p in again:
-            end(p)
+    codes = wait_all(start_ranks(tmp_path, args, "requeued"))  # the requeued job: both ranks again
     out = output(tmp_path, "requeued", 0)
     assert codes == [0, 0], out[-3000:]
     assert f"resumed from {run / 'checkpoints'}" in out and f"at step {saved} " in out, out[-3000:]
@@ -145,11 +149,7 @@ def test_a_save_longer_than_the_bound_does_not_trip_it(tmp_path, tiny_pipeline, 
     args = run_args(tmp_path, tiny_pipeline, shapes_shards, "slow", **{"experiment.num_examples_to_see": 2 * 4})
     ranks = start_ranks(tmp_path, args, "slow", code=SLOW_SAVE)
     t0 = time.monotonic()
-    try:
-        codes = [p.wait(300) for p in ranks]
-    finally:
-        for p in ranks:
-            end(p)
+    codes = wait_all(ranks)
     out = output(tmp_path, "slow", 0)
     assert codes == [0, 0], out[-3000:]
     assert time.monotonic() - t0 > 2 * BOUND  # the sleep happened
