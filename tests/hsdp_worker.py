@@ -3,9 +3,10 @@
 A small net wrapped by ``Strategy("hsdp")`` (2 groups of 2 ranks), each rank a quarter of the batch,
 against the same net unwrapped on the whole batch (every rank computes it): the gradients, the global
 gradient norm of ``optim.clip_gradients`` (DTensor norms on the 2-D mesh), the norm ``optimizer.in_backward``
-reports (its squares summed over the shard group only), the clipped update, and ``full_state_dict``. With
-``offload`` the shards live in CPU memory (CPUOffloadPolicy, under hsdp too). Writes
-``<out>/rank_<R>.json`` with the differences.
+reports (its squares summed over the shard group only), the clipped update, and ``full_state_dict``. Once
+for each mode named (comma-separated, in one process group: one start of 4 interpreters): ``device``, and
+``offload``: the shards in CPU memory (CPUOffloadPolicy, under hsdp too). Writes
+``<out>/rank_<R>_<mode>.json`` with the differences.
 """
 
 import json
@@ -22,13 +23,21 @@ def net() -> torch.nn.Module:
                                torch.nn.Linear(16, 4))
 
 
-def main(out: Path, offload: bool) -> None:
+def main(out: Path, modes: list[str]) -> None:
+    dist.init_process_group("gloo")
+    for mode in modes:
+        result = check(mode == "offload")
+        (out / f"rank_{dist.get_rank()}_{mode}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def check(offload: bool) -> dict:
+    """The differences of one mode (see the module's docstring)."""
     from sd_training.config.schema import DistributedConfig, OptimizerConfig, OptimizerParams
     from sd_training.distributed import DistInfo
     from sd_training.distributed.strategy import Strategy
     from sd_training.optim import build_optimizer, clip_gradients
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     info = DistInfo(rank=rank, world_size=world, local_world_size=2, launcher="torchrun", backend="gloo")
     cfg = DistributedConfig(strategy="hsdp", hsdp_shard_size=0, fsdp_cpu_offload=offload)  # 0: one "node"'s 2
@@ -66,9 +75,8 @@ def main(out: Path, offload: bool) -> None:
             p -= 0.1 * p.grad
     full = strategy2.full_state_dict(model2)
     result["in_backward_update"] = max(float((full[k].cpu() - v).abs().max()) for k, v in ref2.state_dict().items())
-    (out / f"rank_{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] == "offload")
+    main(Path(sys.argv[1]), sys.argv[2].split(","))

@@ -279,27 +279,35 @@ def test_hsdp_checkpoint_resumes_elsewhere_on_the_uninterrupted_runs_samples(run
         assert abs(lc[s] - la[s]) <= TOL["loss"] * abs(la[s]), (s, la[s], lc[s])
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("offload", ["device", "offload"])
-def test_gradient_norms_and_clipping_on_the_2d_mesh(tmp_path, offload):
-    """4 gloo ranks, 2 groups of 2 (tests/hsdp_worker.py): the gradients, the clipped global norm and the
-    norm optimizer.in_backward reports are the whole batch's on one unwrapped net, counted once per shard,
-    not once per replica (a sum over all 4 ranks would be sqrt(2) too large); with the shards in CPU memory
-    (distributed.fsdp_cpu_offload) too."""
-    import json
+@pytest.fixture(scope="module")
+def norms(tmp_path_factory) -> Path:
+    """tests/hsdp_worker.py on 4 gloo ranks (2 groups of 2), both modes in one start; its results' folder."""
     import os
     import sys
 
     import forked
     from test_distributed import free_port
 
+    out = tmp_path_factory.mktemp("hsdp_norms")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(Path(__file__).parent / "hsdp_worker.py"), str(tmp_path), offload]
-    res = forked.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+           f"--master_port={free_port()}", str(Path(__file__).parent / "hsdp_worker.py"), str(out), "device,offload"]
+    res = forked.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=out,
                      timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("offload", ["device", "offload"])
+def test_gradient_norms_and_clipping_on_the_2d_mesh(norms, offload):
+    """4 gloo ranks, 2 groups of 2 (tests/hsdp_worker.py): the gradients, the clipped global norm and the
+    norm optimizer.in_backward reports are the whole batch's on one unwrapped net, counted once per shard,
+    not once per replica (a sum over all 4 ranks would be sqrt(2) too large); with the shards in CPU memory
+    (distributed.fsdp_cpu_offload) too."""
+    import json
+
     for rank in range(4):
-        r = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        r = json.loads((norms / f"rank_{rank}_{offload}.json").read_text())
         assert r["mesh"] == [2, 2, "hsdp"] and r["placements"] == "(Replicate(), Shard(dim=0))"
         assert r["ref_norm"] > 0.05  # the clipping clipped
         assert r["norm"] < 1e-6 and r["clipped_grads"] < 1e-7, r
