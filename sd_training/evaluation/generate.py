@@ -5,10 +5,16 @@ images a training run writes are interchangeable: image ``i`` uses prompt ``i % 
 CPU generator seeded ``seed + i`` (the same picture on any device and any number of ranks), is written
 as ``{i:06d}.png`` with its prompt in ``{i:06d}.txt``, and rank ``r`` makes images r, r+W, r+2W, ...
 Images already on disk are skipped, so a preempted job picks up where it stopped.
+
+An edit family's pipeline (Flux Kontext, Qwen-Image-Edit, FLUX.2 with references) takes each prompt's
+reference images from a reference file (:func:`reference_inputs`: the format of a run's
+``experiment.eval_reference_file``); the scripts may save them beside each image as ``{i:06d}.ref.png``,
+``{i:06d}.ref2.png`` ... (:func:`reference_path`), which :func:`fid.image_files` leaves out of a score.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -41,15 +47,75 @@ def image_path(out: Path, i: int) -> Path:
     return Path(out) / f"{i:06d}.png"
 
 
+REFERENCE_NAME = re.compile(r"\d{6}\.ref\d*\.png")  # what reference_path writes: not a generated image
+
+
+def reference_path(out: Path, i: int, k: int) -> Path:
+    """Where image ``i``'s ``k``-th reference (from 0) is saved beside it: ``{i:06d}.ref.png``, ``.ref2.png`` ..."""
+    return Path(out) / f"{i:06d}.ref{k + 1 if k else ''}.png"
+
+
+def pipeline_family(folder: str, source_key: str = "--pipeline"):
+    """The family class of an exported pipeline folder (its model_index.json's pipeline class); None for a
+    pipeline no family trains (any diffusers text-to-image pipeline still generates: it takes no references)."""
+    from ..config import ConfigError
+    from ..families import registry
+
+    try:
+        return registry.FAMILIES[registry.detect_source("auto", folder, family_key="the pipeline's family",
+                                                        source_key=source_key)]
+    except ConfigError:
+        return None
+
+
+def reference_inputs(path: str | None, family, n_prompts: int, resolution: int,
+                     source: str) -> tuple[list | None, list | None]:
+    """(each prompt's reference images at ``resolution``, each prompt's pipeline keyword arguments from them: the
+    family's ``reference_call``; ``family``: a family class or None) from a reference file (one line per prompt, its reference paths tab-separated,
+    relative to the file's folder: ``outputs.sample_references.eval_paths``); (None, None) without the file.
+    Refused (SystemExit, naming ``source``: the pipeline or checkpoint): an edit family without the file (it
+    would generate from text alone, not the edit it learned), a text-to-image family with it, a file whose
+    lines are not one per prompt, a line with a count of references the family does not take or a missing
+    image."""
+    from ..config import ConfigError
+    from ..outputs import sample_references
+
+    if family is None:  # pipeline_family of a pipeline no family trains
+        if path:
+            raise SystemExit(f"--reference-file {path}: {source} is not a pipeline of an edit family this package "
+                             "trains, so how it takes reference images is not known")
+        return None, None
+    fewest, most = family.reference_images
+    if not path:
+        if fewest:
+            raise SystemExit(f"{source} is a {family.name} model, which edits reference images: give --reference-file "
+                             "(one line per prompt, its reference image path(s) tab-separated, relative to the "
+                             "file's folder)")
+        return None, None
+    if not most:
+        raise SystemExit(f"--reference-file {path}: {source} is a {family.name} model, which generates from text "
+                         "alone and takes no reference images; leave the file out")
+    rows = sample_references.eval_paths(path)
+    if len(rows) != n_prompts:
+        raise SystemExit(f"--reference-file {path} has {len(rows)} lines for {n_prompts} prompts: one per prompt")
+    try:
+        sample_references.check_rows(rows, "--reference-file", family, lambda i: f"line {i + 1} of {path}")
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    shown = [sample_references.load(paths, resolution) for paths in rows]
+    return shown, [family.reference_call(images) for images in shown]
+
+
 @torch.no_grad()
 def generate_images(
     pipe, prompts: list[str], n: int, out: str | Path, seed: int = 0, steps: int = 25, guidance: float = 7.5,
     resolution: int | None = None, rank: int = 0, world_size: int = 1, batch_size: int = 8, progress: bool = True,
-    calls: list[dict] | None = None,
+    calls: list[dict] | None = None, shown: list[list] | None = None,
 ) -> list[Path]:
     """Write this rank's share of ``n`` images to ``out``; returns the paths of its share (new or not).
     ``calls``: each prompt's extra keyword arguments of the pipeline (an edit family's reference images, one
-    dict per prompt): then each image is generated on its own (one prompt's references per call)."""
+    dict per prompt): then each image is generated on its own (one prompt's references per call); ``shown``:
+    each prompt's reference images, saved beside each of its images (:func:`reference_path`)."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -75,6 +141,8 @@ def generate_images(
                     path = image_path(out, i)
                     # The sidecar first and the image last, via a temporary name: an image on disk is complete.
                     path.with_suffix(".txt").write_text(text + "\n")
+                    for k, ref in enumerate(shown[i % len(prompts)] if shown else []):
+                        ref.save(reference_path(out, i, k), format="PNG")
                     tmp = path.with_name(path.name + ".tmp")
                     im.save(tmp, format="PNG")
                     tmp.replace(path)
