@@ -265,9 +265,15 @@ def test_estimates_count_the_references_tokens(family):
 
     inputs = family.flops_inputs(family.net.config, 4, 4)
     assert inputs["hidden_states"].shape[1] == inputs["img_ids"].shape[0] == 2 * 4
-    conf, shape = dict(family.net.config), activations.SampleShape(64, text_tokens=T5_LEN)
-    kontext = type(family).sample_activation_elements(conf, shape, False)
-    assert kontext > Flux.sample_activation_elements(conf, shape, False) > 0
+    from sd_training.memory.fit import sample_activations
+
+    conf = dict(family.net.config)
+    shape = activations.SampleShape(RES, text_tokens=T5_LEN, references=1)  # the run's: dataset.params.references=1
+    tokens = activations.image_tokens(conf, RES / 8, RES / 8, 16)  # 4x4 latents packed 2x2: 4 tokens
+    want = activations.transformer_activation_elements(conf, 2 * tokens, T5_LEN, False)
+    assert type(family).sample_activation_elements(conf, shape, False) == pytest.approx(want)
+    assert sample_activations(family.cfg, conf, False, T5_LEN, type(family)) == pytest.approx(4 * want)  # fp32
+    assert want > Flux.sample_activation_elements(conf, activations.SampleShape(RES, text_tokens=T5_LEN), False) > 0
     assert family.step_flops().unet_forward > 0
 
 
