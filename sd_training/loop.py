@@ -71,6 +71,7 @@ class Trainer:
         self.bar = None  # the live progress bar (rank 0, interactive terminals)
         self.trackers = self.outputs = None
         self._lock = None
+        self.finished_before: dict | None = None  # finished.json of a run that had finished: nothing to do
         self._side_times: dict[str, float] = {}  # seconds of saves and exports since the last log line
 
     # ------------------------------------------------------------------ set-up
@@ -78,6 +79,8 @@ class Trainer:
         """Run folder, model, optimizer, data, checkpoints (resume), trackers and outputs, in that order."""
         cfg, info = self.cfg, self.info
         self._prepare_run_folder()
+        if self.finished_before is not None:
+            return
         parts = build_model(cfg, info, self.plan, self.run_dir)
         self.family, self.net, self.ema, self.strategy = parts.family, parts.net, parts.ema, parts.strategy
         self.model, self.autocast_dtype, self.scaler = parts.model, parts.autocast_dtype, parts.scaler
@@ -106,18 +109,29 @@ class Trainer:
         self.metrics = StepMetrics(cfg, self.family, self.plan, info, self.trackers, self.autocast_dtype)
 
     def _prepare_run_folder(self) -> None:
-        """One run per folder (locked); the config written; logging to train.log; interrupted exports repaired."""
+        """One run per folder (locked); the config written; logging to train.log; interrupted exports repaired.
+        A run that had finished (``RunDir.finished_at``) sets ``finished_before`` and writes nothing but its log."""
         cfg, info, run_dir = self.cfg, self.info, self.run_dir
-        refused = None
+        refused = done = None
         if info.is_main:
             try:  # an earlier run's checkpoints are continued or moved aside, never mixed in
                 self._lock = run_dir.lock()
-                run_dir.refuse_or_move_aside(complete_steps(run_dir.checkpoints), cfg.experiment.resume,
-                                             cfg.experiment.start_fresh)
+                steps = complete_steps(run_dir.checkpoints)
+                run_dir.refuse_or_move_aside(steps, cfg.experiment.resume, cfg.experiment.start_fresh)
+                if cfg.experiment.resume and not cfg.experiment.start_fresh:
+                    done = run_dir.finished_at(steps, self.plan.total_steps)
             except ConfigError as e:
                 refused = e
         if distributed.any_rank(refused is not None, self.device):
             raise refused or ConfigError(f"rank 0 refused the run folder {run_dir.root} (its error says why)")
+        if distributed.any_rank(done is not None, self.device):
+            # Started again after it finished: resuming would export, sample and upload the same weights again.
+            self.finished_before = done or run_dir.finished_record() or {}
+            run_dir.setup_logging(info.rank)
+            log.info("%s finished at step %s (%s images seen): nothing to do, its outputs are left as they are. "
+                     "Raise experiment.num_examples_to_see to train on, or set experiment.start_fresh=true to train "
+                     "again", run_dir.root, self.finished_before.get("step"), self.finished_before.get("images_seen"))
+            return
         if info.is_main:
             run_dir.create()
             run_dir.config.write_text(to_yaml(cfg))
@@ -188,6 +202,10 @@ class Trainer:
         failed = False
         try:
             self.setup()
+            if self.finished_before is not None:
+                return {"step": self.finished_before.get("step"), "total_steps": self.plan.total_steps,
+                        "images_seen": self.finished_before.get("images_seen"), "stopped_by": None,
+                        "requeued": False, "run_dir": str(self.run_dir.root), "finished_before": True}
             return self._loop(stop)
         except BaseException as e:
             # From here the process has preemption.FAILED_EXIT_S to end (when train.py runs it).
@@ -305,6 +323,8 @@ class Trainer:
             # Resumed from a checkpoint written at the last step but killed before its export finished.
             self._export()
         self.checkpoints.wait()  # the last checkpoint is on disk before a requeue or the end
+        if not stopped_by and self.info.is_main:  # checkpointed and exported: a start of it again does nothing
+            self.run_dir.mark_finished(state.step, state.images_seen)
         requeued = False
         if stopped_by:
             log.warning("stopped at step %d by %s after saving", state.step, stopped_by)
