@@ -132,7 +132,8 @@ def pipeline_from_checkpoint(ckpt: Path, cfg, ema: bool, device: torch.device):
 def main(argv: list[str] | None = None) -> list[Path]:
     args = parse(sys.argv[1:] if argv is None else argv)
     from sd_training import distributed
-    from sd_training.evaluation.generate import generate_images, load_pipeline, pipeline_family, reference_inputs
+    from sd_training.evaluation.generate import generate_images, load_pipeline
+    from sd_training.evaluation.references import pipeline_family, reference_inputs
     from sd_training.families import registry
     from sd_training.outputs.export import read_prompts
 

@@ -13,8 +13,7 @@ import torch
 
 from . import distributed
 from .distributed import heartbeat
-from .run import preemption
-from .run import progress
+from .run import preemption, progress
 from .build import build_model, build_optimizer_parts
 from .checkpoint import CheckpointManager, ModelState, complete_steps
 from .checkpoint.layout import GRAD_SCALER, LR_SCHEDULER
@@ -71,14 +70,13 @@ class Trainer:
         self.bar = None  # the live progress bar (rank 0, interactive terminals)
         self.trackers = self.outputs = None
         self._lock = None
-        self.finished_before: dict | None = None  # finished.json of a run that had finished: nothing to do
         self._side_times: dict[str, float] = {}  # seconds of saves and exports since the last log line
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
         """Run folder, model, optimizer, data, checkpoints (resume), trackers and outputs, in that order."""
         cfg, info = self.cfg, self.info
-        self._prepare_run_folder()
+        self.finished_before = self._prepare_run_folder()  # a run that had finished: its summary
         if self.finished_before is not None:
             return
         parts = build_model(cfg, info, self.plan, self.run_dir)
@@ -108,30 +106,22 @@ class Trainer:
                                   self.autocast_dtype, val_batches, self.state, self.optimizer)
         self.metrics = StepMetrics(cfg, self.family, self.plan, info, self.trackers, self.autocast_dtype)
 
-    def _prepare_run_folder(self) -> None:
-        """One run per folder (locked); the config written; logging to train.log; interrupted exports repaired.
-        A run that had finished (``RunDir.finished_at``) sets ``finished_before`` and writes nothing but its log."""
+    def _prepare_run_folder(self) -> dict | None:
+        """One run per folder (locked); the config written; logging to train.log; interrupted exports repaired."""
         cfg, info, run_dir = self.cfg, self.info, self.run_dir
         refused = done = None
         if info.is_main:
-            try:  # an earlier run's checkpoints are continued or moved aside, never mixed in
+            try:  # an earlier run's checkpoints are continued or moved aside (finished.json too), never mixed in
                 self._lock = run_dir.lock()
-                steps = complete_steps(run_dir.checkpoints)
-                run_dir.refuse_or_move_aside(steps, cfg.experiment.resume, cfg.experiment.start_fresh)
-                if cfg.experiment.resume and not cfg.experiment.start_fresh:
-                    done = run_dir.finished_at(steps, self.plan.total_steps)
+                run_dir.refuse_or_move_aside(steps := complete_steps(run_dir.checkpoints), cfg.experiment.resume,
+                                             cfg.experiment.start_fresh)
+                done = run_dir.finished_at(steps, self.plan.total_steps)
             except ConfigError as e:
                 refused = e
         if distributed.any_rank(refused is not None, self.device):
             raise refused or ConfigError(f"rank 0 refused the run folder {run_dir.root} (its error says why)")
-        if distributed.any_rank(done is not None, self.device):
-            # Started again after it finished: resuming would export, sample and upload the same weights again.
-            self.finished_before = done or run_dir.finished_record() or {}
-            run_dir.setup_logging(info.rank)
-            log.info("%s finished at step %s (%s images seen): nothing to do, its outputs are left as they are. "
-                     "Raise experiment.num_examples_to_see to train on, or set experiment.start_fresh=true to train "
-                     "again", run_dir.root, self.finished_before.get("step"), self.finished_before.get("images_seen"))
-            return
+        if distributed.any_rank(done is not None, self.device):  # finished: a resume would export it again
+            return run_dir.say_finished(done, info.rank, self.plan.total_steps)  # the run's summary, nothing done
         if info.is_main:
             run_dir.create()
             run_dir.config.write_text(to_yaml(cfg))
@@ -143,12 +133,7 @@ class Trainer:
         cpus = distributed.usable_cpus()
         log.info("launcher=%s world_size=%d device=%s cpus=%d global_batch=%d total_steps=%d%s", info.launcher,
                  info.world_size, self.device, cpus, self.plan.global_batch, self.plan.total_steps, self.plan.note)
-        if cfg.system.workers + 1 > cpus:
-            log.warning(
-                "this process may run on %d CPU(s) but starts %d loader worker(s) besides the trainer: the loader "
-                "will starve the %s. Give each task more CPUs (SLURM: --cpus-per-task, which srun since 22.05 "
-                "only applies with SRUN_CPUS_PER_TASK exported, as batch_files/ do) or lower system.workers",
-                cpus, cfg.system.workers, self.device.type.upper() if self.device.type == "cuda" else "step")
+        distributed.warn_starved_loader(cpus, cfg.system.workers, self.device)
 
     # ---- the step (public): after setup(), plan.accumulation micro_steps (sync on the last), optimizer_step
     def micro_step(self, batch: dict, sync: bool):
@@ -202,11 +187,7 @@ class Trainer:
         failed = False
         try:
             self.setup()
-            if self.finished_before is not None:
-                return {"step": self.finished_before.get("step"), "total_steps": self.plan.total_steps,
-                        "images_seen": self.finished_before.get("images_seen"), "stopped_by": None,
-                        "requeued": False, "run_dir": str(self.run_dir.root), "finished_before": True}
-            return self._loop(stop)
+            return self._loop(stop) if self.finished_before is None else self.finished_before
         except BaseException as e:
             # From here the process has preemption.FAILED_EXIT_S to end (when train.py runs it).
             failed = True

@@ -70,9 +70,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def reference_calls(path: str | None, pipeline: str, n_prompts: int, resolution: int) -> list[dict] | None:
-    """Each prompt's pipeline arguments from ``--reference-file`` (``generate.reference_inputs`` for the
+    """Each prompt's pipeline arguments from ``--reference-file`` (``references.reference_inputs`` for the
     pipeline's family: an edit pipeline needs the file, a text-to-image one takes none); None without it."""
-    from .generate import pipeline_family, reference_inputs
+    from .references import pipeline_family, reference_inputs
 
     return reference_inputs(path, pipeline_family(pipeline), n_prompts, resolution, f"--pipeline {pipeline}")[1]
 

@@ -241,6 +241,17 @@ class RunDir:
             return None
         return record
 
+    def say_finished(self, record: dict | None, rank: int, total_steps: int) -> dict:
+        """Log (console and train.log) that the run had finished and nothing is done; returns the summary a run
+        returns (``loop.main``) from its record (``record``: rank 0's, else read here)."""
+        record = record or self.finished_record() or {}
+        self.setup_logging(rank)
+        log.info("%s finished at step %s (%s images seen): nothing to do, its outputs are left as they are. Raise "
+                 "experiment.num_examples_to_see to train on, or set experiment.start_fresh=true to train again",
+                 self.root, record.get("step"), record.get("images_seen"))
+        return {"step": record.get("step"), "total_steps": total_steps, "images_seen": record.get("images_seen"),
+                "stopped_by": None, "requeued": False, "run_dir": str(self.root), "finished_before": True}
+
     def finished_record(self) -> dict | None:
         """``finished.json`` as written by :meth:`mark_finished`; None when absent, cut or not a JSON object."""
         try:
