@@ -270,13 +270,14 @@ def test_kill_and_resume_is_bit_identical(bf16_runs, name):
 
 
 @pytest.mark.slow
-def test_an_edit_checkpoint_generates_with_its_references(bf16_runs, name, keys, tmp_path):
+def test_an_edit_checkpoint_generates_with_its_references(name, tmp_path, request):
     """``scripts/generate_examples.py --checkpoint RUN --reference-file``, the bf16 run's eval reference file: each
     image edits its reference (saved beside it), as the exported pipeline does it (the same final weights, fp32)."""
     import importlib.util
 
     if not registry.FAMILIES[name].reference_images[0]:
         pytest.skip("a text-to-image family: test_scripts_generate_plot.py generates from its checkpoint")
+    bf16_runs, keys = request.getfixturevalue("bf16_runs"), request.getfixturevalue("keys")  # the edit families' only
     spec = importlib.util.spec_from_file_location("generate_examples", ROOT / "scripts" / "generate_examples.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
