@@ -47,6 +47,7 @@ from sd_training.families import registry
 pytestmark = pytest.mark.usefixtures("one_thread")
 HERE = Path(__file__).resolve().parent
 RES = 32
+ROOT = Path(__file__).resolve().parents[1]
 STEPS, BATCH, CKPT = 4, 2, 2  # the bf16 run: checkpoints at 2 and 4; the killed run restarts from 2
 T5_LEN = 16
 # Settings each family takes if it takes them (probed with configure.load): a short T5 (the transformer
@@ -265,6 +266,37 @@ def test_kill_and_resume_is_bit_identical(bf16_runs, name):
     la, lb = losses(runs / "straight"), losses(runs / "resumed")
     for s in range(max(first) + 1, STEPS + 1):
         assert la[s] == lb[s], (s, la[s], lb[s])
+
+
+
+@pytest.mark.slow
+def test_an_edit_checkpoint_generates_with_its_references(name, tmp_path, request):
+    """``scripts/generate_examples.py --checkpoint RUN --reference-file``, the bf16 run's eval reference file: each
+    image edits its reference (saved beside it), as the exported pipeline does it (the same final weights, fp32)."""
+    import importlib.util
+
+    if not registry.FAMILIES[name].reference_images[0]:
+        pytest.skip("a text-to-image family: test_scripts_generate_plot.py generates from its checkpoint")
+    bf16_runs, keys = request.getfixturevalue("bf16_runs"), request.getfixturevalue("keys")  # the edit families' only
+    spec = importlib.util.spec_from_file_location("generate_examples", ROOT / "scripts" / "generate_examples.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    runs = bf16_runs[0]
+    out = tmp_path / "images"
+    written = gen.main(["--prompts", str(runs.parent / "prompts.txt"), "--out", str(out), "--steps", "2",
+                        "--seed", "3", "--guidance", "1", "--device", "cpu", "--no-progress", "--checkpoint",
+                        str(runs / "straight"), "--reference-file", str(runs.parent / "eval_references.txt")])
+    assert [p.name for p in written] == ["000000.png", "000001.png"]
+    refs = sorted(p.name for p in out.glob("*.ref*.png"))
+    n = registry.FAMILIES[name].reference_images[0]
+    assert refs == sorted(f"{i:06d}.ref{k + 1 if k else ''}.png" for i in range(2) for k in range(n))
+    np.testing.assert_array_equal(np.asarray(Image.open(out / "000000.ref.png")), np.asarray(reference_image()))
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(runs / "straight" / "current_pipeline")
+    want = np.round(generate(pipe, keys, name, prompt="a red circle", guidance_scale=1.0) * 255)
+    got = np.asarray(Image.open(written[0]).convert("RGB"), dtype=np.float64)
+    assert np.abs(got - want).max() <= 1, f"{name}: the checkpoint's edit differs from the exported pipeline's"
 
 
 # ------------------------------------------------------------------------------------------- 2 ranks

@@ -172,16 +172,10 @@ class QwenImageEdit(QwenImage):
 
     @classmethod
     def sample_activation_elements(cls, conf: dict, sample, checkpointing: bool) -> float:
-        from ..memory import activations
-
-        # the references' tokens go through the blocks beside the target's (joint attention, as many again each),
-        # and their VL image tokens lengthen the text (the most references the family takes)
-        k = cls.reference_images[1]
-        refs = k * activations.image_tokens({**conf, "patch_size": 1}, sample.latent, sample.latent,
-                                            sample.latent_channels or 16)
-        text = sample.text_tokens + k * cls.vl_tokens(int(sample.resolution), int(sample.resolution))
-        return super().sample_activation_elements(conf, dataclasses.replace(sample, text_tokens=text + refs),
-                                                  checkpointing)
+        # the references' latent tokens go through the blocks beside the target's (as many again each: counted by
+        # memory.activations from sample.references), and their VL image tokens lengthen the text
+        text = sample.text_tokens + sample.references * cls.vl_tokens(int(sample.resolution), int(sample.resolution))
+        return super().sample_activation_elements(conf, dataclasses.replace(sample, text_tokens=text), checkpointing)
 
     # -- the text, read with the reference image ----------------------------------------------------
     def condition(self, batch: dict, validation: bool = False):
