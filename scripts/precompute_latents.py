@@ -177,7 +177,8 @@ def load_models(args, device: torch.device):
             encoder = family.text_encoding(args.pipeline, device, clip_skip=args.clip_skip, max_length=args.max_length,
                                            **edit)
         except (ValueError, NotImplementedError) as exn:
-            raise SystemExit(f"precompute_latents: --clip-skip / --max-length / --family: {exn}") from None
+            raise SystemExit(f"precompute_latents: --text-embeddings (--clip-skip, --max-length, --family, --references): "
+                             f"{exn}") from None
     return vae, fingerprint.hexdigest(), encoder
 
 

@@ -379,9 +379,11 @@ def latents(name, pipeline, shards, keys, tmp_path_factory):
     out = tmp / "out"
     short = ["--max-length", str(keys["model.t5.max_length"])] if "model.t5.max_length" in keys else []
     refs = registry.FAMILIES[name].reference_images[0]
+    # Qwen-Image-Edit's text in fp32: its step from the shards is the image shards' exactly (Plus keeps bf16)
+    exact = ["--text-dtype", "fp32"] if name == "qwen_image_edit" else []
     run_precompute(["--input", shards, "--pipeline", str(pipeline), "--output", str(out), "--resolution",
-                    str(RES), "--dtype", "fp32", "--text-embeddings", *short, "--batch-size", "16", "--workers", "0",
-                    "--no-progress", *(["--references", str(refs)] if refs else [])])
+                    str(RES), "--dtype", "fp32", "--text-embeddings", *short, *exact, "--batch-size", "16",
+                    "--workers", "0", "--no-progress", *(["--references", str(refs)] if refs else [])])
     return out
 
 
@@ -389,7 +391,8 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
                                                                         tmp_path):
     """One step from shard latents equals the step from the same images encoded online (posterior mean): with
     the text encoded online exactly (1e-5), with the stored text embeddings within their storage's rounding;
-    an edit family's step from the stored reference latents equals its step from the references encoded online.
+    an edit family's step from the stored reference latents equals its step from the references encoded online
+    (Qwen-Image-Edit's stored text, read with the references at precompute time, in fp32 here: exactly).
     The shards say which family's text layout they hold, and a run of another layout refuses them."""
     from dataclasses import replace
 
@@ -438,7 +441,7 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     assert info["text_shape"] == list(states.shape[1:])
     assert info.get("pooled_shape") == (None if pooled is None else list(pooled.shape[1:]))
     if encoding.storage_dtype == "bf16":
-        assert info["text_dtype"] == "bfloat16"
+        assert info["text_dtype"] == ("float32" if name == "qwen_image_edit" else "bfloat16")
     rounding = {"rtol": 1e-2, "atol": 1e-5} if info.get("text_dtype") == "bfloat16" else {"rtol": 1e-5, "atol": 1e-6}
     np.testing.assert_allclose(stored_empty, states[: len(stored_empty)], **rounding)
     if pooled is not None:
@@ -452,6 +455,10 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     if stored is not None and stored.tag is not None:
         with pytest.raises(DatasetConfigError, match=f"{stored.tag} layout"):
             check_latents_match(loader, from_shards.models.vae, replace(stored, tag=f"not-{stored.tag}"))
+    if stored is not None and stored.references:  # text read with other references, or by another rule: refused
+        for other in (dict(references=stored.references + 1), dict(vl_images="another rule"), dict(references=0)):
+            with pytest.raises(DatasetConfigError, match="reference image"):
+                check_latents_match(loader, from_shards.models.vae, replace(stored, **other))
     shard = first(latents, type="latents", latent_sampling="mean", text_embeddings=True, references=n_refs)
     assert shard["keys"] == image["keys"]
     # The token ids and the size conditioning (SDXL's) come with the shard's samples as with the images.

@@ -71,7 +71,11 @@ def test_the_family_is_read_from_the_pipeline_and_takes_one_reference(pipeline, 
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"dataset.type": "latents"}, "depend on the image"),
+    # from latent shards: the text read with the references is stored (it cannot be encoded without their pixels)
+    ({"dataset.type": "latents"}, "needs dataset.params.text_embeddings: true.*--references 1 --text-embeddings"),
+    ({"dataset.type": "latents", "model.text_encoder.train": "true"}, "trained text encoder.*from image shards"),
+    ({"dataset.type": "latents", "model.adapter.type": "lora", "model.adapter.text_encoders.train": "true"},
+     "trained text encoder.*from image shards"),
     ({"model.llm.max_length": 1025}, "at most 1024"),
     ({"model.t5.max_length": 16}, "model.llm.max_length"),
     ({"dataset.params.resolution": 40}, "multiples of 16"),
@@ -81,9 +85,16 @@ def test_refusals_name_the_key(pipeline, shapes_shards, tmp_path, override, mess
         load(edit_args(tmp_path, pipeline, shapes_shards, **override))
 
 
-def test_stored_text_embeddings_are_refused(pipeline):
-    with pytest.raises(ValueError, match="--text-embeddings.*depend on the image"):
+def test_stored_text_is_read_with_the_references(pipeline, shapes_shards, tmp_path):
+    """The shards' text is read with each sample's references: --text-embeddings without --references is refused,
+    naming the flag (the encoding itself: the conformance suite's latent-shard test)."""
+    from conftest import run_precompute
+
+    with pytest.raises(ValueError, match="add --references 1"):
         QwenImageEdit.text_encoding(str(pipeline), torch.device("cpu"))
+    with pytest.raises(SystemExit, match="--text-embeddings.*add --references 1"):
+        run_precompute(["--input", shapes_shards, "--pipeline", str(pipeline), "--output", str(tmp_path / "out"),
+                        "--text-embeddings", "--no-progress"])
 
 
 def test_the_template_is_the_pipelines_and_its_system_prompt_is_64_tokens(pipe):

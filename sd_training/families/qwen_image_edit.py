@@ -230,7 +230,7 @@ class QwenImageEdit(QwenImage):
         from diffusers import AutoencoderKLQwenImage
 
         if not references:
-            raise ValueError(f"--text-embeddings: {cls.display_name} {NEEDS_STORED_TEXT}: add --references "
+            raise ValueError(f"{cls.display_name} {NEEDS_STORED_TEXT}: add --references "
                              f"{cls.reference_images[0]} so the text is read with each sample's references")
         if clip_skip:
             raise ValueError(f"{cls.display_name} conditions on Qwen2.5-VL's last hidden states: clip skip does not apply")
