@@ -130,6 +130,29 @@ def test_conditioning_equals_the_pipelines_encode_prompt_with_the_image(family, 
         family.condition({"input_ids": ids})
 
 
+def test_stored_text_of_a_bucket_is_the_steps_condition(family, pipeline):
+    """What latent shards store for a caption (``text_encoding(..., references, sizes)``, an aspect bucket's
+    reference) is the step's online condition once read back: padded to the longest of the folder's sizes, the
+    padding masked out; the family expects text read with its references by its rule."""
+    from sd_training.data.latents import TEXT_STATES_KEY
+    from sd_training.families import qwen_image_edit_text as etext
+
+    sizes = etext.target_sizes(64, True, 16, 2.0)  # (48, 80), (64, 64), (80, 48)...
+    encoding = QwenImageEdit.text_encoding(str(pipeline), torch.device("cpu"), 0, LLM_LEN, references=1, sizes=sizes)
+    square = etext.stored_length(family.models.processor, family.vl_rule, 8, 1, LLM_LEN, [(64, 64)])
+    assert encoding.text_shape[0] > square > LLM_LEN  # a 48 x 80 bucket's reference has more VL tokens
+    expected = family.stored_text()  # the run's (32 px, one reference, read at the target's size)
+    assert (expected.references, expected.vl_images, expected.width) == (1, etext.TARGET_SIZE, encoding.text_shape[1])
+    refs = references(len(CAPTIONS), 2)[..., :16].repeat_interleave(3, -1)  # 32 x 48 px: a bucket's shape
+    stored, _ = encoding.encode(CAPTIONS, refs)
+    assert stored.shape == (len(CAPTIONS), *encoding.text_shape)
+    ids = family.tokenizers[0](CAPTIONS).input_ids
+    want = family.condition({"input_ids": ids, "reference_values": refs})
+    got = family.condition({TEXT_STATES_KEY: torch.from_numpy(stored)})
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[1], want[1])
+
+
 def test_reference_latents_tokens_and_img_shapes_are_the_pipelines(family, pipe):
     """The reference latents are ``_encode_vae_image``'s (the normalised posterior mode) of the reference at the
     target's size, packed after the target's tokens (``prepare_latents``); ``img_shapes`` are what ``__call__``
