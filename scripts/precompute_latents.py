@@ -172,13 +172,14 @@ def load_models(args, device: torch.device):
     encoder = None
     if args.text_embeddings:
         # An edit family whose text reads the references (Qwen-Image-Edit) is given their count and the targets' sizes
-        edit = {"references": args.references, "sizes": target_sizes(args)} if getattr(family, "text_reads_references", False) else {}
+        edit = ({"references": args.references, "sizes": target_sizes(args)}
+                if getattr(family, "text_reads_references", False) else {})
         try:  # as the training's text encoder (model.text_encoder.clip_skip / max_length) would see the caption
             encoder = family.text_encoding(args.pipeline, device, clip_skip=args.clip_skip, max_length=args.max_length,
                                            **edit)
         except (ValueError, NotImplementedError) as exn:
-            raise SystemExit(f"precompute_latents: --text-embeddings (--clip-skip, --max-length, --family, --references): "
-                             f"{exn}") from None
+            raise SystemExit("precompute_latents: --text-embeddings (--clip-skip, --max-length, --family, "
+                             f"--references): {exn}") from None
     return vae, fingerprint.hexdigest(), encoder
 
 
@@ -430,7 +431,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     vae, fingerprint, encoder = load_models(args, device)
     scale = float(vae.config.scaling_factor)
     empty = empty_pooled = text_shape = None
-    if getattr(encoder, "image_conditioned", False):  # each sample stores its own empty caption (read with its references)
+    if getattr(encoder, "image_conditioned", False):  # each sample stores its own empty caption (its references)
         text_shape = encoder.text_shape
     elif encoder is not None:
         empty, empty_pooled = encoder.encode([""])

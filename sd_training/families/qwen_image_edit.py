@@ -44,8 +44,8 @@ from ..config.schema import TrainConfig
 from ..data.latents import TEXT_STATES_KEY, StoredText
 from ..outputs.export import unwrap
 from . import qwen_image_edit_parts as eparts
-from . import qwen_image_parts as parts
 from . import qwen_image_edit_text as etext
+from . import qwen_image_parts as parts
 from . import reference_models as references
 from .components import llm_text
 from .components.text import TextEncoding
@@ -233,7 +233,8 @@ class QwenImageEdit(QwenImage):
             raise ValueError(f"{cls.display_name} {NEEDS_STORED_TEXT}: add --references "
                              f"{cls.reference_images[0]} so the text is read with each sample's references")
         if clip_skip:
-            raise ValueError(f"{cls.display_name} conditions on Qwen2.5-VL's last hidden states: clip skip does not apply")
+            raise ValueError(f"{cls.display_name} conditions on Qwen2.5-VL's last hidden states: clip skip does not "
+                             "apply")
         settings = cls.text_settings if cls.reference_images[1] == 1 else dataclasses.replace(
             cls.text_settings, template=eparts.plus_template(references))
         length = llm_text.check_length(max_length, settings, "--max-length", cls.pipeline_classes[0])

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from . import qwen_image_edit_parts as eparts
-from . import qwen_image_parts as parts
 from .components import llm_text
 from .components.text import TextEncoding
 from .qwen_image import hidden_size
