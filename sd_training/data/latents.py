@@ -14,6 +14,9 @@ named as WebDataset expects (the key ends at the first dot):
   ``KEY.text.npy``     with ``--text-embeddings``: the family's text conditioning of KEY.txt, [L, D] (one
                        CLIP encoder: its last hidden state; two: both encoders' states concatenated)
   ``KEY.pooled.npy``   with ``--text-embeddings``, for a family conditioned on a pooled embedding too: [P]
+  ``KEY.empty.text.npy``  with ``--text-embeddings`` for a family whose text reads the reference images
+                       (Qwen-Image-Edit): the empty caption read with this sample's references, for caption
+                       dropout (``latents_info.json``: ``empty_text: per_sample``, no ``empty.text.npy``)
   ``KEY.ref.latents.npy``, ``KEY.ref2.latents.npy``...  with ``--references N`` (edit training): each
                        reference image's latents, in the store, dtype and units of ``KEY.latents.npy``
 
@@ -74,6 +77,8 @@ BF16 = "bfloat16"  # text_dtype of text arrays stored as bfloat16 bit patterns (
 LATENTS_MEMBER = "latents.npy"
 REFERENCE_BASE = "ref"  # KEY.ref.latents.npy, KEY.ref2.latents.npy...: the reference latents' members
 TEXT_MEMBER = "text.npy"
+EMPTY_TEXT_MEMBER = "empty.text.npy"  # an edit family's per-sample empty caption (its text reads the references)
+PER_SAMPLE = "per_sample"  # latents_info.json's empty_text when each sample holds its own EMPTY_TEXT_MEMBER
 POOLED_MEMBER = "pooled.npy"
 INFO_FILE = "latents_info.json"
 EMPTY_TEXT_FILE = "empty.text.npy"
@@ -175,6 +180,7 @@ class LatentShardSource(WebDatasetSource):
                 "url": unit,
                 "latents": members.get(LATENTS_MEMBER),
                 "text": members.get(TEXT_MEMBER),
+                "empty_text": members.get(EMPTY_TEXT_MEMBER),
                 "pooled": members.get(POOLED_MEMBER),
                 "caption": members.get(self.caption_key),
                 "meta_raw": members.get(self.metadata_key),
@@ -231,7 +237,7 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
                 )
             raw = _read_sibling(src.units[0], EMPTY_TEXT_FILE, src.timeout)
             if raw is None:
-                if float(params.caption_dropout) > 0:
+                if float(params.caption_dropout) > 0 and info.get("empty_text") != PER_SAMPLE:
                     raise DatasetConfigError(
                         f"dataset.params.caption_dropout with text_embeddings needs {sibling(src.units[0], EMPTY_TEXT_FILE)} "
                         "(the empty caption's embedding, written by scripts/precompute_latents.py --text-embeddings)"
@@ -274,12 +280,17 @@ class StoredText:
     """The text conditioning a run expects in latent shards, as its family says (``PipelineFamily.stored_text``):
     ``length`` tokens x ``width`` channels of states, made with ``clip_skip`` (1: the last layer), in the
     layout ``tag`` (``latents_info.json``'s ``text_family``: which family's conditioning; None for shards
-    of one encoder's states and no pooled embedding, the layout written before the field existed)."""
+    of one encoder's states and no pooled embedding, the layout written before the field existed); an edit
+    family's text read with ``references`` images by the rule ``vl_images``."""
 
     length: int
     width: int
     clip_skip: int = 1
     tag: Optional[str] = None
+    # An edit family whose text reads the reference images (Qwen-Image-Edit): how many, and how its VL encoder
+    # sees them (latents_info.json's text_references, text_vl_images); 0 / None: text read alone.
+    references: int = 0
+    vl_images: Optional[str] = None
 
 
 def check_latents_match(loader, vae, text: Optional[StoredText] = None) -> None:
@@ -314,12 +325,30 @@ def check_latents_match(loader, vae, text: Optional[StoredText] = None) -> None:
         if made_for != text.tag:
             problems.append(f"text embeddings in the {made_for or 'single-encoder'} layout (this run's family reads "
                             f"the {text.tag or 'single-encoder'} layout)")
+        problems += image_text_problems(info, text)
     if problems:
         raise DatasetConfigError(
             f"dataset.params.path: these latent shards ({info.get('_path') or INFO_FILE}) were made for other "
             f"models: {'; '.join(problems)}. "
             "Re-run scripts/precompute_latents.py with the run's pipeline (and --clip-skip / --max-length)"
         )
+
+
+def image_text_problems(info: Dict[str, Any], text: StoredText) -> List[str]:
+    """An edit family's text is read with the references: the shards' must have been read with as many, each
+    brought to the VL encoder by the same rule (text_references / text_vl_images), and hold each sample's empty
+    caption (read with its references too)."""
+    held, rule = int(info.get("text_references") or 0), info.get("text_vl_images")
+    if held == text.references and rule == text.vl_images:
+        return []
+    if not text.references:
+        return [f"text embeddings read with {held} reference image(s) (this run's family reads the caption alone)"]
+    if not held:
+        return [f"text embeddings of the caption alone (this run's family reads it with {text.references} reference "
+                "image(s): re-run scripts/precompute_latents.py with --references "
+                f"{text.references} --text-embeddings on the paired shards)"]
+    return [f"text embeddings read with {held} reference image(s), {rule!r} (this run's family reads "
+            f"{text.references}, {text.vl_images!r})"]
 
 
 class LatentSampleProcessor(SampleProcessor):
@@ -343,6 +372,7 @@ class LatentSampleProcessor(SampleProcessor):
         self.text_shapes = [tuple(i["text_shape"]) if i.get("text_shape") else None for i in infos]
         self.text_dtypes = [i.get("text_dtype") for i in infos]
         self.empty_text = [s.empty_text for s in sources]
+        self.per_sample_empty = [i.get("empty_text") == PER_SAMPLE for i in infos]
         self.empty_pooled = [s.empty_pooled for s in sources]
         self.pooled = [bool(i.get("pooled_shape")) for i in infos]
 
@@ -353,6 +383,7 @@ class LatentSampleProcessor(SampleProcessor):
         sizes = {k: tuple(int(v) for v in meta[k]) for k in SIZE_FIELDS
                  if isinstance(meta.get(k), (list, tuple)) and len(meta[k]) == 2}
         return {"latents": raw["latents"], "text": raw.get("text"), "pooled": raw.get("pooled"),
+                "empty_text": raw.get("empty_text"),
                 "store": meta.get("latent_store"), "sizes": sizes, "references": raw.get("references") or []}
 
     def process(self, s: Dict[str, Any], rng: np.random.Generator, stats: Stats) -> Optional[Dict[str, Any]]:
@@ -438,13 +469,17 @@ class LatentSampleProcessor(SampleProcessor):
         return arr, None, None
 
     def _text(self, s, caption: str, src: int, where: str, stats: Stats) -> Optional[np.ndarray]:
-        if caption == "" and self.empty_text[src] is not None:
+        member = TEXT_MEMBER
+        if caption == "" and self.per_sample_empty[src]:
+            member = EMPTY_TEXT_MEMBER  # an edit family's: the empty caption read with this sample's references
+        elif caption == "" and self.empty_text[src] is not None:
             return self.empty_text[src]  # a dropped caption (or a stored empty one: the same embedding)
-        if s.get("text") is None:
-            stats.skip("missing_text_embedding", f"{where}: no {TEXT_MEMBER} member")
+        data = s.get("empty_text" if member == EMPTY_TEXT_MEMBER else "text")
+        if data is None:
+            stats.skip("missing_text_embedding", f"{where}: no {member} member")
             return None
         try:
-            text = from_stored(load_npy(s["text"]), self.text_dtypes[src])
+            text = from_stored(load_npy(data), self.text_dtypes[src])
         except ValueError as exn:
             stats.skip("bad_text_embedding", f"{where}: {exn}")
             return None

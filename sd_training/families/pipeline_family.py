@@ -111,6 +111,10 @@ class PipelineFamily(Family):
         """The family's diffusers pipeline with ``net`` and the run's other components; ``for_export``: the
         frozen ones in fp32 as loaded from their sources (a bf16 run keeps them in bf16 for speed)."""
 
+    # The text reads the reference images (Qwen-Image-Edit): latent shards store it per sample, read with them
+    # (``text_encoding(..., references=, sizes=)``, scripts/precompute_latents.py --references N --text-embeddings)
+    text_reads_references = False
+
     @abc.abstractmethod
     def stored_text(self) -> StoredText:
         """What this run expects of text conditioning stored in latent shards."""
