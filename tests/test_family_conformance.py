@@ -34,9 +34,9 @@ import forked
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from conftest import assert_shard_step_equals_online, run_precompute
 from helpers import args_with, max_diff, run_trainer
+from PIL import Image
 from test_resume import assert_same, finish, kill_after_checkpoint, launch, losses
 
 from sd_training.checkpoint import Checkpointer, complete_steps
@@ -431,7 +431,8 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     from data_fixtures import make_cfg
 
     from sd_training.data import DatasetConfigError, build_train_loader
-    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, check_latents_match, from_stored
+    from sd_training.data.latent_checks import check_latents_match
+    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, from_stored
     from sd_training.data.transforms import unit_range
 
     def family(shards, **over):

@@ -271,7 +271,7 @@ def test_config_checks(latent_dir, tmp_path):
 def test_shards_made_for_other_models_are_refused(latent_dir, shapes_shards, models):
     import copy
 
-    from sd_training.data.latents import StoredText, check_latents_match
+    from sd_training.data.latent_checks import StoredText, check_latents_match
     from sd_training.families.components.clip import apply_clip_skip, clip_skip_of
 
     def text(te, tok):  # what the SD family expects of stored text (StableDiffusion.stored_text)

@@ -21,7 +21,7 @@ from PIL import Image
 from ..config.dataset import is_latent_type
 from ..config.rules import text_encoder_placement, vae_placement
 from ..config.schema import TrainConfig
-from ..data.latents import StoredText, check_latents_match
+from ..data.latent_checks import StoredText, check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
 from ..outputs import sample_references

@@ -41,7 +41,8 @@ import torch
 from ..config import ConfigError
 from ..config.dataset import is_latent_type
 from ..config.schema import TrainConfig
-from ..data.latents import TEXT_STATES_KEY, StoredText
+from ..data.latent_checks import StoredText
+from ..data.latents import TEXT_STATES_KEY
 from ..outputs.export import unwrap
 from . import qwen_image_edit_parts as eparts
 from . import qwen_image_edit_text as etext
