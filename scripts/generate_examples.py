@@ -2,6 +2,8 @@
 
     python scripts/generate_examples.py --prompts captions.csv --out samples/ --pipeline runs/x/current_pipeline
     python scripts/generate_examples.py --prompts prompts.txt --out samples/ --checkpoint runs/x [--ema]
+    python scripts/generate_examples.py --prompts edits.txt --reference-file refs.txt --resolution 1024 \
+        --out samples/ --pipeline runs/edit/current_pipeline                 (an edit model)
     torchrun --nproc_per_node 8 scripts/generate_examples.py ...          (each rank makes its share)
 
 Prompts: a .txt (one per line) or a .csv (its 'caption' column, else the first), as
@@ -9,6 +11,13 @@ Prompts: a .txt (one per line) or a .csv (its 'caption' column, else the first),
 is written as ``{i:06d}.png`` with its prompt in ``{i:06d}.txt`` - the convention of the training run's
 eval images, so ``python -m sd_training.evaluation --images OUT`` scores either. Existing images are
 kept: rerun the same command to finish an interrupted job.
+
+An edit model (Flux Kontext, Qwen-Image-Edit(-Plus), FLUX.2 with references) needs ``--reference-file``:
+one line per prompt, its reference image path(s) tab-separated, relative to the file's folder (a run's
+``experiment.eval_reference_file``, as ``python -m sd_training.evaluation --reference-file`` reads it).
+Each reference is resized to the output size (cover, center crop) and saved beside each image it
+conditions as ``{i:06d}.ref.png`` (``.ref2.png`` ...), which the evaluation leaves out of its score. An
+edit model without the file, or a text-to-image model with it, is refused.
 
 ``--checkpoint`` takes a run folder, its ``checkpoints/`` folder, or one ``step_N`` folder (newest
 complete one by default). The models are built from the ``config.yaml`` saved in the checkpoint
@@ -42,6 +51,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ema", action="store_true", help="with --checkpoint: use the EMA weights (ema.pt)")
     p.add_argument("--set", action="append", default=[], metavar="model.KEY=VALUE",
                    help="with --checkpoint: override a model.* key of the saved config (repeatable)")
+    p.add_argument("--reference-file", type=existing("file"),
+                   help="edit models: one line per prompt, its reference image path(s) tab-separated, relative "
+                        "to the file's folder; with --pipeline it needs --resolution")
     p.add_argument("--num-images", type=integer(1, 10_000_000), default=None,
                    help="images in all, 1 to 10000000 (default: one per prompt)")
     p.add_argument("--seed", type=integer(0, SEED_MAX - 10_000_000), default=0, help="image i uses generator seed seed+i")
@@ -53,7 +65,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="weights' precision")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.reference_file and args.pipeline and not args.resolution:
+        p.error("--reference-file with --pipeline needs --resolution (the references are resized to it)")
+    return args
 
 
 def find_checkpoint(path: str) -> Path:
@@ -91,14 +106,16 @@ def run_config(ckpt: Path, overrides: list[str]):
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(train_config_class()), saved, cli))
 
 
-def pipeline_from_checkpoint(ckpt: Path, ema: bool, overrides: list[str], device: torch.device):
-    """The run's family, built from the checkpoint's config, with the checkpoint's trained weights."""
+def pipeline_from_checkpoint(ckpt: Path, cfg, ema: bool, device: torch.device):
+    """The run's pipeline, built by its family from the checkpoint's config ``cfg`` (:func:`run_config`), with
+    the checkpoint's trained weights."""
     from sd_training.checkpoint import init_weights_from
     from sd_training.checkpoint.layout import EMA, is_sharded, shared_file
     from sd_training.families import registry
 
-    cfg = run_config(ckpt, overrides)
     cfg.model.gradient_checkpointing = False  # inference
+    # the frozen parts loaded at full precision (a bf16 run keeps them in bf16): --dtype says the precision
+    cfg.model.mixed_precision = "no"
     if is_sharded(ckpt):
         raise FileNotFoundError(f"{ckpt} is an FSDP checkpoint (sharded/): generate from the pipeline the run exported")
     if ema and not shared_file(ckpt, EMA).is_file():
@@ -109,13 +126,15 @@ def pipeline_from_checkpoint(ckpt: Path, ema: bool, overrides: list[str], device
     if pipe is None:
         raise SystemExit(f"{ckpt} was written by a run that trains no text-to-image model ({family.name}): "
                          "use the pipeline it exported")
-    return pipe, int(cfg.dataset.params.resolution)
+    return pipe
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
     args = parse(sys.argv[1:] if argv is None else argv)
     from sd_training import distributed
     from sd_training.evaluation.generate import generate_images, load_pipeline
+    from sd_training.evaluation.references import pipeline_family, reference_inputs
+    from sd_training.families import registry
     from sd_training.outputs.export import read_prompts
 
     prompts = read_prompts(args.prompts)
@@ -123,18 +142,26 @@ def main(argv: list[str] | None = None) -> list[Path]:
     try:
         resolution = args.resolution
         if args.pipeline:
+            # the references are checked before the pipeline loads: a refusal costs nothing
+            shown, calls = reference_inputs(args.reference_file, pipeline_family(args.pipeline), len(prompts),
+                                            resolution, f"--pipeline {args.pipeline}")
             pipe = load_pipeline(args.pipeline, info.device, DTYPES[args.dtype])
         else:
             ckpt = find_checkpoint(args.checkpoint)
             if info.is_main:
                 print(f"generating from {ckpt}{' (EMA)' if args.ema else ''}", file=sys.stderr)
-            pipe, run_resolution = pipeline_from_checkpoint(ckpt, args.ema, args.set, info.device)
+            cfg = run_config(ckpt, args.set)
+            resolution = resolution or int(cfg.dataset.params.resolution)
+            shown, calls = reference_inputs(args.reference_file, registry.FAMILIES[registry.detect(cfg.model)],
+                                            len(prompts), resolution, f"--checkpoint {ckpt}")
+            pipe = pipeline_from_checkpoint(ckpt, cfg, args.ema, info.device)
             pipe.set_progress_bar_config(disable=True)
-            pipe = pipe.to(info.device, DTYPES[args.dtype])
-            resolution = resolution or run_resolution
+            # in place, not reassigned: .to() returns the bare pipeline, not a family's wrapper (TrainedLength ...)
+            pipe.to(info.device, DTYPES[args.dtype])
         written = generate_images(
             pipe, prompts, args.num_images or len(prompts), args.out, args.seed, args.steps, args.guidance,
             resolution, info.rank, info.world_size, args.batch_size, progress=not args.no_progress,
+            calls=calls, shown=shown,
         )
         distributed.barrier()  # the folder is complete when rank 0 returns
         return written

@@ -35,6 +35,13 @@ and units as ``KEY.latents.npy`` (``--store sample``: each reference's own poste
 without its N references is skipped (``missing_reference``), as in training. ``latents_info.json``
 records ``references`` and ``reference_crop``.
 
+Edit families whose text reads the reference images (Qwen-Image-Edit(-Plus), ``--references N
+--text-embeddings``): each caption is encoded with its sample's references as the loader gives them to the
+step (``families/qwen_image_edit_text.py``), padded to the longest the run's sizes give, and each sample also
+stores ``KEY.empty.text.npy`` (the empty caption read with its references, for caption dropout) instead of a
+folder-wide ``empty.text.npy``; ``latents_info.json`` records ``text_references``, ``text_vl_images`` and
+``empty_text: per_sample``.
+
 Text storage (``--text-dtype``): ``auto`` (the default) stores the text arrays as the family asks
 (``TextEncoding.storage_dtype``: bf16 for T5-sized states, whose [512, 4096] a caption are the bulk of
 the folder: half fp32's bytes, fp32's range where fp16 may overflow, and the precision bf16 training
@@ -164,11 +171,24 @@ def load_models(args, device: torch.device):
     vae = vae.to(device).eval().requires_grad_(False)
     encoder = None
     if args.text_embeddings:
+        # An edit family whose text reads the references (Qwen-Image-Edit) is given their count and the targets' sizes
+        edit = ({"references": args.references, "sizes": target_sizes(args)}
+                if getattr(family, "text_reads_references", False) else {})
         try:  # as the training's text encoder (model.text_encoder.clip_skip / max_length) would see the caption
-            encoder = family.text_encoding(args.pipeline, device, clip_skip=args.clip_skip, max_length=args.max_length)
+            encoder = family.text_encoding(args.pipeline, device, clip_skip=args.clip_skip, max_length=args.max_length,
+                                           **edit)
         except (ValueError, NotImplementedError) as exn:
-            raise SystemExit(f"precompute_latents: --clip-skip / --max-length / --family: {exn}") from None
+            raise SystemExit("precompute_latents: --text-embeddings (--clip-skip, --max-length, --family, "
+                             f"--references): {exn}") from None
     return vae, fingerprint.hexdigest(), encoder
+
+
+def target_sizes(args) -> List[Tuple[int, int]]:
+    """The targets' (width, height): the square ``--resolution``, or each aspect bucket."""
+    from sd_training.data.buckets import make_buckets
+
+    return (make_buckets(args.resolution, args.bucket_step, args.max_aspect_ratio) if args.aspect_buckets
+            else [(args.resolution, args.resolution)])
 
 
 def encode_images(vae, pixels: torch.Tensor, scale: float, shift: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +316,8 @@ class ShardWriter:
         return self._write(self.pending.pop(shape, []))
 
     def _write(self, batch: List[Dict[str, Any]]) -> int:
-        from sd_training.data.latents import LATENTS_MEMBER, REFERENCE_BASE, from_stored, npy_bytes, to_stored
+        from sd_training.data.latents import (EMPTY_TEXT_MEMBER, LATENTS_MEMBER, REFERENCE_BASE, from_stored, npy_bytes,
+                                              to_stored)
         from sd_training.data.references import reference_names
         from sd_training.data.transforms import to_pixel_values
 
@@ -308,7 +329,7 @@ class ShardWriter:
         mean, std = encode_images(self.vae, to_pixel_values(np.stack([s["pixels"] for s in batch])), self.scale, shift)
         refs = [encode_images(self.vae, to_pixel_values(np.stack([s["references"][k] for s in batch])),
                               self.scale, shift) for k in range(self.args.references)]  # edit training: each reference as the target, [(mean, std)]
-        texts, pooled = self.encoder.encode([s["caption"] for s in batch]) if self.encoder else (None, None)
+        texts, pooled, empties = self._texts(batch)
         n = 0
         for i, s in enumerate(batch):
             index, self.encoded = self.encoded, self.encoded + 1
@@ -338,11 +359,27 @@ class ShardWriter:
                 _add(self.tar, f"{key}.cls", s["cls"] if isinstance(s["cls"], bytes) else str(s["cls"]).encode(), self.mtime)
             if texts is not None:
                 _add(self.tar, f"{key}.text.npy", npy_bytes(text), self.mtime)
+            if empties is not None:  # the empty caption read with this sample's references (caption dropout)
+                _add(self.tar, f"{key}.{EMPTY_TEXT_MEMBER}", npy_bytes(to_stored(empties[i], tdtype)), self.mtime)
             if pool is not None:
                 _add(self.tar, f"{key}.pooled.npy", npy_bytes(pool), self.mtime)
             self.written += 1
             n += 1
         return n
+
+    def _texts(self, batch: List[Dict[str, Any]]):
+        """(states, pooled, each sample's empty caption's states or None) of a batch's captions; an edit family's
+        text (``image_conditioned``) is read with each sample's references, as the loader gives them to the step."""
+        if self.encoder is None:
+            return None, None, None
+        captions = [s["caption"] for s in batch]
+        if not getattr(self.encoder, "image_conditioned", False):
+            return (*self.encoder.encode(captions), None)
+        from sd_training.data.references import collate_references
+
+        refs = collate_references(batch)  # uint8 [B, R, 3, H, W]: the step's reference_values
+        texts, pooled = self.encoder.encode(captions, refs)
+        return texts, pooled, self.encoder.encode([""] * len(batch), refs)[0]
 
     def _stored(self, mean: torch.Tensor, std: torch.Tensor, seed: List[int], dtype) -> np.ndarray:
         """One latent as stored: ``mean_std`` [2C, h, w], or ``sample`` [C, h, w] drawn from its own ``seed``."""
@@ -393,11 +430,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     vae, fingerprint, encoder = load_models(args, device)
     scale = float(vae.config.scaling_factor)
-    empty, empty_pooled = encoder.encode([""]) if encoder is not None else (None, None)
-    empty = empty[0] if empty is not None else None
+    empty = empty_pooled = text_shape = None
+    if getattr(encoder, "image_conditioned", False):  # each sample stores its own empty caption (its references)
+        text_shape = encoder.text_shape
+    elif encoder is not None:
+        empty, empty_pooled = encoder.encode([""])
+        empty, text_shape = empty[0], empty[0].shape
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    info = make_info(args, vae, fingerprint, names, encoder, empty.shape if empty is not None else None,
+    info = make_info(args, vae, fingerprint, names, encoder, text_shape,
                      empty_pooled.shape[1:] if empty_pooled is not None else None)
     start_folder(out, rank, info, empty, empty_pooled)
 

@@ -13,8 +13,7 @@ import torch
 
 from . import distributed
 from .distributed import heartbeat
-from .run import preemption
-from .run import progress
+from .run import preemption, progress
 from .build import build_model, build_optimizer_parts
 from .checkpoint import CheckpointManager, ModelState, complete_steps
 from .checkpoint.layout import GRAD_SCALER, LR_SCHEDULER
@@ -77,7 +76,9 @@ class Trainer:
     def setup(self) -> None:
         """Run folder, model, optimizer, data, checkpoints (resume), trackers and outputs, in that order."""
         cfg, info = self.cfg, self.info
-        self._prepare_run_folder()
+        self.finished_before = self._prepare_run_folder()  # a run that had finished: its summary
+        if self.finished_before is not None:
+            return
         parts = build_model(cfg, info, self.plan, self.run_dir)
         self.family, self.net, self.ema, self.strategy = parts.family, parts.net, parts.ema, parts.strategy
         self.model, self.autocast_dtype, self.scaler = parts.model, parts.autocast_dtype, parts.scaler
@@ -105,19 +106,22 @@ class Trainer:
                                   self.autocast_dtype, val_batches, self.state, self.optimizer)
         self.metrics = StepMetrics(cfg, self.family, self.plan, info, self.trackers, self.autocast_dtype)
 
-    def _prepare_run_folder(self) -> None:
+    def _prepare_run_folder(self) -> dict | None:
         """One run per folder (locked); the config written; logging to train.log; interrupted exports repaired."""
         cfg, info, run_dir = self.cfg, self.info, self.run_dir
-        refused = None
+        refused = done = None
         if info.is_main:
-            try:  # an earlier run's checkpoints are continued or moved aside, never mixed in
+            try:  # an earlier run's checkpoints are continued or moved aside (finished.json too), never mixed in
                 self._lock = run_dir.lock()
-                run_dir.refuse_or_move_aside(complete_steps(run_dir.checkpoints), cfg.experiment.resume,
+                run_dir.refuse_or_move_aside(steps := complete_steps(run_dir.checkpoints), cfg.experiment.resume,
                                              cfg.experiment.start_fresh)
+                done = run_dir.finished_at(steps, self.plan.total_steps)
             except ConfigError as e:
                 refused = e
         if distributed.any_rank(refused is not None, self.device):
             raise refused or ConfigError(f"rank 0 refused the run folder {run_dir.root} (its error says why)")
+        if distributed.any_rank(done is not None, self.device):  # finished: a resume would export it again
+            return run_dir.say_finished(done, info.rank, self.plan.total_steps)  # the run's summary, nothing done
         if info.is_main:
             run_dir.create()
             run_dir.config.write_text(to_yaml(cfg))
@@ -129,12 +133,7 @@ class Trainer:
         cpus = distributed.usable_cpus()
         log.info("launcher=%s world_size=%d device=%s cpus=%d global_batch=%d total_steps=%d%s", info.launcher,
                  info.world_size, self.device, cpus, self.plan.global_batch, self.plan.total_steps, self.plan.note)
-        if cfg.system.workers + 1 > cpus:
-            log.warning(
-                "this process may run on %d CPU(s) but starts %d loader worker(s) besides the trainer: the loader "
-                "will starve the %s. Give each task more CPUs (SLURM: --cpus-per-task, which srun since 22.05 "
-                "only applies with SRUN_CPUS_PER_TASK exported, as batch_files/ do) or lower system.workers",
-                cpus, cfg.system.workers, self.device.type.upper() if self.device.type == "cuda" else "step")
+        distributed.warn_starved_loader(cpus, cfg.system.workers, self.device)
 
     # ---- the step (public): after setup(), plan.accumulation micro_steps (sync on the last), optimizer_step
     def micro_step(self, batch: dict, sync: bool):
@@ -188,7 +187,7 @@ class Trainer:
         failed = False
         try:
             self.setup()
-            return self._loop(stop)
+            return self._loop(stop) if self.finished_before is None else self.finished_before
         except BaseException as e:
             # From here the process has preemption.FAILED_EXIT_S to end (when train.py runs it).
             failed = True
@@ -305,6 +304,8 @@ class Trainer:
             # Resumed from a checkpoint written at the last step but killed before its export finished.
             self._export()
         self.checkpoints.wait()  # the last checkpoint is on disk before a requeue or the end
+        if not stopped_by and self.info.is_main:  # checkpointed and exported: a start of it again does nothing
+            self.run_dir.mark_finished(state.step, state.images_seen)
         requeued = False
         if stopped_by:
             log.warning("stopped at step %d by %s after saving", state.step, stopped_by)

@@ -274,6 +274,55 @@ def docs_env(copy: Path, max_steps: int, home: Path) -> dict[str, str]:
 FAIL_TAG = "__docs_test_failed_line__"
 # The ERR trap names the failing command's line; the header's lines come before the block's first line.
 SHELL_HEADER = [f"trap 'echo {FAIL_TAG}=$LINENO >&2' ERR"]
+# bash -e and the ERR trap ignore a failure left of `&&` ("setup.sh && train.py": setup fails, the block goes
+# on). A plain `A && B` command line gets this after it, so a failure anywhere in the list stops the block.
+AND_GUARD = f' || {{ __rc=$?; echo "{FAIL_TAG}=$LINENO" >&2; exit $__rc; }}'
+COMPOUND = ("if", "then", "else", "elif", "fi", "for", "while", "until", "do", "done", "case", "esac", "function",
+            "{", "}", "(", "!", "[[")
+
+
+def shell_words(text: str) -> tuple[list[str], int]:
+    """The operators ``&&``, ``||`` and ``<<`` outside quotes in ``text``, and where its comment starts
+    (``len(text)`` if none), reading quotes and backslash escapes as bash does."""
+    ops, quote, i = [], None, 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\" and quote == '"':
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c == "\\":
+            i += 1
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or text[i - 1].isspace()):
+            return ops, i
+        elif text[i:i + 2] in ("&&", "||", "<<"):
+            ops.append(text[i:i + 2])
+            i += 1
+        i += 1
+    return ops, len(text)
+
+
+def guard_and_lists(lines: list[str]) -> list[str]:
+    """``lines`` with ``AND_GUARD`` after each simple ``A && B [&& C]`` command (backslash continuations
+    included), same line count. Left alone: lists with ``||`` (their author handles failure), heredocs, compound
+    commands, pipelines and background jobs split over lines."""
+    out, start = list(lines), 0
+    for i, line in enumerate(lines):
+        if line.rstrip().endswith("\\"):
+            continue
+        command = "\n".join(lines[start:i + 1])
+        start = i + 1
+        ops, _ = shell_words(command.replace("\\\n", " "))
+        _, comment = shell_words(line)
+        code = line[:comment].rstrip()
+        first = command.split(None, 1)[0] if command.strip() else ""
+        if (set(ops) == {"&&"} and first not in COMPOUND
+                and not code.endswith(("&", "|", ";", "{", "(")) and code.strip()):
+            out[i] = code + AND_GUARD + (("  " + line[comment:]) if comment < len(line) else "")
+    return out
 
 
 def run_block(block: Block, copy: Path, env: dict[str, str], timeout: float, scratch: Path,
@@ -283,7 +332,7 @@ def run_block(block: Block, copy: Path, env: dict[str, str], timeout: float, scr
     script_lines = block.script_lines()
     if block.kind == "shell":
         script = scratch / "block.sh"
-        script.write_text("\n".join(SHELL_HEADER + script_lines) + "\n")
+        script.write_text("\n".join(SHELL_HEADER + guard_and_lists(script_lines)) + "\n")
         cmd = ["bash", "-euo", "pipefail", str(script)]
     else:
         script = scratch / "block.py"

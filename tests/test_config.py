@@ -252,6 +252,20 @@ def test_removing_a_key_on_the_command_line_restores_the_schema_default():
     assert cfg.lr_scheduler.params.warmup_length == 30  # the rest of the file still applies
 
 
+def test_a_command_line_key_sets_an_entry_of_a_list_the_files_hold():
+    """``dataset.params.sources.1.weight=2`` sets the second source's weight (a dotlist alone reads "1" as a
+    mapping key, and the merge with the file's list failed with OmegaConf's TypeError); a bad index is named."""
+    lora = f"config={ROOT / 'configs' / 'quickstart_lora.yaml'}"
+    sources = load([lora, "dataset.params.sources.1.weight=2", "dataset.params.sources.0.name=word",
+                    "experiment.name=x"]).dataset.params.sources
+    assert [(s.get("name"), s["weight"]) for s in sources] == [("word", 1), (None, 2)]
+    assert sources[1]["path"].startswith("data/quickstart/shapes")  # the rest of the entry stays
+    with pytest.raises(ConfigError, match=r"'dataset.params.sources' has 2 entries \(indices 0 to 1\)"):
+        load([lora, "dataset.params.sources.2.weight=2"])
+    with pytest.raises(ConfigError, match=r"'dataset.params.sources' is a list; name an entry by its index"):
+        load([lora, "dataset.params.sources.first.weight=2"])
+
+
 def test_removal_of_sections_keys_and_mapping_entries(tmp_path):
     path = write(tmp_path, MINIMAL + "system: {batch_size: 4, workers: 3}\n")
     cfg = load([f"config={path}", "~system.batch_size"])

@@ -24,8 +24,8 @@ from sd_training.configure import MAX_STEPS_ENV, apply_step_cap, load
 from sd_training.data.synthetic import write_shapes_shards
 from sd_training.run.train_state import Plan
 
-from docs_runner import (ROOT, DocsCommandFailed, MarkError, extract, make_copy, manual_pages, run_pages,
-                         untracked_outputs)
+from docs_runner import (AND_GUARD, ROOT, DocsCommandFailed, MarkError, extract, guard_and_lists, make_copy,
+                         manual_pages, run_pages, untracked_outputs)
 
 PAGES = manual_pages()
 
@@ -166,6 +166,19 @@ def test_a_failing_shell_command_stops_the_run_naming_its_line(tiny_repo):
     assert e.value.command == "ls \\\n  /no/such/folder \\\n  -l"
     assert "page.md:12: exit status 2" in str(e.value) and "/no/such/folder" in str(e.value)
     assert (tiny_repo / "first.txt").exists() and not (tiny_repo / "never.txt").exists()
+
+
+def test_a_failure_left_of_and_stops_the_block_where_bash_e_would_go_on(tiny_repo):
+    (tiny_repo / "page.md").write_text(
+        "```bash\ntrue && echo one > one.txt  # a comment && not code\necho 'a && b' || true\n"
+        "ls /no/such/folder && \\\n  echo never > never.txt\necho never > after.txt\n```\n")
+    with pytest.raises(DocsCommandFailed) as e:
+        run_pages(tiny_repo, ["page.md"], log=lambda _: None)
+    assert (e.value.page, e.value.line) == ("page.md", 4)  # `ls ... &&` starts on line 4
+    assert "exit status 2" in str(e.value)
+    assert (tiny_repo / "one.txt").exists() and not (tiny_repo / "after.txt").exists()
+    assert guard_and_lists(["a && b  # c", "a || b", "if a && b; then", "x <<EOF && y"]) == [
+        "a && b" + AND_GUARD + "  # c", "a || b", "if a && b; then", "x <<EOF && y"]
 
 
 def test_a_failing_python_block_names_its_line_and_line_marks_leave_out_a_command(tiny_repo):

@@ -34,9 +34,9 @@ import forked
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from conftest import assert_shard_step_equals_online, run_precompute
 from helpers import args_with, max_diff, run_trainer
+from PIL import Image
 from test_resume import assert_same, finish, kill_after_checkpoint, launch, losses
 
 from sd_training.checkpoint import Checkpointer, complete_steps
@@ -47,6 +47,7 @@ from sd_training.families import registry
 pytestmark = pytest.mark.usefixtures("one_thread")
 HERE = Path(__file__).resolve().parent
 RES = 32
+ROOT = Path(__file__).resolve().parents[1]
 STEPS, BATCH, CKPT = 4, 2, 2  # the bf16 run: checkpoints at 2 and 4; the killed run restarts from 2
 T5_LEN = 16
 # Settings each family takes if it takes them (probed with configure.load): a short T5 (the transformer
@@ -285,6 +286,37 @@ def test_kill_and_resume_is_bit_identical(bf16_runs, name):
         assert la[s] == lb[s], (s, la[s], lb[s])
 
 
+
+@pytest.mark.slow
+def test_an_edit_checkpoint_generates_with_its_references(name, tmp_path, request):
+    """``scripts/generate_examples.py --checkpoint RUN --reference-file``, the bf16 run's eval reference file: each
+    image edits its reference (saved beside it), as the exported pipeline does it (the same final weights, fp32)."""
+    import importlib.util
+
+    if not registry.FAMILIES[name].reference_images[0]:
+        pytest.skip("a text-to-image family: test_scripts_generate_plot.py generates from its checkpoint")
+    bf16_runs, keys = request.getfixturevalue("bf16_runs"), request.getfixturevalue("keys")  # the edit families' only
+    spec = importlib.util.spec_from_file_location("generate_examples", ROOT / "scripts" / "generate_examples.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    runs = bf16_runs[0]
+    out = tmp_path / "images"
+    written = gen.main(["--prompts", str(runs.parent / "prompts.txt"), "--out", str(out), "--steps", "2",
+                        "--seed", "3", "--guidance", "1", "--device", "cpu", "--no-progress", "--checkpoint",
+                        str(runs / "straight"), "--reference-file", str(runs.parent / "eval_references.txt")])
+    assert [p.name for p in written] == ["000000.png", "000001.png"]
+    refs = sorted(p.name for p in out.glob("*.ref*.png"))
+    n = registry.FAMILIES[name].reference_images[0]
+    assert refs == sorted(f"{i:06d}.ref{k + 1 if k else ''}.png" for i in range(2) for k in range(n))
+    np.testing.assert_array_equal(np.asarray(Image.open(out / "000000.ref.png")), np.asarray(reference_image()))
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(runs / "straight" / "current_pipeline")
+    want = np.round(generate(pipe, keys, name, prompt="a red circle", guidance_scale=1.0) * 255)
+    got = np.asarray(Image.open(written[0]).convert("RGB"), dtype=np.float64)
+    assert np.abs(got - want).max() <= 1, f"{name}: the checkpoint's edit differs from the exported pipeline's"
+
+
 # ------------------------------------------------------------------------------------------- 2 ranks
 @pytest.mark.slow
 @pytest.mark.distributed
@@ -390,16 +422,19 @@ def test_a_lora_export_loads_with_load_lora_weights(name, pipeline, shards, keys
 @pytest.fixture(scope="module")
 def latents(name, pipeline, shards, keys, tmp_path_factory):
     """The family's shards precomputed for it at 32 px: latents (mean, std) and its stored text (an edit
-    family's reference latents too)."""
+    family's reference latents too; Qwen-Image-Edit's text read with the references)."""
     tmp = tmp_path_factory.mktemp("latents")
-    if not takes(pipeline, shards, tmp, "dataset.type", "latents"):  # Qwen-Image-Edit: its text reads the image
+    reads_refs = getattr(registry.FAMILIES[name], "text_reads_references", False)  # takes latents with stored text only
+    if not (reads_refs or takes(pipeline, shards, tmp, "dataset.type", "latents")):
         pytest.skip(f"the {name} family trains from images only (its config refuses dataset.type=latents)")
     out = tmp / "out"
     short = ["--max-length", str(keys["model.t5.max_length"])] if "model.t5.max_length" in keys else []
     refs = registry.FAMILIES[name].reference_images[0]
+    # Qwen-Image-Edit's text in fp32: its step from the shards is the image shards' exactly (Plus keeps bf16)
+    exact = ["--text-dtype", "fp32"] if name == "qwen_image_edit" else []
     run_precompute(["--input", shards, "--pipeline", str(pipeline), "--output", str(out), "--resolution",
-                    str(RES), "--dtype", "fp32", "--text-embeddings", *short, "--batch-size", "16", "--workers", "0",
-                    "--no-progress", *(["--references", str(refs)] if refs else [])])
+                    str(RES), "--dtype", "fp32", "--text-embeddings", *short, *exact, "--batch-size", "16",
+                    "--workers", "0", "--no-progress", *(["--references", str(refs)] if refs else [])])
     return out
 
 
@@ -407,14 +442,16 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
                                                                         tmp_path):
     """One step from shard latents equals the step from the same images encoded online (posterior mean): with
     the text encoded online exactly (1e-5), with the stored text embeddings within their storage's rounding;
-    an edit family's step from the stored reference latents equals its step from the references encoded online.
+    an edit family's step from the stored reference latents equals its step from the references encoded online
+    (Qwen-Image-Edit's stored text, read with the references at precompute time, in fp32 here: exactly).
     The shards say which family's text layout they hold, and a run of another layout refuses them."""
     from dataclasses import replace
 
     from data_fixtures import make_cfg
 
     from sd_training.data import DatasetConfigError, build_train_loader
-    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, check_latents_match, from_stored
+    from sd_training.data.latent_checks import check_latents_match
+    from sd_training.data.latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, from_stored
     from sd_training.data.transforms import unit_range
 
     def family(shards, **over):
@@ -423,29 +460,45 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
 
     online = family(shards, **{"model.vae.latent_sampling": "mean"})
     from_shards = family(str(latents), **{"dataset.type": "latents", "dataset.params.text_embeddings": "true"})
-    assert_text_encoders_offloaded_sample_alike(online, from_shards)
+    n_refs = type(online).reference_images[0]
+    sample_refs = ()  # an edit family's grid: the fixed reference for its one prompt
+    if n_refs:
+        reference_image().save(tmp_path / "sample_reference.png")
+        sample_refs = ([str(tmp_path / "sample_reference.png")] * n_refs,)
+    assert_text_encoders_offloaded_sample_alike(online, from_shards, sample_refs)
     info = json.loads((latents / "latents_info.json").read_text())
     vae = online.models.vae.config
     assert info["text_family"] == type(online).text_tag and info["latent_channels"] == vae.latent_channels
     assert abs(info["latent_shift_factor"] - (vae.get("shift_factor") or 0.0)) < 1e-9  # FLUX.2's VAE has none
-    # The stored text is the family's own encoding, in the layout and dtype it asks for; the empty caption's
-    # arrays (caption dropout) are its encoding of "" (zeros where the pipeline zeroes it, as SDXL's).
-    encoding = type(online).text_encoding(str(pipeline), torch.device("cpu"), 0, keys.get("model.t5.max_length"))
-    states, pooled = encoding.encode([""])
-    assert info["text_shape"] == list(states.shape[1:])
-    assert info.get("pooled_shape") == (None if pooled is None else list(pooled.shape[1:]))
-    if encoding.storage_dtype == "bf16":
-        assert info["text_dtype"] == "bfloat16"
-    rounding = {"rtol": 1e-2, "atol": 1e-5} if info.get("text_dtype") == "bfloat16" else {"rtol": 1e-5, "atol": 1e-6}
-    np.testing.assert_allclose(from_stored(np.load(latents / EMPTY_TEXT_FILE), info.get("text_dtype")), states[0],
-                               **rounding)
-    if pooled is not None:
-        np.testing.assert_allclose(from_stored(np.load(latents / EMPTY_POOLED_FILE), info.get("text_dtype")),
-                                   pooled[0], **rounding)
-
     def first(path, **params):
         cfg = make_cfg(str(path), resolution=RES, **params)
         return next(iter(build_train_loader(cfg, tokenizer=from_shards.tokenizers, rank=0, world_size=1, seed=3)))
+
+    # The stored text is the family's own encoding, in the layout and dtype it asks for; the empty caption's
+    # arrays (caption dropout) are its encoding of "" (zeros where the pipeline zeroes it, as SDXL's). An edit
+    # family whose text reads the references (Qwen-Image-Edit) stores each sample's, read with its references.
+    image = first(shards, references=n_refs)
+    edit = {"references": n_refs, "sizes": [(RES, RES)]} if type(online).text_reads_references else {}
+    encoding = type(online).text_encoding(str(pipeline), torch.device("cpu"), 0, keys.get("model.t5.max_length"),
+                                          **edit)
+    if edit:
+        states, pooled = encoding.encode([""] * len(image["keys"]), image["reference_values"])
+        dropped = first(latents, type="latents", latent_sampling="mean", text_embeddings=True, references=n_refs,
+                        caption_dropout=1.0)
+        assert dropped["keys"] == image["keys"] and info["text_references"] == n_refs and not info["empty_text_file"]
+        stored_empty = dropped["encoder_hidden_states"].numpy()
+    else:
+        states, pooled = encoding.encode([""])
+        stored_empty = from_stored(np.load(latents / EMPTY_TEXT_FILE), info.get("text_dtype"))[None]
+    assert info["text_shape"] == list(states.shape[1:])
+    assert info.get("pooled_shape") == (None if pooled is None else list(pooled.shape[1:]))
+    if encoding.storage_dtype == "bf16":
+        assert info["text_dtype"] == ("float32" if name == "qwen_image_edit" else "bfloat16")
+    rounding = {"rtol": 1e-2, "atol": 1e-5} if info.get("text_dtype") == "bfloat16" else {"rtol": 1e-5, "atol": 1e-6}
+    np.testing.assert_allclose(stored_empty, states[: len(stored_empty)], **rounding)
+    if pooled is not None:
+        np.testing.assert_allclose(from_stored(np.load(latents / EMPTY_POOLED_FILE), info.get("text_dtype")),
+                                   pooled[0], **rounding)
 
     loader = build_train_loader(make_cfg(str(latents), type="latents", text_embeddings=True),
                                 tokenizer=from_shards.tokenizers, rank=0, world_size=1, seed=3)
@@ -454,8 +507,10 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     if stored is not None and stored.tag is not None:
         with pytest.raises(DatasetConfigError, match=f"{stored.tag} layout"):
             check_latents_match(loader, from_shards.models.vae, replace(stored, tag=f"not-{stored.tag}"))
-    n_refs = type(online).reference_images[0]
-    image = first(shards, references=n_refs)
+    if stored is not None and stored.references:  # text read with other references, or by another rule: refused
+        for other in (dict(references=stored.references + 1), dict(vl_images="another rule"), dict(references=0)):
+            with pytest.raises(DatasetConfigError, match="reference image"):
+                check_latents_match(loader, from_shards.models.vae, replace(stored, **other))
     shard = first(latents, type="latents", latent_sampling="mean", text_embeddings=True, references=n_refs)
     assert shard["keys"] == image["keys"]
     # The token ids and the size conditioning (SDXL's) come with the shard's samples as with the images.
@@ -471,7 +526,9 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
     torch.testing.assert_close(shard["latents"], want, rtol=1e-5, atol=1e-5)
     refs = ({}, {})  # an edit family: the references encoded online, and the shard's stored reference latents
     if n_refs:
-        refs = ({"reference_values": image["reference_values"]}, {"reference_latents": shard["reference_latents"]})
+        # (the shard step's online text encode reads the reference pixels too, where the family's text does)
+        refs = ({"reference_values": image["reference_values"]}, {"reference_latents": shard["reference_latents"],
+                **({"reference_values": image["reference_values"]} if edit else {})})
         with torch.no_grad():
             want_refs = torch.stack(online.reference_latents(refs[0]), dim=1)
         torch.testing.assert_close(shard["reference_latents"], want_refs, rtol=1e-5, atol=1e-5)
@@ -485,11 +542,11 @@ def test_a_step_from_latent_shards_equals_the_step_from_online_encoding(name, la
                                     refs=refs)
 
 
-def assert_text_encoders_offloaded_sample_alike(online, from_shards):
+def assert_text_encoders_offloaded_sample_alike(online, from_shards, references=()):
     """With stored text the run keeps its text encoders in host memory, moved onto the device for each use
     (model.text_encoder_placement=auto: offload), and its VAE too (model.vae.placement=auto: offload, brought in
     for the grid): the memory plan leaves them all out, and a sample grid through the placement's hooks is the
-    grid of the run that keeps them on the device."""
+    grid of the run that keeps them on the device (``references``: an edit family's, SampleSettings')."""
     from sd_training.families.base import SampleSettings
     from sd_training.families.components.placement import placement_of
 
@@ -498,7 +555,7 @@ def assert_text_encoders_offloaded_sample_alike(online, from_shards):
     assert {placement_of(m) for m in online.frozen_text_encoders().values()} == {"device"}
     assert from_shards.frozen_on_device() == [] and placement_of(from_shards.models.vae) == "offload"
     assert len(online.frozen_on_device()) == len(online.frozen_modules()) > 0
-    settings = SampleSettings(["a red circle"], 1, 3, 2, 1.0, RES, None)
+    settings = SampleSettings(["a red circle"], 1, 3, 2, 1.0, RES, None, references)
     grids = [np.asarray(f.sample_image(f.net, settings)) for f in (online, from_shards)]
     np.testing.assert_array_equal(*grids)
 

@@ -18,6 +18,7 @@ from sd_training.families.base import SampleSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T5_LEN, RES = 16, 32
+GEN_RES = 64  # scripts/generate_examples.py's smallest --resolution
 kontext_args = args_with({"dataset.params.resolution": RES, "model.t5.max_length": T5_LEN,
                           "dataset.params.references": 1, "experiment.sample_prompts": "[]"})
 
@@ -248,9 +249,15 @@ def test_estimates_count_the_references_tokens(family):
 
     inputs = family.flops_inputs(family.net.config, 4, 4)
     assert inputs["hidden_states"].shape[1] == inputs["img_ids"].shape[0] == 2 * 4
-    conf, shape = dict(family.net.config), activations.SampleShape(64, text_tokens=T5_LEN)
-    kontext = type(family).sample_activation_elements(conf, shape, False)
-    assert kontext > Flux.sample_activation_elements(conf, shape, False) > 0
+    from sd_training.memory.fit import sample_activations
+
+    conf = dict(family.net.config)
+    shape = activations.SampleShape(RES, text_tokens=T5_LEN, references=1)  # the run's: dataset.params.references=1
+    tokens = activations.image_tokens(conf, RES / 8, RES / 8, 16)  # 4x4 latents packed 2x2: 4 tokens
+    want = activations.transformer_activation_elements(conf, 2 * tokens, T5_LEN, False)
+    assert type(family).sample_activation_elements(conf, shape, False) == pytest.approx(want)
+    assert sample_activations(family.cfg, conf, False, T5_LEN, type(family)) == pytest.approx(4 * want)  # fp32
+    assert want > Flux.sample_activation_elements(conf, activations.SampleShape(RES, text_tokens=T5_LEN), False) > 0
     assert family.step_flops().unet_forward > 0
 
 
@@ -277,3 +284,49 @@ def test_the_evaluation_cli_generates_from_a_reference_file(kontext_pipeline, pi
     (tmp_path / "short.txt").write_text(f"{refs[0].name}\n")
     with pytest.raises(SystemExit, match="1 lines for 2 prompts"):
         main([*common, "--reference-file", str(tmp_path / "short.txt")])
+
+
+def test_generate_examples_takes_a_reference_file_and_saves_the_references(kontext_pipeline, flux_pipeline, pipe,
+                                                                          tmp_path):
+    """``scripts/generate_examples.py --pipeline ... --reference-file``: image i edits prompt i's reference, as the
+    pipeline called with the family's reference_call makes it; each reference is saved beside its image (and left
+    out of the evaluation's image list); the edit pipeline without the file and a text-to-image one with it are
+    refused before anything is generated. At 64 px: the script's smallest size."""
+    import importlib.util
+    from pathlib import Path
+
+    from sd_training.evaluation.fid import image_files
+    from sd_training.families.flux_kontext import FluxKontext
+    from sd_training.outputs import sample_references
+
+    spec = importlib.util.spec_from_file_location("generate_examples",
+                                                  Path(__file__).resolve().parents[1] / "scripts/generate_examples.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    refs = reference_files(tmp_path)
+    (tmp_path / "prompts.txt").write_text("make it blue\nmake it red\n")
+    (tmp_path / "refs.txt").write_text(f"{refs[0].name}\n{refs[1].name}\n")
+    out = tmp_path / "images"
+    common = ["--prompts", str(tmp_path / "prompts.txt"), "--resolution", str(GEN_RES), "--steps", "2", "--seed", "4",
+              "--device", "cpu", "--no-progress", "--out", str(out), "--num-images", "3"]
+    written = gen.main([*common, "--pipeline", str(kontext_pipeline), "--reference-file", str(tmp_path / "refs.txt")])
+    assert [p.name for p in written] == ["000000.png", "000001.png", "000002.png"]
+    assert image_files(out) == written
+    for i in range(3):  # image i's reference: prompt i % 2's, at the output's size
+        (want,) = sample_references.load([refs[i % 2]], GEN_RES)
+        np.testing.assert_array_equal(np.asarray(Image.open(out / f"{i:06d}.ref.png")), np.asarray(want))
+    assert not list(out.glob("*.ref2.png"))
+    (ref,) = sample_references.load([refs[1]], GEN_RES)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt=["make it red"], num_inference_steps=2, guidance_scale=7.5, height=GEN_RES, width=GEN_RES,
+                generator=[torch.Generator().manual_seed(5)], **FluxKontext.reference_call([ref])).images[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(written[1])).astype(int), np.asarray(want).astype(int))
+    common[-3] = str(tmp_path / "refused")
+    with pytest.raises(SystemExit, match="flux_kontext model, which edits reference images: give --reference-file"):
+        gen.main([*common, "--pipeline", str(kontext_pipeline)])
+    with pytest.raises(SystemExit, match="flux model, which generates from text alone"):
+        gen.main([*common, "--pipeline", str(flux_pipeline), "--reference-file", str(tmp_path / "refs.txt")])
+    (tmp_path / "two.txt").write_text(f"{refs[0].name}\t{refs[1].name}\n{refs[1].name}\n")
+    with pytest.raises(SystemExit, match="line 1 of .*two.txt has 2 reference image.*takes exactly 1"):
+        gen.main([*common, "--pipeline", str(kontext_pipeline), "--reference-file", str(tmp_path / "two.txt")])
+    assert not (tmp_path / "refused").exists()

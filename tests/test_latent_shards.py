@@ -198,6 +198,28 @@ def test_bad_members_are_skipped_and_counted(tmp_path):
     assert lat.latent_scaling_factor is None  # no latents_info.json next to this shard
 
 
+def test_per_sample_empty_captions_replace_dropped_captions(tmp_path):
+    """Shards whose text reads each sample's references (Qwen-Image-Edit: ``empty_text: per_sample``) hold each
+    sample's own empty caption: a dropped caption reads that sample's ``KEY.empty.text.npy`` (no folder-wide
+    empty.text.npy is needed), and a sample without one is skipped and counted."""
+    from sd_training.data.latents import EMPTY_TEXT_MEMBER, FORMAT, FORMAT_VERSION, PER_SAMPLE
+
+    samples = [{**_good(f"g{i}"), EMPTY_TEXT_MEMBER: npy_bytes(np.full((77, 64), i, np.float16))} for i in range(4)]
+    write_tar(str(tmp_path / "edit.tar"), [_good("no_empty")] + samples)
+    info = {"format": FORMAT, "version": FORMAT_VERSION, "resolution": 32, "latent_store": "mean_std",
+            "latent_scaling_factor": 0.18215, "latent_channels": 4, "text_embeddings": True, "text_shape": [77, 64],
+            "text_dtype": "float16", "empty_text_file": None, "empty_text": PER_SAMPLE, "complete": True}
+    (tmp_path / INFO_FILE).write_text(json.dumps(info))
+    lat = build_train_loader(make_cfg(str(tmp_path / "edit.tar"), type="latents", text_embeddings=True,
+                                      caption_dropout=1.0, shuffle_buffer=1), tokenizer=tokenizer(), rank=0,
+                             world_size=1, seed=0)
+    (batch,) = take(lat, 1)
+    assert batch["captions"] == [""] * 4
+    for key, states in zip(batch["keys"], batch["encoder_hidden_states"]):
+        assert torch.equal(states, torch.full((77, 64), float(key[1:])))
+    assert lat.stats()["skipped/missing_text_embedding"] == 1
+
+
 def test_sample_stores_and_aspect_shapes_make_their_own_batches(tmp_path):
     # One posterior sample per image (store=sample), two latent sizes: batches never mix shapes.
     samples = [_good(f"s{i}", store="sample", text=False) for i in range(8)]
@@ -249,7 +271,7 @@ def test_config_checks(latent_dir, tmp_path):
 def test_shards_made_for_other_models_are_refused(latent_dir, shapes_shards, models):
     import copy
 
-    from sd_training.data.latents import StoredText, check_latents_match
+    from sd_training.data.latent_checks import StoredText, check_latents_match
     from sd_training.families.components.clip import apply_clip_skip, clip_skip_of
 
     def text(te, tok):  # what the SD family expects of stored text (StableDiffusion.stored_text)

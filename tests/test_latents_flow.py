@@ -16,7 +16,8 @@ from conftest import run_precompute
 from data_fixtures import make_cfg, take, tokenizer
 
 from sd_training.data import DatasetConfigError, build_train_loader
-from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, check_latents_match, from_stored, to_stored
+from sd_training.data.latent_checks import check_latents_match
+from sd_training.data.latents import EMPTY_TEXT_FILE, INFO_FILE, from_stored, to_stored
 from sd_training.data.synthetic import write_shapes_shards
 from sd_training.data.transforms import unit_range
 

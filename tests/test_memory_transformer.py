@@ -239,3 +239,29 @@ def test_the_one_gpu_table_is_the_generated_one_and_meets_the_plans_goals():
         assert row["full_swap_adafactor"] < row["full_swap_adam8bit"]
     for (name, column), goal in single_gpu.GOALS.items():
         assert single_gpu.model_row(name)[column] <= goal, (name, column)
+
+
+def test_the_plan_counts_each_reference_images_tokens(tmp_path):
+    """An edit run's transformer sees the target's image tokens and as many again for each reference (both
+    ``reference_crop`` rules bring a reference to the target's size): the plan of a FLUX.2 klein 4B run with
+    ``dataset.params.references=2`` counts three images' tokens beside the text, by the token ratio."""
+    from sd_training.config.loading import parse
+    from sd_training.memory.fit import micro_batch_activations
+
+    fam, model = mt.reference_models()["FLUX.2-klein-4B"]
+    conf = {**model.config, "_class_name": model.net_class}
+
+    cfg = parse(["experiment.name=x", f"experiment.log_dir={tmp_path}", "experiment.num_examples_to_see=64",
+                 "dataset.params.path=/data/{0..3}.tar", "system.device=cpu", f"model.family={fam.name}",
+                 "model.pretrained=/models/klein", "dataset.params.resolution=1024", "system.batch_size=2",
+                 "model.mixed_precision=bf16", "dataset.params.references=2"])
+
+    def per_batch(references: int, crop: str = "aligned") -> float:
+        cfg.dataset.params.references, cfg.dataset.params.reference_crop = references, crop
+        return micro_batch_activations(cfg, config=conf)
+
+    image = image_tokens(conf, 1024 / 8, 1024 / 8, 32)  # 128x128 latents of 32 channels in 2x2 patches: 4096
+    text = model.text_tokens  # 512: the pipeline's Qwen3 length
+    assert per_batch(0) == pytest.approx(2 * 2 * activation_elements(conf, image, text, False))  # 2 samples, bf16
+    assert per_batch(2) / per_batch(0) == pytest.approx((3 * image + text) / (image + text))
+    assert per_batch(2, "center") == per_batch(2)

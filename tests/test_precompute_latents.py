@@ -165,7 +165,7 @@ def test_reference_latents_are_the_encoding_of_the_cropped_references(tmp_path, 
     from diffusers import AutoencoderKL
 
     from sd_training.data import DatasetConfigError, build_train_loader
-    from sd_training.data.latents import check_latents_match
+    from sd_training.data.latent_checks import check_latents_match
     from sd_training.data.synthetic import write_edit_shards
     from sd_training.data.transforms import unit_range
 

@@ -72,7 +72,11 @@ def test_the_family_is_read_from_the_pipeline_and_takes_one_reference(pipeline, 
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"dataset.type": "latents"}, "depend on the image"),
+    # from latent shards: the text read with the references is stored (it cannot be encoded without their pixels)
+    ({"dataset.type": "latents"}, "needs dataset.params.text_embeddings: true.*--references 1 --text-embeddings"),
+    ({"dataset.type": "latents", "model.text_encoder.train": "true"}, "trained text encoder.*from image shards"),
+    ({"dataset.type": "latents", "model.adapter.type": "lora", "model.adapter.text_encoders.train": "true"},
+     "trained text encoder.*from image shards"),
     ({"model.llm.max_length": 1025}, "at most 1024"),
     ({"model.t5.max_length": 16}, "model.llm.max_length"),
     ({"dataset.params.resolution": 40}, "multiples of 16"),
@@ -82,9 +86,16 @@ def test_refusals_name_the_key(pipeline, shapes_shards, tmp_path, override, mess
         load(edit_args(tmp_path, pipeline, shapes_shards, **override))
 
 
-def test_stored_text_embeddings_are_refused(pipeline):
-    with pytest.raises(ValueError, match="--text-embeddings.*depend on the image"):
+def test_stored_text_is_read_with_the_references(pipeline, shapes_shards, tmp_path):
+    """The shards' text is read with each sample's references: --text-embeddings without --references is refused,
+    naming the flag (the encoding itself: the conformance suite's latent-shard test)."""
+    from conftest import run_precompute
+
+    with pytest.raises(ValueError, match="add --references 1"):
         QwenImageEdit.text_encoding(str(pipeline), torch.device("cpu"))
+    with pytest.raises(SystemExit, match="--text-embeddings.*add --references 1"):
+        run_precompute(["--input", shapes_shards, "--pipeline", str(pipeline), "--output", str(tmp_path / "out"),
+                        "--text-embeddings", "--no-progress"])
 
 
 def test_the_template_is_the_pipelines_and_its_system_prompt_is_64_tokens(pipe):
@@ -118,6 +129,29 @@ def test_conditioning_equals_the_pipelines_encode_prompt_with_the_image(family, 
     assert not torch.allclose(other, states)
     with pytest.raises(ValueError, match="reference_values"):
         family.condition({"input_ids": ids})
+
+
+def test_stored_text_of_a_bucket_is_the_steps_condition(family, pipeline):
+    """What latent shards store for a caption (``text_encoding(..., references, sizes)``, an aspect bucket's
+    reference) is the step's online condition once read back: padded to the longest of the folder's sizes, the
+    padding masked out; the family expects text read with its references by its rule."""
+    from sd_training.data.latents import TEXT_STATES_KEY
+    from sd_training.families import qwen_image_edit_text as etext
+
+    sizes = etext.target_sizes(64, True, 16, 2.0)  # (48, 80), (64, 64), (80, 48)...
+    encoding = QwenImageEdit.text_encoding(str(pipeline), torch.device("cpu"), 0, LLM_LEN, references=1, sizes=sizes)
+    square = etext.stored_length(family.models.processor, family.vl_rule, 8, 1, LLM_LEN, [(64, 64)])
+    assert encoding.text_shape[0] > square > LLM_LEN  # a 48 x 80 bucket's reference has more VL tokens
+    expected = family.stored_text()  # the run's (32 px, one reference, read at the target's size)
+    assert (expected.references, expected.vl_images, expected.width) == (1, etext.TARGET_SIZE, encoding.text_shape[1])
+    refs = references(len(CAPTIONS), 2)[..., :16].repeat_interleave(3, -1)  # 32 x 48 px: a bucket's shape
+    stored, _ = encoding.encode(CAPTIONS, refs)
+    assert stored.shape == (len(CAPTIONS), *encoding.text_shape)
+    ids = family.tokenizers[0](CAPTIONS).input_ids
+    want = family.condition({"input_ids": ids, "reference_values": refs})
+    got = family.condition({TEXT_STATES_KEY: torch.from_numpy(stored)})
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[1], want[1])
 
 
 def test_reference_latents_tokens_and_img_shapes_are_the_pipelines(family, pipe):

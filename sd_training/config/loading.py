@@ -169,6 +169,37 @@ def parse_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     return config_paths, overrides, removals
 
 
+def _list_entry(user: DictConfig, key: str) -> tuple[str, int] | None:
+    """(the list's key, the entry's index) when ``key`` goes through a list the YAML layers set
+    (``dataset.params.sources.1.weight``); None otherwise."""
+    node, parts = user, key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        node = node.get(part) if isinstance(node, DictConfig) and part in node else None
+        if isinstance(node, ListConfig):
+            if not parts[i + 1].isdigit():
+                raise ConfigError(f"command-line key '{key}': '{'.'.join(parts[:i + 1])}' is a list; name an entry "
+                                  f"by its index ({'.'.join(parts[:i + 1])}.0 ... .{len(node) - 1})")
+            return ".".join(parts[:i + 1]), int(parts[i + 1])
+        if node is None:
+            return None
+    return None
+
+
+def _set_in_list(user: DictConfig, override: str) -> None:
+    """Apply ``key=value`` where ``key`` names an entry (or a key inside one) of a list in ``user``."""
+    key, value = override.split("=", 1)
+    list_key, index = _list_entry(user, key)
+    entries = OmegaConf.select(user, list_key)
+    if index >= len(entries):
+        raise ConfigError(f"command-line key '{key}': '{list_key}' has {len(entries)} entries (indices 0 to "
+                          f"{len(entries) - 1}); add entries in a config file")
+    try:  # the value read as the dotlist reads it, interpolations left as written
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([_quote_bool_words(f"v={value}")]), resolve=False)["v"]
+        OmegaConf.update(user, key, parsed, merge=True)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"cannot set the command-line argument '{override}': {str(e).splitlines()[0]}") from None
+
+
 def _parses(override: str) -> bool:
     try:
         OmegaConf.from_dotlist([_quote_bool_words(override)])
@@ -211,6 +242,11 @@ def parse(argv: list[str] | None = None, *, yaml_text: str | None = None) -> Tra
         raise ConfigError(f"config files {config_paths} must hold a mapping of sections")
     for path in removals:
         _remove(user, path)
+    into_lists = [o for o in overrides if _list_entry(user, o.split("=", 1)[0]) is not None]
+    if into_lists:  # a dotlist reads "sources.1" as a mapping key; these set the list's entry instead
+        cli = OmegaConf.from_dotlist([_quote_bool_words(o) for o in overrides if o not in into_lists])
+        for override in into_lists:
+            _set_in_list(user, override)
     user = OmegaConf.merge(user, cli)
     _check_keys(user, train_config_class())
     _unbool_strings(user)

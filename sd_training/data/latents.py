@@ -1,4 +1,5 @@
-"""Shards of precomputed VAE latents: the format, its reader (``dataset.type: latents``) and the checks.
+"""Shards of precomputed VAE latents: the format and its reader (``dataset.type: latents``); the checks against
+the run's models are ``latent_checks.py``'s.
 
 ``scripts/precompute_latents.py`` writes one tar per input shard, with the input's basename, members
 named as WebDataset expects (the key ends at the first dot):
@@ -14,6 +15,9 @@ named as WebDataset expects (the key ends at the first dot):
   ``KEY.text.npy``     with ``--text-embeddings``: the family's text conditioning of KEY.txt, [L, D] (one
                        CLIP encoder: its last hidden state; two: both encoders' states concatenated)
   ``KEY.pooled.npy``   with ``--text-embeddings``, for a family conditioned on a pooled embedding too: [P]
+  ``KEY.empty.text.npy``  with ``--text-embeddings`` for a family whose text reads the reference images
+                       (Qwen-Image-Edit): the empty caption read with this sample's references, for caption
+                       dropout (``latents_info.json``: ``empty_text: per_sample``, no ``empty.text.npy``)
   ``KEY.ref.latents.npy``, ``KEY.ref2.latents.npy``...  with ``--references N`` (edit training): each
                        reference image's latents, in the store, dtype and units of ``KEY.latents.npy``
 
@@ -57,7 +61,6 @@ from __future__ import annotations
 import io
 import json
 import os
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -74,6 +77,8 @@ BF16 = "bfloat16"  # text_dtype of text arrays stored as bfloat16 bit patterns (
 LATENTS_MEMBER = "latents.npy"
 REFERENCE_BASE = "ref"  # KEY.ref.latents.npy, KEY.ref2.latents.npy...: the reference latents' members
 TEXT_MEMBER = "text.npy"
+EMPTY_TEXT_MEMBER = "empty.text.npy"  # an edit family's per-sample empty caption (its text reads the references)
+PER_SAMPLE = "per_sample"  # latents_info.json's empty_text when each sample holds its own EMPTY_TEXT_MEMBER
 POOLED_MEMBER = "pooled.npy"
 INFO_FILE = "latents_info.json"
 EMPTY_TEXT_FILE = "empty.text.npy"
@@ -175,6 +180,7 @@ class LatentShardSource(WebDatasetSource):
                 "url": unit,
                 "latents": members.get(LATENTS_MEMBER),
                 "text": members.get(TEXT_MEMBER),
+                "empty_text": members.get(EMPTY_TEXT_MEMBER),
                 "pooled": members.get(POOLED_MEMBER),
                 "caption": members.get(self.caption_key),
                 "meta_raw": members.get(self.metadata_key),
@@ -231,7 +237,7 @@ def check_latent_sources(sources: List[LatentShardSource], params) -> Optional[f
                 )
             raw = _read_sibling(src.units[0], EMPTY_TEXT_FILE, src.timeout)
             if raw is None:
-                if float(params.caption_dropout) > 0:
+                if float(params.caption_dropout) > 0 and info.get("empty_text") != PER_SAMPLE:
                     raise DatasetConfigError(
                         f"dataset.params.caption_dropout with text_embeddings needs {sibling(src.units[0], EMPTY_TEXT_FILE)} "
                         "(the empty caption's embedding, written by scripts/precompute_latents.py --text-embeddings)"
@@ -269,59 +275,6 @@ def shift_of(info: Dict[str, Any]) -> float:
     return float(info.get("latent_shift_factor") or 0.0)
 
 
-@dataclass(frozen=True)
-class StoredText:
-    """The text conditioning a run expects in latent shards, as its family says (``PipelineFamily.stored_text``):
-    ``length`` tokens x ``width`` channels of states, made with ``clip_skip`` (1: the last layer), in the
-    layout ``tag`` (``latents_info.json``'s ``text_family``: which family's conditioning; None for shards
-    of one encoder's states and no pooled embedding, the layout written before the field existed)."""
-
-    length: int
-    width: int
-    clip_skip: int = 1
-    tag: Optional[str] = None
-
-
-def check_latents_match(loader, vae, text: Optional[StoredText] = None) -> None:
-    """Refuse latent shards made for other models than the run's: the VAE's scaling factor and latent
-    channels, and (when the batches carry stored text embeddings and ``text`` is given) their shape, clip
-    skip and layout. Raises :class:`DatasetConfigError`; a no-op for image data."""
-    info = getattr(loader, "latents_info", None)
-    if loader.kind != "latents" or info is None:
-        return
-    problems = []
-    # A VAE without a scaling factor (FLUX.2's: it normalises by batch-norm statistics) stores latents at scale 1
-    scale = float(vae.config.get("scaling_factor", None) or 1.0)
-    if abs(float(info["latent_scaling_factor"]) - scale) > 1e-6 * scale:
-        problems.append(f"scaling factor {info['latent_scaling_factor']} (the run's VAE: {scale})")
-    shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
-    if abs(shift_of(info) - shift) > 1e-6 * max(abs(shift), 1.0):
-        problems.append(f"shift factor {shift_of(info)} (the run's VAE: {shift}; stored latents are "
-                        "(latent - shift_factor) * scaling_factor)")
-    if loader.proc.refs.count > int(info.get("references") or 0):
-        problems.append(f"{int(info.get('references') or 0)} reference latents per sample (the run's "
-                        f"dataset.params.references: {loader.proc.refs.count})")
-    if int(info["latent_channels"]) != int(vae.config.latent_channels):
-        problems.append(f"{info['latent_channels']} latent channels (the run's VAE: {vae.config.latent_channels})")
-    if loader.proc.text_embeddings and text is not None:
-        want = [int(text.length), int(text.width)]
-        if list(info["text_shape"]) != want:
-            problems.append(f"text embeddings of shape {info['text_shape']} (the run's text encoder: {want})")
-        have = max(int(info.get("clip_skip") or 0), 1)
-        if have != text.clip_skip:
-            problems.append(f"text embeddings with clip_skip {have} (the run's text encoder: {text.clip_skip})")
-        made_for = info.get("text_family")
-        if made_for != text.tag:
-            problems.append(f"text embeddings in the {made_for or 'single-encoder'} layout (this run's family reads "
-                            f"the {text.tag or 'single-encoder'} layout)")
-    if problems:
-        raise DatasetConfigError(
-            f"dataset.params.path: these latent shards ({info.get('_path') or INFO_FILE}) were made for other "
-            f"models: {'; '.join(problems)}. "
-            "Re-run scripts/precompute_latents.py with the run's pipeline (and --clip-skip / --max-length)"
-        )
-
-
 class LatentSampleProcessor(SampleProcessor):
     """Latent samples: ``select`` as for images (metadata, filters, captions), then ``process`` decodes the
     stored arrays instead of an image, and ``collate`` stacks ``latents`` (and ``encoder_hidden_states``).
@@ -343,6 +296,7 @@ class LatentSampleProcessor(SampleProcessor):
         self.text_shapes = [tuple(i["text_shape"]) if i.get("text_shape") else None for i in infos]
         self.text_dtypes = [i.get("text_dtype") for i in infos]
         self.empty_text = [s.empty_text for s in sources]
+        self.per_sample_empty = [i.get("empty_text") == PER_SAMPLE for i in infos]
         self.empty_pooled = [s.empty_pooled for s in sources]
         self.pooled = [bool(i.get("pooled_shape")) for i in infos]
 
@@ -353,6 +307,7 @@ class LatentSampleProcessor(SampleProcessor):
         sizes = {k: tuple(int(v) for v in meta[k]) for k in SIZE_FIELDS
                  if isinstance(meta.get(k), (list, tuple)) and len(meta[k]) == 2}
         return {"latents": raw["latents"], "text": raw.get("text"), "pooled": raw.get("pooled"),
+                "empty_text": raw.get("empty_text"),
                 "store": meta.get("latent_store"), "sizes": sizes, "references": raw.get("references") or []}
 
     def process(self, s: Dict[str, Any], rng: np.random.Generator, stats: Stats) -> Optional[Dict[str, Any]]:
@@ -438,13 +393,17 @@ class LatentSampleProcessor(SampleProcessor):
         return arr, None, None
 
     def _text(self, s, caption: str, src: int, where: str, stats: Stats) -> Optional[np.ndarray]:
-        if caption == "" and self.empty_text[src] is not None:
+        member = TEXT_MEMBER
+        if caption == "" and self.per_sample_empty[src]:
+            member = EMPTY_TEXT_MEMBER  # an edit family's: the empty caption read with this sample's references
+        elif caption == "" and self.empty_text[src] is not None:
             return self.empty_text[src]  # a dropped caption (or a stored empty one: the same embedding)
-        if s.get("text") is None:
-            stats.skip("missing_text_embedding", f"{where}: no {TEXT_MEMBER} member")
+        data = s.get("empty_text" if member == EMPTY_TEXT_MEMBER else "text")
+        if data is None:
+            stats.skip("missing_text_embedding", f"{where}: no {member} member")
             return None
         try:
-            text = from_stored(load_npy(s["text"]), self.text_dtypes[src])
+            text = from_stored(load_npy(data), self.text_dtypes[src])
         except ValueError as exn:
             stats.skip("bad_text_embedding", f"{where}: {exn}")
             return None

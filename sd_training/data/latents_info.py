@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .latents import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, FORMAT, FORMAT_VERSION, INFO_FILE, npy_bytes, to_stored
+from .latents import (EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, FORMAT, FORMAT_VERSION, INFO_FILE, PER_SAMPLE, npy_bytes,
+                      to_stored)
 
 log = logging.getLogger("precompute_latents")
 
@@ -54,6 +55,7 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
     latent_shape = [2 * channels if args.store == "mean_std" else channels, side, side]
     tdtype = text_dtype(args, encoder)
     refs = int(getattr(args, "references", 0) or 0)  # edit training's reference latents per sample
+    image_text = bool(getattr(encoder, "image_conditioned", False))  # an edit family's text, read with the references
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -80,11 +82,15 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
         "pooled_shape": list(pooled_shape) if pooled_shape else None,
         "text_dtype": tdtype,
         "bytes_per_sample": bytes_per_sample(latent_shape, np.dtype(DTYPES[args.dtype]).itemsize, tdtype,
-                                             text_shape, pooled_shape, refs),
+                                             text_shape, pooled_shape, refs, 2 if image_text else 1),
         # The family's layout tag (PipelineFamily.text_tag; None: the single-encoder layout of older folders)
         "text_family": encoder.tag if encoder is not None else None,
         "clip_skip": args.clip_skip if args.text_embeddings else None,
-        "empty_text_file": EMPTY_TEXT_FILE if args.text_embeddings else None,
+        "empty_text_file": EMPTY_TEXT_FILE if args.text_embeddings and not image_text else None,
+        # Present only for an edit family's text: what it was read with (a run reading otherwise refuses it), and
+        # each sample's own empty caption (KEY.empty.text.npy) in place of empty.text.npy
+        **({"text_references": encoder.references, "text_vl_images": encoder.vl_rule, "empty_text": PER_SAMPLE}
+           if image_text else {}),
         "shards": names,
         # provenance
         "input": args.input,
@@ -97,16 +103,17 @@ def make_info(args, vae, fingerprint: str, names: List[str], encoder, text_shape
 
 
 def bytes_per_sample(latent_shape, latent_itemsize: int, tdtype: Optional[str], text_shape,
-                     pooled_shape, references: int = 0) -> Dict[str, int]:
+                     pooled_shape, references: int = 0, texts: int = 1) -> Dict[str, int]:
     """Array bytes of one sample (``.npy`` headers and tar headers, about 1.1 KiB a member, not counted);
     latents at the square ``--resolution`` (aspect buckets: about the same area); ``references``: the
-    reference latents (edit training), each the target's size."""
+    reference latents (edit training), each the target's size; ``texts``: text arrays per sample (2: an edit
+    family's caption and its own empty caption)."""
     def numel(shape) -> int:
         return int(np.prod(shape)) if shape else 0
 
     text_size = 2 if tdtype in ("bfloat16", "float16") else 4
     return {"latents": numel(latent_shape) * latent_itemsize,
-            "text": (numel(text_shape) + numel(pooled_shape)) * text_size if tdtype else 0,
+            "text": texts * (numel(text_shape) + numel(pooled_shape)) * text_size if tdtype else 0,
             **({"references": references * numel(latent_shape) * latent_itemsize} if references else {})}
 
 
@@ -142,7 +149,7 @@ def finish_if_complete(out: Path, info: Dict[str, Any]) -> bool:
         if not (out / name).exists() or not rec.exists():
             return False
         records[name] = json.loads(rec.read_text())
-    if info["text_embeddings"] and not (out / info["empty_text_file"]).exists():
+    if info.get("empty_text_file") and not (out / info["empty_text_file"]).exists():
         return False
     skipped: Dict[str, int] = {}
     for r in records.values():

@@ -300,6 +300,16 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def warn_starved_loader(cpus: int, workers: int, device: torch.device) -> None:
+    """Log a warning when ``workers`` loader workers and the trainer need more than the ``cpus`` it may use."""
+    if workers + 1 > cpus:
+        log.warning(
+            "this process may run on %d CPU(s) but starts %d loader worker(s) besides the trainer: the loader "
+            "will starve the %s. Give each task more CPUs (SLURM: --cpus-per-task, which srun since 22.05 "
+            "only applies with SRUN_CPUS_PER_TASK exported, as batch_files/ do) or lower system.workers",
+            cpus, workers, device.type.upper() if device.type == "cuda" else "step")
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity (what SLURM's task binding, taskset or a cgroup cpuset
     leave it), else the machine's count."""

@@ -70,19 +70,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def reference_calls(path: str | None, pipeline: str, n_prompts: int, resolution: int) -> list[dict] | None:
-    """Each prompt's pipeline arguments from ``--reference-file`` (the pipeline's family's ``reference_call``
-    on its references at ``resolution``); None without the file."""
-    if not path:
-        return None
-    from ..families import registry
-    from ..outputs import sample_references
+    """Each prompt's pipeline arguments from ``--reference-file`` (``references.reference_inputs`` for the
+    pipeline's family: an edit pipeline needs the file, a text-to-image one takes none); None without it."""
+    from .references import pipeline_family, reference_inputs
 
-    rows = sample_references.eval_paths(path)
-    if len(rows) != n_prompts:
-        raise SystemExit(f"--reference-file {path} has {len(rows)} lines for {n_prompts} prompts: one per prompt")
-    family = registry.FAMILIES[registry.detect_source("auto", pipeline, family_key="the pipeline's family",
-                                                      source_key="--pipeline")]
-    return [family.reference_call(sample_references.load(paths, resolution)) for paths in rows]
+    return reference_inputs(path, pipeline_family(pipeline), n_prompts, resolution, f"--pipeline {pipeline}")[1]
 
 
 def main(argv: list[str] | None = None) -> dict | None:

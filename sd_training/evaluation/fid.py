@@ -77,7 +77,10 @@ def image_files(folder: str | os.PathLike) -> list[Path]:
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder '{folder}' does not exist")
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file())
+    from .generate import REFERENCE_NAME  # an edit model's references saved beside its images are not its images
+
+    files = sorted(p for p in folder.rglob("*")
+                   if p.suffix.lower() in IMAGE_EXTS and p.is_file() and not REFERENCE_NAME.fullmatch(p.name))
     if not files:
         raise ValueError(f"no images ({', '.join(IMAGE_EXTS)}) under '{folder}'")
     return files

@@ -5,10 +5,16 @@ images a training run writes are interchangeable: image ``i`` uses prompt ``i % 
 CPU generator seeded ``seed + i`` (the same picture on any device and any number of ranks), is written
 as ``{i:06d}.png`` with its prompt in ``{i:06d}.txt``, and rank ``r`` makes images r, r+W, r+2W, ...
 Images already on disk are skipped, so a preempted job picks up where it stopped.
+
+An edit family's pipeline (Flux Kontext, Qwen-Image-Edit, FLUX.2 with references) takes each prompt's
+reference images (``calls``; read from a reference file by :mod:`.references`); the scripts may save them
+beside each image as ``{i:06d}.ref.png``, ``{i:06d}.ref2.png`` ... (:func:`reference_path`), which
+:func:`fid.image_files` leaves out of a score.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -41,15 +47,24 @@ def image_path(out: Path, i: int) -> Path:
     return Path(out) / f"{i:06d}.png"
 
 
+REFERENCE_NAME = re.compile(r"\d{6}\.ref\d*\.png")  # what reference_path writes: not a generated image
+
+
+def reference_path(out: Path, i: int, k: int) -> Path:
+    """Where image ``i``'s ``k``-th reference (from 0) is saved beside it: ``{i:06d}.ref.png``, ``.ref2.png`` ..."""
+    return Path(out) / f"{i:06d}.ref{k + 1 if k else ''}.png"
+
+
 @torch.no_grad()
 def generate_images(
     pipe, prompts: list[str], n: int, out: str | Path, seed: int = 0, steps: int = 25, guidance: float = 7.5,
     resolution: int | None = None, rank: int = 0, world_size: int = 1, batch_size: int = 8, progress: bool = True,
-    calls: list[dict] | None = None,
+    calls: list[dict] | None = None, shown: list[list] | None = None,
 ) -> list[Path]:
     """Write this rank's share of ``n`` images to ``out``; returns the paths of its share (new or not).
     ``calls``: each prompt's extra keyword arguments of the pipeline (an edit family's reference images, one
-    dict per prompt): then each image is generated on its own (one prompt's references per call)."""
+    dict per prompt): then each image is generated on its own (one prompt's references per call); ``shown``:
+    each prompt's reference images, saved beside each of its images (:func:`reference_path`)."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -75,6 +90,8 @@ def generate_images(
                     path = image_path(out, i)
                     # The sidecar first and the image last, via a temporary name: an image on disk is complete.
                     path.with_suffix(".txt").write_text(text + "\n")
+                    for k, ref in enumerate(shown[i % len(prompts)] if shown else []):
+                        ref.save(reference_path(out, i, k), format="PNG")
                     tmp = path.with_name(path.name + ".tmp")
                     im.save(tmp, format="PNG")
                     tmp.replace(path)

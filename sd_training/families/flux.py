@@ -30,14 +30,14 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import StoredText
+from ..data.latent_checks import StoredText
 from ..outputs.export import unwrap
+from . import reference_models as references
 from .base import PixelGrid, SampleSettings
-from .components.text import TextEncoding
 from .components.clip import build_clip_tokenizer, build_text_encoder, load_pipeline_clip
 from .components.packing import image_ids, image_seq_len, pack, text_ids, unpack
-from . import reference_models as references
 from .components.t5 import TINY_T5, build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype
+from .components.text import TextEncoding
 from .components.transformer import (
     build_transformer,
     component_sources,

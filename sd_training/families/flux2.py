@@ -40,7 +40,8 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import ModelConfig, TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
+from ..data.latent_checks import StoredText
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY
 from ..loading import load_component
 from ..memory import activations
 from ..outputs.comfy_lora import ComfyLoraNames, Rule, fused
@@ -52,8 +53,7 @@ from .components.text import TextEncoding
 from .components.transformer import build_transformer, load_schedulers, load_vae_of, source
 from .components.unet import Components
 from .flow_family import FlowFamily, llm_text_refusals, patch_grid_refusal
-from .flux2_latents import (TINY_FLUX2_VAE, NormalizedVAE, image_ids, reference_tokens, text_ids,
-                            tokens, untokens)
+from .flux2_latents import TINY_FLUX2_VAE, NormalizedVAE, image_ids, reference_tokens, text_ids, tokens, untokens
 
 # FLUX.2's scheduler (scheduler/scheduler_config.json of FLUX.2-dev and klein): Flux.1's, dynamic shifting.
 FLUX2_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,

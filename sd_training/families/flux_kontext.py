@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from ..memory import activations
 from .components.packing import image_ids, pack
 from .flux import Flux
 
@@ -61,13 +60,7 @@ class FluxKontext(Flux):
         return dict(image=image, _auto_resize=False, max_area=image.width * image.height)
 
     # -- estimates: the reference's tokens join the target's in every block -------------------------------
-    @classmethod
-    def sample_activation_elements(cls, conf: dict, sample: activations.SampleShape, checkpointing: bool) -> float:
-        """Flux's activations over twice the image tokens (the target's and the reference's, of the same size)."""
-        channels = sample.latent_channels or 16
-        tokens = activations.image_tokens(conf, sample.latent, sample.latent, channels) * (1 + cls.reference_images[1])
-        return activations.transformer_activation_elements(conf, tokens, sample.text_tokens, checkpointing)
-
+    # (the memory plan counts them from dataset.params.references: memory.activations.transformer_sample_elements)
     @classmethod
     def reference_models(cls) -> dict:
         """None of its own: FLUX.1 Kontext [dev]'s transformer is shaped as FLUX.1-dev's (the memory table's

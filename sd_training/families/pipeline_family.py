@@ -21,7 +21,7 @@ from PIL import Image
 from ..config.dataset import is_latent_type
 from ..config.rules import text_encoder_placement, vae_placement
 from ..config.schema import TrainConfig
-from ..data.latents import StoredText, check_latents_match
+from ..data.latent_checks import StoredText, check_latents_match
 from ..data.transforms import unit_range
 from ..evaluation.generate import generate_images
 from ..outputs import sample_references
@@ -110,6 +110,10 @@ class PipelineFamily(Family):
     def pipeline(self, net: torch.nn.Module, for_export: bool = False):
         """The family's diffusers pipeline with ``net`` and the run's other components; ``for_export``: the
         frozen ones in fp32 as loaded from their sources (a bf16 run keeps them in bf16 for speed)."""
+
+    # The text reads the reference images (Qwen-Image-Edit): latent shards store it per sample, read with them
+    # (``text_encoding(..., references=, sizes=)``, scripts/precompute_latents.py --references N --text-embeddings)
+    text_reads_references = False
 
     @abc.abstractmethod
     def stored_text(self) -> StoredText:

@@ -32,7 +32,8 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import TEXT_STATES_KEY, StoredText
+from ..data.latent_checks import StoredText
+from ..data.latents import TEXT_STATES_KEY
 from ..outputs.comfy_lora import ComfyLoraNames, Rule
 from ..outputs.export import unwrap
 from ..speed.flops import StepFlops, count_net_flops, encoder_flops, height_width
@@ -41,8 +42,14 @@ from . import reference_models as references
 from .base import PixelGrid
 from .components import llm_text
 from .components.text import TextEncoding
-from .components.transformer import (TrainedLength, build_transformer, component_sources, load_schedulers,
-                                     load_vae_of, source)
+from .components.transformer import (
+    TrainedLength,
+    build_transformer,
+    component_sources,
+    load_schedulers,
+    load_vae_of,
+    source,
+)
 from .components.unet import Components
 from .flow_family import FlowFamily, llm_text_refusals, patch_grid_refusal
 from .pipeline_family import is_latent_data
@@ -325,8 +332,12 @@ class QwenImage(FlowFamily):
         """A ``QwenImagePipeline``: the tiny Qwen tokenizer (the template's prefix in 34 tokens) and
         Qwen2.5-VL, a 4-channel AutoencoderKLQwenImage with per-channel statistics, a tiny transformer,
         Qwen-Image's scheduler."""
-        from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                               QwenImageTransformer2DModel)
+        from diffusers import (
+            AutoencoderKLQwenImage,
+            FlowMatchEulerDiscreteScheduler,
+            QwenImagePipeline,
+            QwenImageTransformer2DModel,
+        )
 
         if scaling_factor is not None:
             raise ValueError("Qwen-Image's VAE normalises latents per channel (latents_mean / latents_std): it has no "

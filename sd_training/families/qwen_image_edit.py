@@ -18,9 +18,11 @@ VL encoder (whose processor puts it on its 28 px grid within its min / max pixel
 pipeline's own sizing; at smaller sizes the model learns the pairs it is given instead of an upscaled reference.
 Samples do the same (:class:`EditSampling`: the reference at the sample's size, which also keeps CPU grids small).
 
-Text in latent shards: the text states depend on the reference image, and latent shards hold its latents, not
-its pixels, so an online encode cannot run either: latent-shard runs and ``--text-embeddings`` are refused for
-this family with a message saying so (train from the image shards). ``model.llm.max_length`` counts the tokens
+Text in latent shards (``qwen_image_edit_text``): the text states depend on the reference's pixels, which latent
+shards do not hold, so ``scripts/precompute_latents.py --references N --text-embeddings`` stores each sample's
+states read with its references (and its empty instruction's, for caption dropout), and a latent-shard run trains
+from those (``dataset.type: latents`` with ``dataset.params.text_embeddings: true``, required: the step cannot
+encode the text without the pixels; the text encoder cannot train there). ``model.llm.max_length`` counts the tokens
 after the system prompt before the image's expansion (the vision markers, the instruction and the template's
 end); the pipeline itself does not cut, so instructions longer than it are cut in training only.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +41,16 @@ import torch
 from ..config import ConfigError
 from ..config.dataset import is_latent_type
 from ..config.schema import TrainConfig
+from ..data.latent_checks import StoredText
 from ..data.latents import TEXT_STATES_KEY
 from ..outputs.export import unwrap
 from . import qwen_image_edit_parts as eparts
+from . import qwen_image_edit_text as etext
 from . import qwen_image_parts as parts
 from . import reference_models as references
 from .components import llm_text
 from .components.text import TextEncoding
-from .qwen_image import QWEN_IMAGE_SCHEDULER, GuidedByTrueCFG, QwenImage, QwenImageModels
+from .qwen_image import QWEN_IMAGE_SCHEDULER, GuidedByTrueCFG, QwenImage, QwenImageModels, load_prompt_tokenizer
 from .tiny import save, tokenizer_folder
 
 # QwenImageEditPipeline._get_qwen_prompt_embeds: the edit template, the last layer, 64 prefix tokens dropped, the
@@ -53,9 +58,8 @@ from .tiny import save, tokenizer_folder
 EDIT_TEXT = llm_text.LLMTextSettings(layers=(-1,), max_length=512, limit=1024, template=eparts.EDIT_TEMPLATE,
                                      drop_prefix=eparts.EDIT_PREFIX_TOKENS, masked=True)
 PLUS_TEXT = dataclasses.replace(EDIT_TEXT, template=eparts.plus_template(1))  # QwenImageEditPlusPipeline's, one picture
-NO_STORED_TEXT = ("Qwen-Image-Edit reads the instruction together with the reference image (Qwen2.5-VL's vision "
-                  "tower): its text states depend on the image, and latent shards hold the reference's latents, not "
-                  "its pixels")
+NEEDS_STORED_TEXT = ("reads the instruction together with the reference images (Qwen2.5-VL's vision tower), and "
+                     "latent shards hold the references' latents, not their pixels")
 
 
 @dataclass
@@ -156,6 +160,7 @@ class QwenImageEdit(QwenImage):
     card_tags = ("qwen-image-edit", "qwen-image-diffusers", "image-editing")
     text_settings = EDIT_TEXT
     reference_images = (1, 1)
+    text_reads_references = True
 
     def build_models(self) -> QwenImageEditModels:
         m = super().build_models()
@@ -164,58 +169,88 @@ class QwenImageEdit(QwenImage):
 
     @classmethod
     def refusals(cls, cfg: TrainConfig) -> list[tuple[bool, str]]:
+        latent, stored = is_latent_type(cfg.dataset.type), bool(cfg.dataset.params.text_embeddings)
+        trains_text = bool(cfg.model.text_encoder.train) or bool(cfg.model.adapter.text_encoders.train)
+        redo = (f"scripts/precompute_latents.py --references {cfg.dataset.params.references or 1} --text-embeddings "
+                "stores each sample's text read with its references")
         return [*super().refusals(cfg),
-                (is_latent_type(cfg.dataset.type),
-                 f"dataset.type={cfg.dataset.type}: {NO_STORED_TEXT}, so a step from latent shards can neither read "
-                 "stored text nor encode it. Train Qwen-Image-Edit from image shards (webdataset, parquet, csv, "
-                 "folder) with dataset.params.references: 1")]
+                (latent and trains_text,
+                 f"dataset.type={cfg.dataset.type} with a trained text encoder (model.text_encoder.train or "
+                 f"model.adapter.text_encoders.train): {cls.display_name} {NEEDS_STORED_TEXT}, so its text encoder "
+                 "trains from image shards (webdataset, parquet, csv, folder) only"),
+                (latent and not stored,
+                 f"dataset.type={cfg.dataset.type} needs dataset.params.text_embeddings: true for {cls.display_name}: "
+                 f"it {NEEDS_STORED_TEXT}, so the step cannot encode the text; {redo}")]
 
     @classmethod
     def sample_activation_elements(cls, conf: dict, sample, checkpointing: bool) -> float:
-        from ..memory import activations
-
-        # the references' tokens go through the blocks beside the target's (joint attention, as many again each),
-        # and their VL image tokens lengthen the text (the most references the family takes)
-        k = cls.reference_images[1]
-        refs = k * activations.image_tokens({**conf, "patch_size": 1}, sample.latent, sample.latent,
-                                            sample.latent_channels or 16)
-        text = sample.text_tokens + k * cls.vl_tokens(int(sample.resolution), int(sample.resolution))
-        return super().sample_activation_elements(conf, dataclasses.replace(sample, text_tokens=text + refs),
-                                                  checkpointing)
+        # the references' latent tokens go through the blocks beside the target's (as many again each: counted by
+        # memory.activations from sample.references), and their VL image tokens lengthen the text
+        text = sample.text_tokens + sample.references * cls.vl_tokens(int(sample.resolution), int(sample.resolution))
+        return super().sample_activation_elements(conf, dataclasses.replace(sample, text_tokens=text), checkpointing)
 
     # -- the text, read with the reference image ----------------------------------------------------
+    vl_rule = etext.TARGET_SIZE  # how the VL encoder reads a reference (latents_info.json's text_vl_images)
+
     def condition(self, batch: dict, validation: bool = False):
-        """(the real tokens first [B, n, D] float32, their mask [B, n] or None): the instruction and the
-        reference image (``reference_values``) through Qwen2.5-VL, as ``encode_prompt(prompt, image=...)``."""
+        """(the real tokens first [B, n, D] float32, their mask [B, n] or None): stored in latent shards (read with
+        the references at precompute time), else the instruction and the reference images (``reference_values``)
+        through Qwen2.5-VL, as ``encode_prompt(prompt, image=...)``."""
         if TEXT_STATES_KEY in batch:
-            raise ValueError(f"the batch holds stored text states: {NO_STORED_TEXT} (train from image shards)")
+            return super().condition(batch, validation)  # Qwen-Image's: the stored states, the mask their last channel
         refs = batch.get("reference_values")
         if refs is None:
-            raise ValueError("Qwen-Image-Edit reads each instruction with its reference image, and the batch has no "
-                             "reference_values: set dataset.params.references: 1 and give each sample a reference")
-        m, (b, k) = self.models, refs.shape[:2]
-        pixel_values, grid = eparts.vision_inputs(m.processor.image_processor, self.vl_images(refs))
-        counts = eparts.image_token_count(grid, m.processor.image_processor.merge_size)
-        ids = eparts.expand_image_tokens(batch["input_ids"], m.processor.image_token_id,
-                                         [counts[i * k:(i + 1) * k] for i in range(b)], llm_text.PAD)
-        states, mask = eparts.encode_with_image(m.text_encoder, ids, pixel_values, grid, m.tokenizer.pad_token_id,
-                                                self.text_settings.drop_prefix)
-        states, mask = parts.front_padded(states.to(self.device), mask.to(self.device))
-        return states, mask
+            raise ValueError(f"{self.display_name} reads each instruction with its reference images, and the batch has "
+                             "no reference_values (nor stored text states): set dataset.params.references and give "
+                             "each sample its references")
+        m = self.models
+        states, mask = etext.encode_with_references(m.text_encoder, m.processor, m.tokenizer.pad_token_id,
+                                                    batch["input_ids"], refs, self.vl_rule,
+                                                    parts.vae_factor(m.vae.vae), self.text_settings.drop_prefix)
+        return parts.front_padded(states.to(self.device), mask.to(self.device))
 
     def vl_images(self, refs: torch.Tensor) -> list:
-        """The images the VL encoder reads, prompt by prompt: each reference as the loader made it, at the target's
-        size (the one image the pipeline gives its VAE and its VL encoder alike)."""
-        return [r for sample in refs for r in sample]
+        """The images the VL encoder reads, prompt by prompt (the family's :data:`vl_rule`)."""
+        return etext.VL_RULES[self.vl_rule](refs, parts.vae_factor(self.models.vae.vae))
 
     def encode_condition(self, batch: dict, validation: bool):
-        return self.condition(batch, validation)
+        return self.condition({k: v for k, v in batch.items() if k != TEXT_STATES_KEY}, validation)
 
     @classmethod
-    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0,
-                      max_length: int | None = None) -> TextEncoding:
-        raise ValueError(f"--text-embeddings: {NO_STORED_TEXT}; Qwen-Image-Edit trains from image shards, which "
-                         "encode the instruction with its reference in the step")
+    def text_encoding(cls, pipeline: str, device: torch.device, clip_skip: int = 0, max_length: int | None = None,
+                      references: int = 0, sizes=()) -> TextEncoding:
+        """The states latent shards store: each caption read with its sample's ``references`` images
+        (:class:`~.qwen_image_edit_text.EditTextEncoding`), padded to the longest ``sizes`` ((width, height) of the
+        targets) give."""
+        from diffusers import AutoencoderKLQwenImage
+
+        if not references:
+            raise ValueError(f"{cls.display_name} {NEEDS_STORED_TEXT}: add --references "
+                             f"{cls.reference_images[0]} so the text is read with each sample's references")
+        if clip_skip:
+            raise ValueError(f"{cls.display_name} conditions on Qwen2.5-VL's last hidden states: clip skip does not "
+                             "apply")
+        settings = cls.text_settings if cls.reference_images[1] == 1 else dataclasses.replace(
+            cls.text_settings, template=eparts.plus_template(references))
+        length = llm_text.check_length(max_length, settings, "--max-length", cls.pipeline_classes[0])
+        tokenizer = load_prompt_tokenizer(pipeline, {}, "the pipeline's tokenizer/", length, settings)
+        encoder = llm_text.load_llm(pipeline, "text_encoder", "the pipeline's text_encoder/", device)
+        processor = load_processor(types.SimpleNamespace(pretrained=pipeline, revision=None))
+        factor = 2 ** len(AutoencoderKLQwenImage.load_config(pipeline, subfolder="vae")["temperal_downsample"])
+        stored = etext.stored_length(processor, cls.vl_rule, factor, references, length, sizes)
+        return etext.EditTextEncoding(cls.text_tag, tokenizer, encoder, processor, settings, cls.vl_rule, references,
+                                      stored, factor)
+
+    def stored_text(self) -> StoredText:
+        """The shards' text: Qwen-Image's width, the length the run's sizes give, read with the run's references
+        by the family's rule."""
+        p = self.cfg.dataset.params
+        sizes = etext.target_sizes(int(p.resolution), bool(p.aspect_buckets), int(p.bucket_step),
+                                   float(p.max_aspect_ratio))
+        length = etext.stored_length(self.models.processor, self.vl_rule, parts.vae_factor(self.models.vae.vae),
+                                     self.reference_count, self.max_sequence_length, sizes)
+        return dataclasses.replace(super().stored_text(), length=length, references=self.reference_count,
+                                   vl_images=self.vl_rule)
 
     # -- the step: the reference's tokens after the target's (FlowFamily.loss calls the hook) ---------------
     def join_references(self, latents: torch.Tensor, refs: list[torch.Tensor],
@@ -338,20 +373,7 @@ class QwenImageEditPlus(QwenImageEdit):
         self.text_settings = dataclasses.replace(PLUS_TEXT, template=pictures)
         super().__init__(cfg, device, seed, is_main)
 
-    def vl_images(self, refs: torch.Tensor) -> list:
-        """Each reference brought to ~384^2 of its aspect ratio as the pipeline does it (``calculate_dimensions(
-        CONDITION_IMAGE_SIZE, ratio)``, its ``VaeImageProcessor.resize``: PIL, Lanczos), prompt by prompt."""
-        from diffusers.image_processor import VaeImageProcessor
-        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
-        from PIL import Image
-
-        resizer = VaeImageProcessor(vae_scale_factor=parts.vae_factor(self.models.vae.vae) * 2)
-        out = []
-        for r in (r for sample in refs for r in sample):
-            image = Image.fromarray(r.permute(1, 2, 0).cpu().numpy())
-            width, height = plus.calculate_dimensions(plus.CONDITION_IMAGE_SIZE, image.width / image.height)
-            out.append(resizer.resize(image, height, width))
-        return out
+    vl_rule = etext.CONDITION_SIZE  # each reference at ~384^2 of its aspect ratio, Lanczos, as the pipeline
 
     @classmethod
     def vl_tokens(cls, height: int, width: int) -> int:

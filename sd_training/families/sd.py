@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from ..data.latents import TEXT_STATES_KEY, StoredText
+from ..data.latent_checks import StoredText
+from ..data.latents import TEXT_STATES_KEY
 from ..outputs.export import unwrap
-from .components.text import TextEncoding
 from .components.clip import (
     apply_clip_skip,
     build_clip_tokenizer,
@@ -23,6 +23,7 @@ from .components.clip import (
     load_pipeline_clip,
     text_encoder_for_pipeline,
 )
+from .components.text import TextEncoding
 from .components.unet import build_models
 from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
 from .unet_family import UNetFamily

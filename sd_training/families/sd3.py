@@ -34,15 +34,23 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import StoredText
+from ..data.latent_checks import StoredText
 from ..loading import load_component
 from ..outputs.export import unwrap
 from ..speed.precision import frozen_text_dtype
-from .components.text import TextEncoding, grad_if_trained
+from . import reference_models as references
+from .base import PixelGrid
 from .components.clip import build_clip_tokenizer, place_text_encoder, text_encoder_for_pipeline
 from .components.ddpm import host_seeds, sample_generators
-from . import reference_models as references
-from .components.t5 import build_t5_tokenizer, encode_t5, load_t5_encoder, load_t5_tokenizer, t5_frozen_dtype, tiny_t5_encoder
+from .components.t5 import (
+    build_t5_tokenizer,
+    encode_t5,
+    load_t5_encoder,
+    load_t5_tokenizer,
+    t5_frozen_dtype,
+    tiny_t5_encoder,
+)
+from .components.text import TextEncoding, grad_if_trained
 from .components.transformer import (
     build_transformer,
     component_sources,
@@ -53,7 +61,6 @@ from .components.transformer import (
     validate_common,
 )
 from .components.unet import Components, frozen, uses_channels_last
-from .base import PixelGrid
 from .flow_family import FlowFamily
 from .tiny import TINY_TEXT_ENCODER, TINY_VAE, save, tokenizer_folder
 

@@ -28,11 +28,12 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import POOLED_KEY, TEXT_STATES_KEY, StoredText
+from ..data.latent_checks import StoredText
+from ..data.latents import POOLED_KEY, TEXT_STATES_KEY
 from ..data.samples import SIZE_FIELDS
+from ..loading import load_component
 from ..outputs.export import unwrap
 from ..speed.flops import StepFlops
-from ..loading import load_component
 from ..speed.precision import frozen_text_dtype
 from .components.clip import (
     build_clip_tokenizer,
@@ -42,10 +43,10 @@ from .components.clip import (
     text_model_of,
 )
 from .components.text import TextEncoding, grad_if_trained
-from .sd import StableDiffusion
-from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
 from .components.unet import Models, build_models
 from .components.unet_flops import text_encode_flops, unet_inputs
+from .sd import StableDiffusion
+from .tiny import SD_SCHEDULER, TINY_TEXT_ENCODER, TINY_UNET, TINY_VAE, save, tokenizer_folder
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ import torch
 
 from ..config import ConfigError
 from ..config.schema import TrainConfig
-from ..data.latents import TEXT_STATES_KEY, StoredText
+from ..data.latent_checks import StoredText
+from ..data.latents import TEXT_STATES_KEY
 from ..memory import activations
 from ..outputs.comfy_lora import ComfyLoraNames, Rule, fused
 from ..outputs.export import unwrap

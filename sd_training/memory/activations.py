@@ -8,9 +8,10 @@ pixel of each level, fitted to the tensors these save (tiny, SD 1.x and 2.x widt
 78-96% of them under bf16 autocast on an H200), memory-efficient attention assumed, the forward's
 temporaries and the backward's gradients not counted: a lower bound of the peak.
 
-Diffusion transformers: image tokens (latent pixels / patch^2, or packed 2x2 latents: ``image_tokens``)
-and text tokens run through every block together (joint attention), so one sample saves about ``K x S x D``
-elements per block (S = image + text tokens, D = heads x head dim). K was measured with autograd's
+Diffusion transformers: image tokens (latent pixels / patch^2, or packed 2x2 latents: ``image_tokens``;
+an edit sample's references add as many each) and text tokens run through every block together (joint
+attention), so one sample saves about ``K x S x D`` elements per block (S = image + text tokens, D = heads
+x head dim). K was measured with autograd's
 saved-tensor hooks on diffusers' SD3Transformer2DModel and FluxTransformer2DModel (fp32 on the CPU,
 parameters left out, memory-efficient attention assumed: the S x S probabilities of the math kernel left
 out): 25.3-25.5 for a joint (two-stream) block with RMS q/k norms, 24.3-24.5 for Flux's double-stream
@@ -30,13 +31,16 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class SampleShape:
     """What one training sample looks like to the estimate: ``resolution`` pixels a side, ``vae_factor``
-    pixels per latent pixel, the VAE's ``latent_channels`` (None: not known before it is read) and the
-    ``text_tokens`` the net attends to beside the image."""
+    pixels per latent pixel, the VAE's ``latent_channels`` (None: not known before it is read), the
+    ``text_tokens`` the net attends to beside the image and the ``references`` (edit training,
+    ``dataset.params.references``), each at the target's size (``reference_crop`` aligned and center alike
+    bring it there), whose tokens join the target's."""
 
     resolution: float
     vae_factor: int = 8
     latent_channels: int | None = None
     text_tokens: int = 77
+    references: int = 0
 
     @property
     def latent(self) -> float:
@@ -158,7 +162,9 @@ def transformer_activation_elements(conf: dict, image: float, text: float, check
 def transformer_sample_elements(conf: dict, sample: SampleShape, checkpointing: bool,
                                 latent_channels: int) -> float:
     """:func:`transformer_activation_elements` of one ``sample``: its latents as the transformer's tokens
-    (``latent_channels``: the VAE's when ``sample`` does not know them) and its text tokens."""
+    (``latent_channels``: the VAE's when ``sample`` does not know them), as many again for each of its
+    references (their latents, of the target's size, run through every block beside the target's: Flux
+    Kontext's, FLUX.2's, Qwen-Image-Edit's), and its text tokens."""
     channels = sample.latent_channels or latent_channels
-    tokens = image_tokens(conf, sample.latent, sample.latent, channels)
+    tokens = image_tokens(conf, sample.latent, sample.latent, channels) * (1 + sample.references)
     return transformer_activation_elements(conf, tokens, sample.text_tokens, checkpointing)

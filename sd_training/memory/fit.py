@@ -114,16 +114,18 @@ def trained_config(cfg) -> tuple[str | None, dict | None]:
 
 def sample_activations(cfg, conf: dict, checkpointing: bool, text_tokens: int | None = None, family=None) -> float:
     """Bytes one sample's activations take in the trained module ``conf`` (its config) at the run's
-    resolution and precision, as its family estimates them; 0 when the family's estimate does not know
-    the module. ``text_tokens``: per sample, beside the image (None: the family's ``Family.text_tokens``,
-    else CLIP's 77); ``family``: the run's family class when it is built (None: told from ``cfg``)."""
+    resolution and precision (with ``dataset.params.references`` reference images of the target's size),
+    as its family estimates them; 0 when the family's estimate does not know the module. ``text_tokens``:
+    per sample, beside the image (None: the family's ``Family.text_tokens``, else CLIP's 77); ``family``:
+    the run's family class when it is built (None: told from ``cfg``)."""
     fam = family or _family(cfg)
     if _planned_class(cfg, conf, fam) is None:
         return 0.0
     compute = 2 if cfg.model.mixed_precision in ("bf16", "fp16") else 4
     vae = _vae_config(cfg)
     text = text_tokens if text_tokens is not None else int(fam.text_tokens(cfg) or 77)
-    sample = SampleShape(cfg.dataset.params.resolution, vae_factor(cfg), vae.get("latent_channels"), text)
+    sample = SampleShape(cfg.dataset.params.resolution, vae_factor(cfg), vae.get("latent_channels"), text,
+                         references=int(cfg.dataset.params.references))
     return fam.sample_activation_elements(conf, sample, checkpointing) * compute
 
 

@@ -45,7 +45,9 @@ def eval_paths(path: str) -> tuple[tuple[str, ...], ...]:
     return tuple(rows)
 
 
-def _check_rows(rows, key: str, family, where) -> None:
+def check_rows(rows, key: str, family, where) -> None:
+    """Each row (one prompt's paths) holds as many references as ``family`` takes, each an existing file
+    (ConfigError naming ``key`` and ``where(i)``)."""
     fewest, most = family.reference_images
     for i, paths in enumerate(rows):
         if not fewest <= len(paths) <= most:
@@ -76,7 +78,7 @@ def check(cfg, family) -> None:
                           f"experiment.sample_prompts: the {family.name} family edits reference images, so each "
                           "sample prompt needs its own (an image path, or a list of paths), or set "
                           "experiment.sample_prompts: [] to make no sample grid")
-    _check_rows(rows, SAMPLE_KEY, family, lambda i: f"entry {i} ({e.sample_prompts[i]!r})"
+    check_rows(rows, SAMPLE_KEY, family, lambda i: f"entry {i} ({e.sample_prompts[i]!r})"
                 if i < len(e.sample_prompts) else f"entry {i}")
     if e.num_eval_images < 1 or not e.eval_caption_file:
         return
@@ -92,7 +94,7 @@ def check(cfg, family) -> None:
     if len(rows) != len(prompts):
         raise ConfigError(f"'{EVAL_KEY}' {e.eval_reference_file} has {len(rows)} lines for the {len(prompts)} "
                           f"prompts of experiment.eval_caption_file: one line of reference paths per prompt")
-    _check_rows(rows, EVAL_KEY, family, lambda i: f"line {i + 1} of {e.eval_reference_file}")
+    check_rows(rows, EVAL_KEY, family, lambda i: f"line {i + 1} of {e.eval_reference_file}")
 
 
 def load(paths, resolution: int):
