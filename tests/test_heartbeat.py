@@ -116,7 +116,9 @@ def test_a_lost_peer_ends_the_survivor_with_75_and_the_requeued_job_resumes(tmp_
     m = re.search(rf"peer lost: rank 1 on host {re.escape(socket.gethostname())} \(pid {ranks[1].pid}\) sent no "
                   r"heartbeat for \d+s; its last step was (\d+)", out)
     assert m, out[-3000:]
-    assert 1 <= int(m.group(1)) <= STEPS  # as of its last beat (steps may be faster than beats)
+    # As of its last beat, up to a beat (1 s) before the signal: steps of 32 px are faster than beats, so a beat
+    # sent before step 1 may be the last one (seen once on an idle machine).
+    assert 0 <= int(m.group(1)) <= STEPS
     assert "exit code 75" in out and "Where each thread was" in out, out[-3000:]  # the survivor's stacks
     assert "rank 1 on host" in (tmp_path / "peer-lost").read_text()  # what the sbatch templates requeue on
     if sig == signal.SIGKILL:
