@@ -161,9 +161,7 @@ def test_a_lora_teaches_the_quickstart_a_new_word(quickstart_run):
     trains a LoRA (UNet and text encoder) on "a dax on a red background" images (a dax: a purple triangle) on 5 backgrounds.
     On the 2 held out (green, white; 16 seeds each) the base does not draw a dax and plain diffusers with
     the exported LoRA (``load_lora_weights``) does; it still follows the quickstart's held-out captions
-    (its data is mixed in). Measured (background / colour / shape right, 32 images): base 0/0/9%; LoRA
-    100/100/91% (as shipped, seed 0) and 100/100/72% (system.seed=1); the quickstart's 32 held-out captions
-    with the LoRA 94/94/66%. The text encoder's LoRA is needed: the UNet's alone gave 34/63/69%. 200 steps
+    (its data is mixed in). What it scores, and on other seeds: docs/quickstarts.md. 200 steps
     of 32 images: 18-26 minutes on the loaded 2-core machine (one thread, ~4 CPU-minutes)."""
     from diffusers import StableDiffusionPipeline
 
