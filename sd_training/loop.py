@@ -76,9 +76,7 @@ class Trainer:
     def setup(self) -> None:
         """Run folder, model, optimizer, data, checkpoints (resume), trackers and outputs, in that order."""
         cfg, info = self.cfg, self.info
-        self.finished_before = self._prepare_run_folder()  # a run that had finished: its summary
-        if self.finished_before is not None:
-            return
+        self._prepare_run_folder()
         parts = build_model(cfg, info, self.plan, self.run_dir)
         self.family, self.net, self.ema, self.strategy = parts.family, parts.net, parts.ema, parts.strategy
         self.model, self.autocast_dtype, self.scaler = parts.model, parts.autocast_dtype, parts.scaler
@@ -106,22 +104,19 @@ class Trainer:
                                   self.autocast_dtype, val_batches, self.state, self.optimizer)
         self.metrics = StepMetrics(cfg, self.family, self.plan, info, self.trackers, self.autocast_dtype)
 
-    def _prepare_run_folder(self) -> dict | None:
+    def _prepare_run_folder(self) -> None:
         """One run per folder (locked); the config written; logging to train.log; interrupted exports repaired."""
         cfg, info, run_dir = self.cfg, self.info, self.run_dir
-        refused = done = None
+        refused = None
         if info.is_main:
-            try:  # an earlier run's checkpoints are continued or moved aside (finished.json too), never mixed in
+            try:  # an earlier run's checkpoints are continued or moved aside, never mixed in
                 self._lock = run_dir.lock()
-                run_dir.refuse_or_move_aside(steps := complete_steps(run_dir.checkpoints), cfg.experiment.resume,
+                run_dir.refuse_or_move_aside(complete_steps(run_dir.checkpoints), cfg.experiment.resume,
                                              cfg.experiment.start_fresh)
-                done = run_dir.finished_at(steps, self.plan.total_steps)
             except ConfigError as e:
                 refused = e
         if distributed.any_rank(refused is not None, self.device):
             raise refused or ConfigError(f"rank 0 refused the run folder {run_dir.root} (its error says why)")
-        if distributed.any_rank(done is not None, self.device):  # finished: a resume would export it again
-            return run_dir.say_finished(done, info.rank, self.plan.total_steps)  # the run's summary, nothing done
         if info.is_main:
             run_dir.create()
             run_dir.config.write_text(to_yaml(cfg))
@@ -187,7 +182,7 @@ class Trainer:
         failed = False
         try:
             self.setup()
-            return self._loop(stop) if self.finished_before is None else self.finished_before
+            return self._loop(stop)
         except BaseException as e:
             # From here the process has preemption.FAILED_EXIT_S to end (when train.py runs it).
             failed = True
@@ -304,8 +299,6 @@ class Trainer:
             # Resumed from a checkpoint written at the last step but killed before its export finished.
             self._export()
         self.checkpoints.wait()  # the last checkpoint is on disk before a requeue or the end
-        if not stopped_by and self.info.is_main:  # checkpointed and exported: a start of it again does nothing
-            self.run_dir.mark_finished(state.step, state.images_seen)
         requeued = False
         if stopped_by:
             log.warning("stopped at step %d by %s after saving", state.step, stopped_by)

@@ -18,7 +18,6 @@ on top of an old one, every step logged once after a resume).
       wandb/                    wandb's files (offline runs sync from here)
       sources.json              where the trained and frozen components came from
       memory_plan.json          per-device bytes of the modules under the run's strategy
-      finished.json             the last step and images seen, once that step is checkpointed and exported
       sample_keys/rank_<N>.jsonl  the samples of every step (experiment.record_sample_keys)
       .lock                     held by the running job
 
@@ -32,9 +31,6 @@ The guards (rank 0):
 * :meth:`RunDir.refuse_or_move_aside`: a folder that already holds checkpoints is refused unless the run
   resumes it (``experiment.resume``) or the user asks for a fresh start (``experiment.start_fresh``),
   which moves the old contents aside; nothing is deleted.
-* :meth:`RunDir.finished_at`: the same run started again after it finished (``finished.json`` names the
-  newest checkpoint, and the config asks for no more steps) has nothing to do: it says so and writes
-  nothing (no new export, samples or upload); a config that asks for more examples continues it.
 * :meth:`RunDir.cut_metrics_back`: after a resume at step S, rows past S (logged after the checkpoint by
   the run that was killed) are dropped, so every step is logged once.
 """
@@ -117,10 +113,6 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
-
-    @property
-    def finished(self) -> Path:
-        return self.root / "finished.json"
 
     @property
     def samples(self) -> Path:
@@ -224,41 +216,6 @@ class RunDir:
         # start_fresh moves them aside with the rest.
         steps = sorted(set(checkpoint_steps) | set(step_folders(self.checkpoints)))
         return prepare_fresh_start(self.root, steps, resume, start_fresh)
-
-    def mark_finished(self, step: int, images_seen: int) -> None:
-        """Rank 0, once the last step is checkpointed and exported: ``finished.json`` (atomically)."""
-        tmp = self.finished.with_name(self.finished.name + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "images_seen": images_seen}) + "\n")
-        tmp.replace(self.finished)
-
-    def finished_at(self, checkpoint_steps: list[int], total_steps: int) -> dict | None:
-        """``finished.json`` when it records the newest complete checkpoint (``checkpoint_steps``) and that
-        step is at or past ``total_steps`` (the step loop would train none); None otherwise: no record, a
-        run killed during its last export (its restart exports again), or a config asking for more steps."""
-        record = self.finished_record()
-        step = record.get("step") if record else None
-        if type(step) is not int or not checkpoint_steps or step != max(checkpoint_steps) or step < total_steps:
-            return None
-        return record
-
-    def say_finished(self, record: dict | None, rank: int, total_steps: int) -> dict:
-        """Log (console and train.log) that the run had finished and nothing is done; returns the summary a run
-        returns (``loop.main``) from its record (``record``: rank 0's, else read here)."""
-        record = record or self.finished_record() or {}
-        self.setup_logging(rank)
-        log.info("%s finished at step %s (%s images seen): nothing to do, its outputs are left as they are. Raise "
-                 "experiment.num_examples_to_see to train on, or set experiment.start_fresh=true to train again",
-                 self.root, record.get("step"), record.get("images_seen"))
-        return {"step": record.get("step"), "total_steps": total_steps, "images_seen": record.get("images_seen"),
-                "stopped_by": None, "requeued": False, "run_dir": str(self.root), "finished_before": True}
-
-    def finished_record(self) -> dict | None:
-        """``finished.json`` as written by :meth:`mark_finished`; None when absent, cut or not a JSON object."""
-        try:
-            record = loads(self.finished.read_text(), str(self.finished))
-        except (OSError, ValueError):
-            return None
-        return record if isinstance(record, dict) else None
 
     def cut_metrics_back(self, step: int) -> int:
         return cut_metrics_back(self.metrics, step)
