@@ -6,7 +6,7 @@ The text depends on the references' pixels (Qwen2.5-VL reads the instruction wit
 per sample, made from the references as the loader gives them to the step (``dataset.params.reference_crop``, at
 the target's size), each brought to the VL encoder by the family's rule (:data:`VL_RULES`). ``latents_info.json``
 records the rule and the reference count (``text_references``, ``text_vl_images``), and a run whose family reads
-another rule or count refuses the shards (``data.latents.check_latents_match``). Stored states are padded to one
+another rule or count refuses the shards (``data.latent_checks.check_latents_match``). Stored states are padded to one
 length for the whole folder, the longest any of its sizes gives (:func:`stored_length`: the instruction's tokens
 and each reference's VL tokens); the mask rides as a last channel (``llm_text.with_mask``) and the step keeps the
 real tokens only (``front_padded``), so the padding changes nothing.
