@@ -89,6 +89,7 @@ from sd_training.data.latents_info import (  # noqa: E402  (the folder's info fi
 )
 from sd_training.config.script_args import SEED_MAX, integer, number, out_folder  # noqa: E402
 from sd_training.data.samples import SIZE_FIELDS  # noqa: E402  (the image path's size conditioning fields)
+from sd_training.data.buckets import target_sizes  # noqa: E402  (the targets' sizes: square or buckets)
 from sd_training.families.registry import FAMILIES
 
 VAE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -172,7 +173,8 @@ def load_models(args, device: torch.device):
     encoder = None
     if args.text_embeddings:
         # An edit family whose text reads the references (Qwen-Image-Edit) is given their count and the targets' sizes
-        edit = ({"references": args.references, "sizes": target_sizes(args)}
+        edit = ({"references": args.references, "sizes": target_sizes(args.resolution, args.aspect_buckets,
+                                                                          args.bucket_step, args.max_aspect_ratio)}
                 if getattr(family, "text_reads_references", False) else {})
         try:  # as the training's text encoder (model.text_encoder.clip_skip / max_length) would see the caption
             encoder = family.text_encoding(args.pipeline, device, clip_skip=args.clip_skip, max_length=args.max_length,
@@ -181,14 +183,6 @@ def load_models(args, device: torch.device):
             raise SystemExit("precompute_latents: --text-embeddings (--clip-skip, --max-length, --family, "
                              f"--references): {exn}") from None
     return vae, fingerprint.hexdigest(), encoder
-
-
-def target_sizes(args) -> List[Tuple[int, int]]:
-    """The targets' (width, height): the square ``--resolution``, or each aspect bucket."""
-    from sd_training.data.buckets import make_buckets
-
-    return (make_buckets(args.resolution, args.bucket_step, args.max_aspect_ratio) if args.aspect_buckets
-            else [(args.resolution, args.resolution)])
 
 
 def encode_images(vae, pixels: torch.Tensor, scale: float, shift: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:

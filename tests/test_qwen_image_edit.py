@@ -16,6 +16,7 @@ from PIL import Image
 
 from sd_training.config import ConfigError
 from sd_training.configure import load
+from sd_training.data.buckets import target_sizes
 from sd_training.families import qwen_image_edit_parts as eparts
 from sd_training.families import qwen_image_parts as parts
 from sd_training.families import registry as families
@@ -138,7 +139,7 @@ def test_stored_text_of_a_bucket_is_the_steps_condition(family, pipeline):
     from sd_training.data.latents import TEXT_STATES_KEY
     from sd_training.families import qwen_image_edit_text as etext
 
-    sizes = etext.target_sizes(64, True, 16, 2.0)  # (48, 80), (64, 64), (80, 48)...
+    sizes = target_sizes(64, True, 16, 2.0)  # (48, 80), (64, 64), (80, 48)...
     encoding = QwenImageEdit.text_encoding(str(pipeline), torch.device("cpu"), 0, LLM_LEN, references=1, sizes=sizes)
     square = etext.stored_length(family.models.processor, family.vl_rule, 8, 1, LLM_LEN, [(64, 64)])
     assert encoding.text_shape[0] > square > LLM_LEN  # a 48 x 80 bucket's reference has more VL tokens

@@ -24,6 +24,11 @@ def make_buckets(resolution: int, step: int = 64, max_ratio: float = 2.0) -> Lis
     return sorted(sizes, key=lambda s: s[0] / s[1])
 
 
+def target_sizes(resolution: int, aspect_buckets: bool, step: int = 64, max_ratio: float = 2.0) -> List[Size]:
+    """The (width, height) a run's targets may have: the square ``resolution``, or every aspect bucket."""
+    return make_buckets(resolution, step, max_ratio) if aspect_buckets else [(resolution, resolution)]
+
+
 def assign_bucket(width: int, height: int, buckets: List[Size]) -> Size:
     """The bucket with the closest aspect ratio to a ``width x height`` image (ties: the larger area)."""
     target = math.log(width / height)

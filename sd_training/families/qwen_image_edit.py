@@ -41,6 +41,7 @@ import torch
 from ..config import ConfigError
 from ..config.dataset import is_latent_type
 from ..config.schema import TrainConfig
+from ..data.buckets import target_sizes
 from ..data.latent_checks import StoredText
 from ..data.latents import TEXT_STATES_KEY
 from ..outputs.export import unwrap
@@ -245,7 +246,7 @@ class QwenImageEdit(QwenImage):
         """The shards' text: Qwen-Image's width, the length the run's sizes give, read with the run's references
         by the family's rule."""
         p = self.cfg.dataset.params
-        sizes = etext.target_sizes(int(p.resolution), bool(p.aspect_buckets), int(p.bucket_step),
+        sizes = target_sizes(int(p.resolution), bool(p.aspect_buckets), int(p.bucket_step),
                                    float(p.max_aspect_ratio))
         length = etext.stored_length(self.models.processor, self.vl_rule, parts.vae_factor(self.models.vae.vae),
                                      self.reference_count, self.max_sequence_length, sizes)

@@ -83,13 +83,6 @@ def stored_length(processor, vl_rule: str, vae_factor: int, references: int, max
     return max_length + most
 
 
-def target_sizes(resolution: int, aspect_buckets: bool, step: int, max_ratio: float) -> list[tuple[int, int]]:
-    """The targets' (width, height): the square, or every aspect bucket (``data.buckets``)."""
-    from ..data.buckets import make_buckets
-
-    return make_buckets(resolution, step, max_ratio) if aspect_buckets else [(resolution, resolution)]
-
-
 class EditTextEncoding(TextEncoding):
     """What the shards store for an edit family: each caption read with its sample's references
     (:meth:`encode`'s ``references``, the loader's uint8 [B, R, 3, H, W]), the mask as a last channel, padded to
@@ -126,4 +119,4 @@ class EditTextEncoding(TextEncoding):
 
 
 __all__ = ["TARGET_SIZE", "CONDITION_SIZE", "VL_RULES", "EditTextEncoding", "encode_with_references",
-           "stored_length", "target_sizes"]
+           "stored_length"]
