@@ -6,7 +6,7 @@ import sys
 # the time-limit warning) that arrives during set-up is kept and acted on at the first step. This
 # process is ours, so deadlines may end it (a stop it cannot act on, a shutdown that hangs).
 from sd_training.run.preemption import (EXITS, FAILED_EXIT_S, StopFlag, enable_bounded_exits, exit_failed,
-                                        install_stack_dump, leftover_children)
+                                        exit_process, install_stack_dump)
 
 enable_bounded_exits()
 STOP = StopFlag().install()
@@ -21,5 +21,4 @@ if __name__ == "__main__":
         exit_failed(e)  # the traceback, then exit at once: nothing left to wait for
     # The interpreter's exit (non-daemon threads, atexit handlers) is bounded too, with the run's exit code.
     EXITS.arm("exit", FAILED_EXIT_S, code, f"the run ended {FAILED_EXIT_S:.0f}s ago and the interpreter has not exited")
-    leftover_children()
-    sys.exit(code)
+    exit_process(code)

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from conftest import train_args
 
 from sd_training.checkpoint import complete_steps
 from sd_training.distributed.heartbeat import PREFIX, Heartbeat, interval_for
+from sd_training.run import preemption
 from sd_training.run.preemption import PEER_LOST_EXIT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
@@ -196,7 +198,7 @@ def test_the_store_host_lost_is_a_lost_peer_named_with_its_address(tmp_path, sig
     """Rank 0's process serves the store: stopped, the store's answers time out; killed, its connections
     close. Either way rank 1 (here, in this process) names it within the bound."""
     bound, port = 2.0, forked._free_port()
-    zero = rank_process(tmp_path, 0, port, bound, 300)
+    zero, one = rank_process(tmp_path, 0, port, bound, 300), None
     try:
         wait_line(zero, "beating")
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
@@ -211,6 +213,8 @@ def test_the_store_host_lost_is_a_lost_peer_named_with_its_address(tmp_path, sig
         took = time.monotonic() - t0
     finally:
         end(zero)
+        if one is not None:
+            one.stop()  # its threads end (they would beat at a dead store for the rest of this worker's life)
     assert one.verdict is not None, "no verdict"
     assert f"the rendezvous store (rank 0's process at 127.0.0.1:{port}) has not answered" in one.verdict
     assert "rank 0's last step was 0" in one.verdict
@@ -257,3 +261,26 @@ def test_a_failed_collective_after_a_peers_own_error_is_not_a_lost_peer():
     beats[0].stop(failed=True)
     assert beats[0].verdict is None
     assert took < bound, took
+
+
+def test_a_stop_signal_ends_the_wait_for_a_verdict():
+    """torchrun and srun SIGTERM the survivors of a dead rank: a survivor whose collective failed while its
+    peer went silent (its verdict is a bound away) leaves at once with the collective's error, where it
+    waited until the launcher SIGKILLed it 30 s later."""
+    bound = 60.0
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    beats = [Heartbeat(dist.PrefixStore(PREFIX, server.clone()), r, 2, bound, "rank 0's process") for r in (0, 1)]
+    beats[0].start()
+    beats[1]._beat()  # rank 1 beat once, then went silent (killed)
+    flag = preemption.StopFlag().install()
+    try:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        beats[0].judge(RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer"))
+        took = time.monotonic() - t0
+    finally:
+        flag.uninstall()
+        preemption.STOP_SIGNALLED.clear()
+        beats[0].stop(failed=True)
+    assert flag.signal_name == "SIGTERM" and beats[0].verdict is None
+    assert 0.9 <= took < 5, took

@@ -133,6 +133,47 @@ def test_a_hung_shutdown_after_a_failure_is_cut_naming_what_it_waited_for():
     assert "(it was closing the trackers" in err
 
 
+# A daemon thread inside a C++ call that released the GIL (a store client, as the heartbeat's threads use)
+# when the interpreter finalizes aborts the process as it takes the GIL back ("terminate called without an
+# active exception", -6): a finished rank's exit code was lost that way. train.py's end never reaches the
+# finalization (preemption.exit_process), so its code stands.
+HAMMER = r"""
+import runpy, sys, threading, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+client = store.clone()
+def hammer():
+    while True:
+        client.set("k", "v")
+threading.Thread(target=hammer, daemon=True).start()
+time.sleep(0.2)
+if sys.argv[1] == "sys.exit":
+    sys.exit(2)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def hammered(*argv):
+    p = forked.popen([sys.executable, "-c", HAMMER, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, env=ENV)
+    out, err = p.communicate(timeout=120)
+    return p.returncode, out, err
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["config=does-not-exist.yaml"], 2)], ids=["help", "config_error"])
+def test_train_py_keeps_its_exit_code_with_a_daemon_thread_inside_a_store_call(argv, code):
+    got, out, err = hammered(str(ROOT / "train.py"), *argv)
+    assert got == code and "terminate called" not in err, err[-3000:]
+    assert ("usage" in out.lower()) if code == 0 else ("does-not-exist.yaml" in err), (out[-2000:], err[-2000:])
+
+
+def test_the_interpreters_own_exit_with_a_daemon_thread_inside_a_store_call_aborts():
+    """The hazard the test above guards against, shown: if torch stops aborting here, both may go."""
+    got, _, err = hammered("sys.exit")
+    assert got == -signal.SIGABRT and "terminate called without an active exception" in err, (got, err[-2000:])
+
+
 # ----------------------------------------------------------------------------------- lock and workers
 HOLDER = r"""
 import os, sys, time

@@ -22,7 +22,10 @@ collective, so only a process whose threads do not run (SIGKILL, SIGSTOP, a froz
   nobody for that gap: it restarts its clock.
 * A collective that fails at once because a peer's sockets closed (gloo, on a SIGKILLed peer) would end the
   survivor with code 1: :meth:`Heartbeat.judge` waits for the heartbeat's verdict first (a peer that left
-  after its own error: code 1 as before; a silent one: 75).
+  after its own error: code 1 as before; a silent one: 75). A stop signal ends that wait: the launcher saw
+  the death itself (torchrun and srun SIGTERM the survivors) and restarts or ends the job.
+* Stopping (:meth:`Heartbeat.stop`) joins both threads: one left inside a store call when the interpreter
+  exits would abort the process once the store's host is gone.
 
 The thread uses its own connection to the store (``Store.clone()``): a client shared with the main thread
 would queue the beats behind the main thread's blocking ``get``/``wait`` (NCCL's communicator set-up).
@@ -50,6 +53,7 @@ DEFAULT_PEER_TIMEOUT_S = 300.0
 PREFIX = "sd_training/heartbeat/"
 LOST = "lost"
 LEFT = "left"  # a counter: ranks that stopped beating on purpose
+ROUND_OPS = 8  # store operations in one round of the beat thread (outside judging), at most
 
 
 def interval_for(timeout_s: float) -> float:
@@ -107,7 +111,8 @@ class Heartbeat:
         self.store, self.rank, self.world = store, rank, world_size
         self.timeout_s, self.interval = float(timeout_s), interval_for(timeout_s)
         self.store_host, self.peer_lost_file = host_of_store, peer_lost_file
-        self.store.set_timeout(datetime.timedelta(seconds=max(1.0, self.interval)))
+        self.op_timeout_s = max(1.0, self.interval)  # each store operation of the threads waits this long at most
+        self.store.set_timeout(datetime.timedelta(seconds=self.op_timeout_s))
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.progress: Callable[[], int] = lambda: 0  # this rank's step (the Trainer's, once it exists)
         self.watched = (rank + 1) % world_size
@@ -142,7 +147,14 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._threads[0].join(self.interval + 2)
+        # Both threads joined, each within one round of store operations (at most ROUND_OPS, each bounded by the
+        # store's timeout): a thread still inside a store call when the interpreter exits aborts the process
+        # ("terminate called without an active exception") once the store's host has gone.
+        for t in self._threads:
+            t.join(ROUND_OPS * self.op_timeout_s + 1)
+            if t.is_alive():
+                log.warning("heartbeat: thread %s still in a store call after %.0fs", t.name,
+                            ROUND_OPS * self.op_timeout_s + 1)
 
         def leave():
             self._beat(left="failed" if failed else "finished")
@@ -162,7 +174,7 @@ class Heartbeat:
         """The main thread failed: when a collective failed (a peer's sockets closed), wait up to
         ``peer_timeout_s`` for the verdict, so that a dead peer ends this rank with 75 (the heartbeat's
         exit), not 1. Returns when a peer left after its own error, when no peer is lost, or at once for
-        any other error."""
+        any other error, and at a stop signal (the launcher noticed the failure itself)."""
         if not _communication_error(error) or self._stop.is_set():
             return
         wait = self.timeout_s + 2 * self.interval
@@ -171,7 +183,14 @@ class Heartbeat:
         preemption.EXITS.arm("failure", wait + preemption.FAILED_EXIT_S, preemption.EXIT_FAILED,
                              f"a collective failed ({type(error).__name__}) and the shutdown did not end", replace=True)
         self._judging.set()
-        self._gone.wait(wait)
+        until = time.monotonic() + wait
+        while not self._gone.wait(min(0.2, max(0.0, until - time.monotonic()))) and time.monotonic() < until:
+            if preemption.STOP_SIGNALLED.is_set():
+                # The launcher saw the failure itself (torchrun and srun SIGTERM the survivors of a dead rank):
+                # its restart or requeue is under way, and waiting out the bound would only be SIGKILLed.
+                log.warning("a stop signal arrived while waiting for the heartbeat's verdict: leaving with the "
+                            "collective's error")
+                return
 
     # ------------------------------------------------------------------------------------ the threads
     def _beat(self, left: str | None = None) -> None:

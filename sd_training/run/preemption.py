@@ -26,6 +26,7 @@ Loader workers ignore the stop signals (the main process owns them) and die with
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import logging
@@ -54,6 +55,9 @@ FAILED_EXIT_S = 30.0
 STUCK_S = 10.0
 DEFAULT_STOP_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Set by the first SIGTERM / SIGINT this process handles: a launcher (torchrun, srun, scancel) asked it to
+# stop. Code that waits for something slower (the heartbeat judging a failed collective) stops waiting.
+STOP_SIGNALLED = threading.Event()
 
 
 # ----------------------------------------------------------------------------------------- bounded exits
@@ -216,6 +220,26 @@ def exit_failed(exc: BaseException) -> None:
     os._exit(code)
 
 
+def exit_process(code: int) -> None:
+    """The entry point's end of a run that returned: the interpreter's exit done here, then ``os._exit``.
+
+    What that exit would do is done first (non-daemon threads joined, loader workers left over killed, the
+    atexit handlers run: wandb's, logging's), but the interpreter's finalization is not reached: a daemon
+    thread still inside a C++ call that released the GIL (a store operation whose server has gone, torch's
+    own threads) aborts the process there as it takes the GIL back ("terminate called without an active
+    exception", exit -6 in place of the run's code). Bounded by the ``exit`` deadline the caller arms."""
+    EXITS.stage("stopping leftover loader workers")
+    leftover_children()
+    EXITS.stage("waiting for the non-daemon threads")
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    EXITS.stage("running the exit handlers")
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    flush_std()
+    os._exit(code)
+
 
 def flush_std() -> None:
     """Flush the buffered stdout and stderr; a closed or broken stream is passed over."""
@@ -366,6 +390,8 @@ class StopFlag:
         if self.signal_name == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the save
         self.signal_name = name
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            STOP_SIGNALLED.set()
         log.warning("received %s: saving at the end of this step, then exiting", name)
 
     def _watch(self, r: int) -> None:
