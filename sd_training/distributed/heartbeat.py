@@ -150,11 +150,11 @@ class Heartbeat:
         # Both threads joined, each within one round of store operations (at most ROUND_OPS, each bounded by the
         # store's timeout): a thread still inside a store call when the interpreter exits aborts the process
         # ("terminate called without an active exception") once the store's host has gone.
+        bound = ROUND_OPS * self.op_timeout_s + 1
         for t in self._threads:
-            t.join(ROUND_OPS * self.op_timeout_s + 1)
+            t.join(bound)
             if t.is_alive():
-                log.warning("heartbeat: thread %s still in a store call after %.0fs", t.name,
-                            ROUND_OPS * self.op_timeout_s + 1)
+                log.warning("heartbeat: thread %s still in a store call after %.0fs", t.name, bound)
 
         def leave():
             self._beat(left="failed" if failed else "finished")
@@ -184,13 +184,14 @@ class Heartbeat:
                              f"a collective failed ({type(error).__name__}) and the shutdown did not end", replace=True)
         self._judging.set()
         until = time.monotonic() + wait
-        while not self._gone.wait(min(0.2, max(0.0, until - time.monotonic()))) and time.monotonic() < until:
+        while not self._gone.is_set() and (left := until - time.monotonic()) > 0:
             if preemption.STOP_SIGNALLED.is_set():
                 # The launcher saw the failure itself (torchrun and srun SIGTERM the survivors of a dead rank):
                 # its restart or requeue is under way, and waiting out the bound would only be SIGKILLed.
                 log.warning("a stop signal arrived while waiting for the heartbeat's verdict: leaving with the "
                             "collective's error")
                 return
+            self._gone.wait(min(0.2, left))
 
     # ------------------------------------------------------------------------------------ the threads
     def _beat(self, left: str | None = None) -> None:

@@ -8,19 +8,18 @@ pixel of each level, fitted to the tensors these save (tiny, SD 1.x and 2.x widt
 78-96% of them under bf16 autocast on an H200), memory-efficient attention assumed, the forward's
 temporaries and the backward's gradients not counted: a lower bound of the peak.
 
-Diffusion transformers: image tokens (latent pixels / patch^2, or packed 2x2 latents: ``image_tokens``;
-an edit sample's references add as many each) and text tokens run through every block together (joint
-attention), so one sample saves about ``K x S x D`` elements per block (S = image + text tokens, D = heads
-x head dim). K was measured with autograd's saved-tensor hooks on diffusers' SD3Transformer2DModel and
-FluxTransformer2DModel (fp32 on the CPU,
-parameters left out, memory-efficient attention assumed: the S x S probabilities of the math kernel left
-out): 25.3-25.5 for a joint (two-stream) block with RMS q/k norms, 24.3-24.5 for Flux's double-stream
-block and 21.2-21.3 for its single-stream block, at widths 64-128 and 64-256 image tokens, plus 0.3-2.2
-outside the blocks. With gradient checkpointing diffusers keeps each block's inputs (S x D) and
-recomputes one block at a time during the backward. Counted at the compute dtype's bytes, as the UNet
-estimate is: a lower bound of the peak (some saved tensors stay fp32 under autocast; the forward's
-temporaries and the backward's gradients are not counted). SD3.5-medium's dual-attention blocks (a second
-attention over the image tokens) save more than the estimate says.
+Diffusion transformers: image tokens (latent pixels / patch^2, or packed 2x2 latents: ``image_tokens``; an
+edit sample's references add as many each) and text tokens run through every block together (joint attention),
+so one sample saves about ``K x S x D`` elements per block (S = image + text tokens, D = heads x head dim). K
+was measured with autograd's saved-tensor hooks on diffusers' SD3Transformer2DModel and FluxTransformer2DModel
+(fp32 on the CPU, parameters left out, memory-efficient attention assumed: the S x S probabilities of the math
+kernel left out): 25.3-25.5 for a joint (two-stream) block with RMS q/k norms, 24.3-24.5 for Flux's
+double-stream block and 21.2-21.3 for its single-stream block, at widths 64-128 and 64-256 image tokens, plus
+0.3-2.2 outside the blocks. With gradient checkpointing diffusers keeps each block's inputs (S x D) and
+recomputes one block at a time during the backward. Counted at the compute dtype's bytes, as the UNet estimate
+is: a lower bound of the peak (some saved tensors stay fp32 under autocast; the forward's temporaries and the
+backward's gradients are not counted). SD3.5-medium's dual-attention blocks (a second attention over the image
+tokens) save more than the estimate says.
 """
 
 from __future__ import annotations

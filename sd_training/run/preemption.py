@@ -202,40 +202,38 @@ def within(seconds: float, fn, what: str) -> None:
 
 
 def exit_failed(exc: BaseException) -> None:
-    """The entry point's end of a failed run: the traceback (as Python prints it), the leftover loader
-    workers killed, the logs flushed, then ``os._exit``: what the interpreter's own exit would wait for
-    (a checkpoint writer still waiting for a dead rank's file, third-party threads, atexit handlers) is
-    not waited for. Bounded by the failure deadline throughout."""
+    """The entry point's end of a failed run: the traceback (as Python prints it), then :func:`exit_process`
+    without its waits: what the interpreter's own exit would wait for (a checkpoint writer still waiting for a
+    dead rank's file, third-party threads, atexit handlers) is not waited for. Bounded by the failure deadline
+    throughout."""
     failed(exc)
     code = 130 if isinstance(exc, KeyboardInterrupt) else EXIT_FAILED
     try:
         sys.excepthook(type(exc), exc, exc.__traceback__)
     except Exception:  # noqa: BLE001
         traceback.print_exception(exc)
-    EXITS.stage("stopping leftover loader workers")
-    leftover_children()
-    EXITS.stage("flushing the logs")
-    logging.shutdown()
-    flush_std()
-    os._exit(code)
+    exit_process(code, wait=False)
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int, wait: bool = True) -> None:
     """The entry point's end of a run that returned: the interpreter's exit done here, then ``os._exit``.
 
-    What that exit would do is done first (non-daemon threads joined, loader workers left over killed, the
-    atexit handlers run: wandb's, logging's), but the interpreter's finalization is not reached: a daemon
-    thread still inside a C++ call that released the GIL (a store operation whose server has gone, torch's
-    own threads) aborts the process there as it takes the GIL back ("terminate called without an active
-    exception", exit -6 in place of the run's code). Bounded by the ``exit`` deadline the caller arms."""
+    What that exit would do is done first (non-daemon threads joined and the atexit handlers run, wandb's and
+    logging's, unless not ``wait``; loader workers left over killed; the logs flushed), but the interpreter's
+    finalization is not reached: a daemon thread still inside a C++ call that released the GIL (a store
+    operation whose server has gone, torch's own threads) aborts the process there as it takes the GIL back
+    ("terminate called without an active exception", exit -6 in place of the run's code). Bounded by the
+    deadline the caller arms (``exit``, or ``failure``)."""
     EXITS.stage("stopping leftover loader workers")
     leftover_children()
-    EXITS.stage("waiting for the non-daemon threads")
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
-    EXITS.stage("running the exit handlers")
-    atexit._run_exitfuncs()
+    if wait:
+        EXITS.stage("waiting for the non-daemon threads")
+        for t in threading.enumerate():
+            if t is not threading.main_thread() and not t.daemon:
+                t.join()
+        EXITS.stage("running the exit handlers")
+        atexit._run_exitfuncs()
+    EXITS.stage("flushing the logs")
     logging.shutdown()
     flush_std()
     os._exit(code)
